@@ -1,0 +1,18 @@
+//! kvroute-index: the router's knowledge of which worker holds which KV-cache block.
+//!
+//! A pure library (no async runtime, no I/O) that the router service, the
+//! simulator and the engine bridges all stand on:
+//! - [`hash`] turns tokens into block hashes exactly as NVIDIA Dynamo does, so
+//!   events from Dynamo-instrumented engines and ours agree;
+//! - [`event`] defines the events workers report (stored chains, removals,
+//!   clears) and what applying one did;
+//! - [`index`] applies events per worker, in id order, and answers "how long a
+//!   prefix of this request does each worker hold?".
+
+pub mod event;
+pub mod hash;
+pub mod index;
+
+pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
+pub use hash::{BlockHasher, sequence_hash, sequence_hashes};
+pub use index::{IndexConfig, IndexStats, KvIndex, WorkerDump, WorkerMatch};

@@ -1,0 +1,3 @@
+//! One module per subcommand: argument definitions and the code that runs it.
+
+pub mod hash;
