@@ -10,7 +10,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvroute", version, about = "KV-cache-aware request router for LLM inference fleets")]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware request router for LLM inference fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -21,6 +21,9 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
     let hasher = BlockHasher::with_lora(args.block_size as usize, &args.lora);
     let local = hasher.local_hashes(&args.tokens);
     let sequence = sequence_hashes(&local);
-    println!("{}", serde_json::json!({ "local": local, "sequence": sequence }));
+    println!(
+        "{}",
+        serde_json::json!({ "local": local, "sequence": sequence })
+    );
     Ok(())
 }

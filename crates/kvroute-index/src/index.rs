@@ -11,7 +11,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::RwLock;
 
-use crate::event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
+use crate::event::{
+    ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
+};
 use crate::hash::{sequence_hash, sequence_hashes};
 
 /// Limits of the index.
@@ -108,7 +110,9 @@ impl KvIndex {
             unknown_removals,
             ..
         } = &mut *inner;
-        *events.entry((event.kind.type_name(), outcome.status())).or_default() += 1;
+        *events
+            .entry((event.kind.type_name(), outcome.status()))
+            .or_default() += 1;
         if let ApplyOutcome::Applied {
             rejected_blocks: r,
             unknown_removals: u,
@@ -144,7 +148,10 @@ impl KvIndex {
         let state = inner.workers.get(&worker)?;
         let mut children: HashMap<Option<u64>, Vec<(u64, HeldBlock)>> = HashMap::new();
         for (&hash, block) in &state.by_engine_hash {
-            children.entry(block.parent).or_default().push((hash, *block));
+            children
+                .entry(block.parent)
+                .or_default()
+                .push((hash, *block));
         }
         let mut events = Vec::new();
         let mut frontier = vec![None];
@@ -167,7 +174,12 @@ impl KvIndex {
     }
 
     pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
-        self.inner.read().unwrap().workers.get(&worker)?.last_event_id
+        self.inner
+            .read()
+            .unwrap()
+            .workers
+            .get(&worker)?
+            .last_event_id
     }
 
     /// Workers the index knows, in no particular order.
@@ -177,7 +189,10 @@ impl KvIndex {
 
     pub fn worker_blocks(&self, worker: WorkerKey) -> u64 {
         let inner = self.inner.read().unwrap();
-        inner.workers.get(&worker).map_or(0, |s| s.held.len() as u64)
+        inner
+            .workers
+            .get(&worker)
+            .map_or(0, |s| s.held.len() as u64)
     }
 
     /// Per worker with at least one matching block: the matched depth of

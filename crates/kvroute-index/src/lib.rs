@@ -7,12 +7,16 @@
 //! - [`event`] defines the events workers report (stored chains, removals,
 //!   clears) and what applying one did;
 //! - [`index`] applies events per worker, in id order, and answers "how long a
-//!   prefix of this request does each worker hold?".
+//!   prefix of this request does each worker hold?";
+//! - [`predicted`] remembers the router's own decisions for a while, for workers
+//!   that publish no events and for requests that race the engine's first event.
 
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod predicted;
 
 pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
 pub use hash::{BlockHasher, sequence_hash, sequence_hashes};
 pub use index::{IndexConfig, IndexStats, KvIndex, WorkerDump, WorkerMatch};
+pub use predicted::{PredictedConfig, PredictedIndex};

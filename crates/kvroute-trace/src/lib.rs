@@ -38,7 +38,10 @@ pub enum TraceError {
 }
 
 /// Reads a whole trace file; at most `max_requests` requests when given.
-pub fn read_trace(path: &Path, max_requests: Option<usize>) -> Result<Vec<TraceRequest>, TraceError> {
+pub fn read_trace(
+    path: &Path,
+    max_requests: Option<usize>,
+) -> Result<Vec<TraceRequest>, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io {
         path: path.to_owned(),
         source,
@@ -52,7 +55,10 @@ pub fn read_trace(path: &Path, max_requests: Option<usize>) -> Result<Vec<TraceR
 
 /// Parses trace text; on error gives the 1-based line number and what is wrong.
 /// Blank lines are skipped.
-pub fn parse_trace(text: &str, max_requests: Option<usize>) -> Result<Vec<TraceRequest>, (usize, String)> {
+pub fn parse_trace(
+    text: &str,
+    max_requests: Option<usize>,
+) -> Result<Vec<TraceRequest>, (usize, String)> {
     let limit = max_requests.unwrap_or(usize::MAX);
     text.lines()
         .enumerate()
@@ -69,8 +75,11 @@ pub fn parse_request(line: &str) -> Result<TraceRequest, String> {
         return Err("expected a JSON object".to_owned());
     };
     let number = |name: &str| -> Result<u64, String> {
-        let field = fields.get(name).ok_or_else(|| format!("missing field `{name}`"))?;
-        as_u64(field).ok_or_else(|| format!("field `{name}`: expected a non-negative integer, got {field}"))
+        let field = fields
+            .get(name)
+            .ok_or_else(|| format!("missing field `{name}`"))?;
+        as_u64(field)
+            .ok_or_else(|| format!("field `{name}`: expected a non-negative integer, got {field}"))
     };
     let hash_ids = match fields.get("hash_ids") {
         None => return Err("missing field `hash_ids`".to_owned()),
@@ -78,8 +87,9 @@ pub fn parse_request(line: &str) -> Result<TraceRequest, String> {
             .iter()
             .enumerate()
             .map(|(i, id)| {
-                id.as_u64()
-                    .ok_or_else(|| format!("field `hash_ids`[{i}]: expected a non-negative integer, got {id}"))
+                id.as_u64().ok_or_else(|| {
+                    format!("field `hash_ids`[{i}]: expected a non-negative integer, got {id}")
+                })
             })
             .collect::<Result<Vec<_>, _>>()?,
         Some(other) => return Err(format!("field `hash_ids`: expected an array, got {other}")),
@@ -106,8 +116,10 @@ mod tests {
 
     #[test]
     fn parses_a_mooncake_line() {
-        let r = parse_request(r#"{"timestamp": 5, "input_length": 700, "output_length": 3, "hash_ids": [0, 1]}"#)
-            .unwrap();
+        let r = parse_request(
+            r#"{"timestamp": 5, "input_length": 700, "output_length": 3, "hash_ids": [0, 1]}"#,
+        )
+        .unwrap();
         assert_eq!(
             r,
             TraceRequest {
@@ -127,10 +139,18 @@ mod tests {
         assert_eq!(line, 2);
         assert!(message.contains("input_length"), "{message}");
 
-        let (_, message) = parse_trace("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}", None).unwrap_err();
+        let (_, message) = parse_trace(
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}",
+            None,
+        )
+        .unwrap_err();
         assert!(message.contains("missing field `hash_ids`"), "{message}");
 
-        let (_, message) = parse_trace("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [-1]}", None).unwrap_err();
+        let (_, message) = parse_trace(
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [-1]}",
+            None,
+        )
+        .unwrap_err();
         assert!(message.contains("hash_ids`[0]"), "{message}");
 
         let (_, message) = parse_trace("not json", None).unwrap_err();
@@ -139,7 +159,8 @@ mod tests {
 
     #[test]
     fn max_requests_stops_early_and_skips_blank_lines() {
-        let line = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [0]}";
+        let line =
+            "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [0]}";
         let text = format!("{line}\n\n{line}\n{line}\nbroken");
         assert_eq!(parse_trace(&text, Some(3)).unwrap().len(), 3);
         assert!(parse_trace(&text, None).is_err());
