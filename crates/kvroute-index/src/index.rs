@@ -205,7 +205,7 @@ impl KvIndex {
             .iter()
             .filter_map(|(&worker, state)| {
                 let depth = seq.iter().take_while(|h| state.held.contains(h)).count();
-                (depth > 0).then(|| WorkerMatch {
+                (depth > 0).then_some(WorkerMatch {
                     worker,
                     depth: depth as u32,
                     total_blocks: state.held.len() as u64,

@@ -61,7 +61,7 @@ impl PredictedIndex {
             let target = self.config.max_blocks * 4 / 5;
             if entries.len() > target {
                 let mut by_depth: Vec<_> = entries.iter().map(|(&k, &(d, _))| (d, k)).collect();
-                by_depth.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+                by_depth.sort_unstable_by_key(|&(depth, _)| std::cmp::Reverse(depth));
                 let excess = entries.len() - target;
                 for (_, key) in by_depth.into_iter().take(excess) {
                     entries.remove(&key);
@@ -75,13 +75,11 @@ impl PredictedIndex {
     pub fn find_matches(&self, local_hashes: &[u64], now: Instant) -> Vec<WorkerMatch> {
         let seq = sequence_hashes(local_hashes);
         let entries = self.entries.lock().unwrap();
-        let mut depths: HashMap<WorkerKey, u32> = HashMap::new();
-        for &(worker, _) in entries.keys() {
-            depths.entry(worker).or_insert(0);
-        }
-        depths
+        let workers: std::collections::HashSet<WorkerKey> =
+            entries.keys().map(|&(w, _)| w).collect();
+        workers
             .into_iter()
-            .filter_map(|(worker, _)| {
+            .filter_map(|worker| {
                 let depth = seq
                     .iter()
                     .take_while(|&&h| entries.get(&(worker, h)).is_some_and(|&(_, e)| e > now))
