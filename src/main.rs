@@ -22,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Measure kvroute's parts on production-shaped workloads.
+    Bench(cmd::bench::BenchArgs),
     /// Print the Dynamo-compatible block hashes of a token sequence.
     Hash(cmd::hash::HashArgs),
 }
@@ -29,6 +31,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Bench(args) => cmd::bench::run(args),
         Command::Hash(args) => cmd::hash::run(args),
     };
     match result {

@@ -5,16 +5,30 @@
 //! whole prefix. The engine's own block hashes are kept only as opaque ids, per
 //! worker, to resolve `Removed` events and chain parents.
 //!
-//! This first implementation is deliberately simple (one lock, a linear scan over
-//! workers); it fixes the API the router builds on.
+//! Layout (see DESIGN.md): distinct blocks live once in the sharded [`crate::table`]
+//! with a bitset of the interned workers holding them; each worker keeps, behind
+//! its own lock, the map from its engine hashes to those blocks. Events of one
+//! worker are applied under that worker's lock, so different workers ingest in
+//! parallel and contend only on the shards they share. Lookups take shard read
+//! locks only, at most two per request.
+//!
+//! With `max_blocks`, an [`crate::lru`] order evicts least-recently-used leaf
+//! blocks when the index holds more memberships than the limit.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::RwLock;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::hash::{sequence_hash, sequence_hashes};
+use crate::lru::{Cursor, Lru};
+use crate::table::{
+    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_shards,
+};
 
 /// Limits of the index.
 #[derive(Clone, Debug, Default)]
@@ -54,117 +68,235 @@ pub struct IndexStats {
     pub unknown_removals: u64,
 }
 
+/// Mixes engine block hashes, which are opaque and may be small or structured.
 #[derive(Default)]
-struct WorkerState {
-    last_event_id: Option<u64>,
-    /// Engine block hash → (sequence hash, parent engine hash, tokens hash).
-    by_engine_hash: HashMap<u64, HeldBlock>,
-    /// Sequence hashes held.
-    held: HashSet<u64>,
+struct EngineHasher(u64);
+
+impl Hasher for EngineHasher {
+    fn finish(&self) -> u64 {
+        let z = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z ^ (z >> 29)
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("EngineHasher only hashes u64 keys")
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
-#[derive(Clone, Copy)]
-struct HeldBlock {
-    seq_hash: u64,
-    parent: Option<u64>,
-    tokens_hash: u64,
-}
-
-#[derive(Default)]
-struct Inner {
-    workers: HashMap<WorkerKey, WorkerState>,
-    events: HashMap<(EventType, EventStatus), u64>,
+/// Outcome counts of one worker, folded into the index's on removal.
+#[derive(Clone, Default)]
+struct Counters {
+    events: [[u64; EventStatus::ALL.len()]; EventType::ALL.len()],
     rejected_blocks: u64,
     unknown_removals: u64,
 }
 
-/// The global index. All methods take `&self` and may be called from many threads.
+impl Counters {
+    fn count(&mut self, kind: EventType, outcome: ApplyOutcome) {
+        self.events[kind as usize][outcome.status() as usize] += 1;
+        if let ApplyOutcome::Applied {
+            rejected_blocks,
+            unknown_removals,
+        } = outcome
+        {
+            self.rejected_blocks += rejected_blocks;
+            self.unknown_removals += unknown_removals;
+        }
+    }
+
+    fn add(&mut self, other: &Counters) {
+        for (row, other_row) in self.events.iter_mut().zip(&other.events) {
+            for (n, m) in row.iter_mut().zip(other_row) {
+                *n += m;
+            }
+        }
+        self.rejected_blocks += other.rejected_blocks;
+        self.unknown_removals += other.unknown_removals;
+    }
+}
+
+/// One worker: its interned index and, behind its lock, its event state.
+struct WorkerSlot {
+    key: WorkerKey,
+    idx: u32,
+    /// Blocks whose bit is set for this worker (its memberships).
+    held: AtomicU64,
+    /// Engine-hash entries whose block was evicted, not yet swept from `state`.
+    dangling: AtomicU64,
+    state: Mutex<WorkerState>,
+}
+
 #[derive(Default)]
+struct WorkerState {
+    last_event_id: Option<u64>,
+    /// Engine block hash → the block it names.
+    blocks: HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>,
+    /// Set once the worker is removed; a writer that raced the removal retries.
+    removed: bool,
+    counters: Counters,
+}
+
+/// Interned workers. Indices are reused smallest first, so a fleet of up to 64
+/// ranks stays in the blocks' inline bitsets.
+#[derive(Default)]
+struct Registry {
+    by_key: HashMap<WorkerKey, Arc<WorkerSlot>>,
+    by_idx: Vec<Option<Arc<WorkerSlot>>>,
+    free: BinaryHeap<Reverse<u32>>,
+}
+
+/// The `max_blocks` limit's state; writers hold it for a whole event.
+struct Eviction {
+    lru: Lru,
+    memberships: u64,
+    max_memberships: u64,
+    evicted_blocks: u64,
+}
+
+/// The global index. All methods take `&self` and may be called from many threads.
 pub struct KvIndex {
-    inner: RwLock<Inner>,
+    table: Table,
+    registry: RwLock<Registry>,
+    /// Groups of 64 worker indices ever allocated (bitset words a lookup scans).
+    groups: AtomicUsize,
+    eviction: Option<Mutex<Eviction>>,
+    /// Counters of removed workers.
+    retired: Mutex<Counters>,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self::new(IndexConfig::default())
+    }
 }
 
 impl KvIndex {
-    pub fn new(_config: IndexConfig) -> Self {
-        Self::default()
+    pub fn new(config: IndexConfig) -> Self {
+        Self {
+            table: Table::new(),
+            registry: RwLock::default(),
+            groups: AtomicUsize::new(1),
+            eviction: config.max_blocks.map(|max| {
+                Mutex::new(Eviction {
+                    lru: Lru::default(),
+                    memberships: 0,
+                    max_memberships: max as u64,
+                    evicted_blocks: 0,
+                })
+            }),
+            retired: Mutex::default(),
+        }
     }
 
     /// Offers one event of `worker`; see [`ApplyOutcome`].
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
-        let mut inner = self.inner.write().unwrap();
-        let state = inner.workers.entry(worker).or_default();
-        let outcome = match state.last_event_id {
-            Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
-            Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
-                expected: last + 1,
-                got: event.event_id,
-            },
-            _ => {
-                state.last_event_id = Some(event.event_id);
-                state.apply(&event.kind)
+        loop {
+            let slot = self.slot(worker);
+            let mut state = slot.state.lock().unwrap();
+            if state.removed {
+                continue;
             }
-        };
-        let Inner {
-            events,
-            rejected_blocks,
-            unknown_removals,
-            ..
-        } = &mut *inner;
-        *events
-            .entry((event.kind.type_name(), outcome.status()))
-            .or_default() += 1;
-        if let ApplyOutcome::Applied {
-            rejected_blocks: r,
-            unknown_removals: u,
-        } = outcome
-        {
-            *rejected_blocks += r;
-            *unknown_removals += u;
+            let outcome = match state.last_event_id {
+                Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
+                Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
+                    expected: last + 1,
+                    got: event.event_id,
+                },
+                _ => {
+                    state.last_event_id = Some(event.event_id);
+                    let mut eviction = self.lock_eviction();
+                    self.sweep_dangling(&slot, &mut state, eviction.is_some());
+                    let outcome = self.apply_kind(&slot, &mut state, &event.kind, &mut eviction);
+                    if let Some(eviction) = eviction.as_deref_mut() {
+                        self.evict_over_limit(eviction);
+                    }
+                    outcome
+                }
+            };
+            state.counters.count(event.kind.type_name(), outcome);
+            return outcome;
         }
-        outcome
     }
 
     /// Forgets `worker` entirely, its event sequence included.
     pub fn remove_worker(&self, worker: WorkerKey) {
-        self.inner.write().unwrap().workers.remove(&worker);
+        let Some(slot) = self.registry.write().unwrap().by_key.remove(&worker) else {
+            return;
+        };
+        {
+            let mut state = slot.state.lock().unwrap();
+            state.removed = true;
+            let mut eviction = self.lock_eviction();
+            self.clear(&slot, &mut state, &mut eviction);
+            self.retired.lock().unwrap().add(&state.counters);
+        }
+        let mut registry = self.registry.write().unwrap();
+        registry.by_idx[slot.idx as usize] = None;
+        registry.free.push(Reverse(slot.idx));
     }
 
     /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as of `last_event_id`.
     pub fn replace_worker(&self, worker: WorkerKey, last_event_id: u64, events: &[EventKind]) {
-        let mut inner = self.inner.write().unwrap();
-        let mut state = WorkerState {
-            last_event_id: Some(last_event_id),
-            ..WorkerState::default()
-        };
-        for kind in events {
-            state.apply(kind);
+        loop {
+            let slot = self.slot(worker);
+            let mut state = slot.state.lock().unwrap();
+            if state.removed {
+                continue;
+            }
+            let mut eviction = self.lock_eviction();
+            self.clear(&slot, &mut state, &mut eviction);
+            state.last_event_id = Some(last_event_id);
+            for kind in events {
+                self.apply_kind(&slot, &mut state, kind, &mut eviction);
+            }
+            if let Some(eviction) = eviction.as_deref_mut() {
+                self.evict_over_limit(eviction);
+            }
+            return;
         }
-        inner.workers.insert(worker, state);
     }
 
-    /// `worker`'s blocks reachable from the root, as `Stored` events, parents first.
+    /// `worker`'s blocks reachable from the root through blocks it holds, as
+    /// single-block `Stored` events, parents first.
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
-        let inner = self.inner.read().unwrap();
-        let state = inner.workers.get(&worker)?;
-        let mut children: HashMap<Option<u64>, Vec<(u64, HeldBlock)>> = HashMap::new();
-        for (&hash, block) in &state.by_engine_hash {
-            children
-                .entry(block.parent)
-                .or_default()
-                .push((hash, *block));
+        let slot = self.registry.read().unwrap().by_key.get(&worker)?.clone();
+        let state = slot.state.lock().unwrap();
+        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
+        let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
+        held.sort_unstable_by_key(|&(engine, r)| (r.shard, engine));
+        // Sequence hash → (an engine hash naming it, tokens hash, parent sequence hash).
+        let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut reader = ShardReader::new(&self.table);
+        for (engine, r) in held {
+            let shard = reader.shard(r.shard);
+            if shard.workers(r.seq, group) & bit == 0 {
+                continue;
+            }
+            let entry = shard.entries[&r.seq];
+            let names = blocks.entry(r.seq).or_default();
+            if names.is_empty() {
+                children.entry(entry.parent).or_default().push(r.seq);
+            }
+            names.push((engine, entry.tokens_hash));
         }
+        drop(reader);
         let mut events = Vec::new();
-        let mut frontier = vec![None];
-        while let Some(parent) = frontier.pop() {
-            for &(hash, block) in children.get(&parent).into_iter().flatten() {
-                events.push(EventKind::Stored {
-                    parent_hash: parent,
-                    blocks: vec![StoredBlock {
-                        block_hash: hash,
-                        tokens_hash: block.tokens_hash,
-                    }],
-                });
-                frontier.push(Some(hash));
+        let mut frontier = vec![(NO_PARENT, None)];
+        while let Some((parent_seq, parent_engine)) = frontier.pop() {
+            for seq in children.remove(&parent_seq).into_iter().flatten() {
+                for &(engine, tokens_hash) in &blocks[&seq] {
+                    events.push(EventKind::Stored {
+                        parent_hash: parent_engine,
+                        blocks: vec![StoredBlock {
+                            block_hash: engine,
+                            tokens_hash,
+                        }],
+                    });
+                }
+                frontier.push((seq, Some(blocks[&seq][0].0)));
             }
         }
         Some(WorkerDump {
@@ -174,119 +306,362 @@ impl KvIndex {
     }
 
     pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
-        self.inner
-            .read()
-            .unwrap()
-            .workers
-            .get(&worker)?
-            .last_event_id
+        let slot = self.registry.read().unwrap().by_key.get(&worker)?.clone();
+        slot.state.lock().unwrap().last_event_id
     }
 
     /// Workers the index knows, in no particular order.
     pub fn workers(&self) -> Vec<WorkerKey> {
-        self.inner.read().unwrap().workers.keys().copied().collect()
+        self.registry
+            .read()
+            .unwrap()
+            .by_key
+            .keys()
+            .copied()
+            .collect()
     }
 
     pub fn worker_blocks(&self, worker: WorkerKey) -> u64 {
-        let inner = self.inner.read().unwrap();
-        inner
-            .workers
+        let registry = self.registry.read().unwrap();
+        registry
+            .by_key
             .get(&worker)
-            .map_or(0, |s| s.held.len() as u64)
+            .map_or(0, |s| s.held.load(Ordering::Relaxed))
     }
 
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        let seq = sequence_hashes(local_hashes);
-        let inner = self.inner.read().unwrap();
-        inner
-            .workers
-            .iter()
-            .filter_map(|(&worker, state)| {
-                let depth = seq.iter().take_while(|h| state.held.contains(h)).count();
-                (depth > 0).then_some(WorkerMatch {
-                    worker,
-                    depth: depth as u32,
-                    total_blocks: state.held.len() as u64,
+        let seqs = sequence_hashes(local_hashes);
+        let depths = self.match_depths(&seqs);
+        if let Some(eviction) = &self.eviction {
+            let deepest = depths.iter().map(|&(_, d)| d).max().unwrap_or(0);
+            eviction
+                .lock()
+                .unwrap()
+                .lru
+                .touch(&seqs[..deepest as usize]);
+        }
+        if depths.is_empty() {
+            return Vec::new();
+        }
+        let registry = self.registry.read().unwrap();
+        depths
+            .into_iter()
+            .filter_map(|(idx, depth)| {
+                let slot = registry.by_idx.get(idx as usize)?.as_ref()?;
+                Some(WorkerMatch {
+                    worker: slot.key,
+                    depth,
+                    total_blocks: slot.held.load(Ordering::Relaxed),
                 })
             })
             .collect()
     }
 
+    /// Protects the blocks of a request's path from eviction until the guard is
+    /// dropped: call it while the request is being routed. Free without `max_blocks`.
+    pub fn pin_path(&self, local_hashes: &[u64]) -> PinnedPath<'_> {
+        let seqs = match &self.eviction {
+            Some(eviction) => {
+                let seqs = sequence_hashes(local_hashes);
+                eviction.lock().unwrap().lru.pin(&seqs, 1);
+                seqs
+            }
+            None => Vec::new(),
+        };
+        PinnedPath { index: self, seqs }
+    }
+
+    /// Heap bytes the index holds: block table, workers' engine-hash maps and the
+    /// eviction order (hash tables counted by their allocated buckets).
+    pub fn heap_bytes(&self) -> u64 {
+        let slots = self.slots();
+        let workers: u64 = slots
+            .iter()
+            .map(|s| size_of::<WorkerSlot>() as u64 + map_bytes(&s.state.lock().unwrap().blocks))
+            .sum();
+        let eviction = self
+            .eviction
+            .as_ref()
+            .map_or(0, |e| e.lock().unwrap().lru.heap_bytes());
+        self.table.heap_bytes() + workers + eviction
+    }
+
+    /// Blocks dropped by the `max_blocks` limit so far.
+    pub fn evicted_blocks(&self) -> u64 {
+        self.eviction
+            .as_ref()
+            .map_or(0, |e| e.lock().unwrap().evicted_blocks)
+    }
+
     pub fn stats(&self) -> IndexStats {
-        let inner = self.inner.read().unwrap();
-        let mut distinct = HashSet::new();
+        let slots = self.slots();
+        let mut counters = self.retired.lock().unwrap().clone();
         let mut memberships = 0;
-        for state in inner.workers.values() {
-            memberships += state.held.len() as u64;
-            distinct.extend(state.held.iter().copied());
+        for slot in &slots {
+            memberships += slot.held.load(Ordering::Relaxed);
+            counters.add(&slot.state.lock().unwrap().counters);
         }
-        let mut events: Vec<_> = inner.events.iter().map(|(&(t, s), &n)| (t, s, n)).collect();
+        let mut events = Vec::new();
+        for t in EventType::ALL {
+            for s in EventStatus::ALL {
+                let n = counters.events[t as usize][s as usize];
+                if n > 0 {
+                    events.push((t, s, n));
+                }
+            }
+        }
         events.sort_by_key(|&(t, s, _)| (t.as_str(), s.as_str()));
         IndexStats {
-            workers: inner.workers.len() as u64,
-            blocks: distinct.len() as u64,
+            workers: slots.len() as u64,
+            blocks: self.table.distinct_blocks(),
             memberships,
             events,
-            rejected_blocks: inner.rejected_blocks,
-            unknown_removals: inner.unknown_removals,
+            rejected_blocks: counters.rejected_blocks,
+            unknown_removals: counters.unknown_removals,
         }
     }
-}
 
-impl WorkerState {
-    fn apply(&mut self, kind: &EventKind) -> ApplyOutcome {
+    /// (worker index, matched depth) for every worker holding at least block 0.
+    fn match_depths(&self, seqs: &[u64]) -> Vec<(u32, u32)> {
+        let mut depths = Vec::new();
+        if seqs.is_empty() {
+            return depths;
+        }
+        let mut reader = ShardReader::new(&self.table);
+        for group in 0..self.groups.load(Ordering::Acquire) {
+            let base = 64 * group as u32;
+            let mut active = 0;
+            for (depth, (&seq, shard)) in seqs.iter().zip(path_shards(seqs)).enumerate() {
+                let holders = reader.shard(shard).workers(seq, group);
+                let still = if depth == 0 {
+                    holders
+                } else {
+                    active & holders
+                };
+                depths.extend(bits(active & !still, base).map(|i| (i, depth as u32)));
+                active = still;
+                if active == 0 {
+                    break;
+                }
+            }
+            depths.extend(bits(active, base).map(|i| (i, seqs.len() as u32)));
+        }
+        depths
+    }
+
+    /// The workers now, for walks that lock each in turn.
+    fn slots(&self) -> Vec<Arc<WorkerSlot>> {
+        let registry = self.registry.read().unwrap();
+        registry.by_key.values().cloned().collect()
+    }
+
+    fn slot(&self, worker: WorkerKey) -> Arc<WorkerSlot> {
+        if let Some(slot) = self.registry.read().unwrap().by_key.get(&worker) {
+            return slot.clone();
+        }
+        let mut registry = self.registry.write().unwrap();
+        if let Some(slot) = registry.by_key.get(&worker) {
+            return slot.clone();
+        }
+        let idx = match registry.free.pop() {
+            Some(Reverse(idx)) => idx,
+            None => {
+                registry.by_idx.push(None);
+                registry.by_idx.len() as u32 - 1
+            }
+        };
+        let slot = Arc::new(WorkerSlot {
+            key: worker,
+            idx,
+            held: AtomicU64::new(0),
+            dangling: AtomicU64::new(0),
+            state: Mutex::default(),
+        });
+        registry.by_idx[idx as usize] = Some(slot.clone());
+        registry.by_key.insert(worker, slot.clone());
+        self.groups
+            .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
+        slot
+    }
+
+    fn lock_eviction(&self) -> Option<MutexGuard<'_, Eviction>> {
+        self.eviction.as_ref().map(|e| e.lock().unwrap())
+    }
+
+    /// Applies one event's contents to the worker's state; returns its outcome.
+    fn apply_kind(
+        &self,
+        slot: &WorkerSlot,
+        state: &mut WorkerState,
+        kind: &EventKind,
+        eviction: &mut Option<MutexGuard<'_, Eviction>>,
+    ) -> ApplyOutcome {
         let mut rejected_blocks = 0;
         let mut unknown_removals = 0;
+        let mut writer = ShardWriter::new(&self.table);
         match kind {
             EventKind::Stored {
                 parent_hash,
                 blocks,
             } => {
-                let parent_seq = match parent_hash {
+                let parent = match parent_hash {
                     None => Some(None),
-                    Some(p) => self.by_engine_hash.get(p).map(|b| Some(b.seq_hash)),
+                    Some(p) => state.blocks.get(p).map(|&r| Some(r)),
                 };
-                match parent_seq {
+                match parent {
                     None => rejected_blocks = blocks.len() as u64,
-                    Some(mut parent_seq) => {
-                        let mut parent = *parent_hash;
+                    Some(mut parent) => {
+                        let first_parent = parent;
+                        let mut path = Vec::new();
                         for block in blocks {
-                            let seq_hash = sequence_hash(parent_seq, block.tokens_hash);
-                            self.by_engine_hash.insert(
-                                block.block_hash,
-                                HeldBlock {
-                                    seq_hash,
-                                    parent,
-                                    tokens_hash: block.tokens_hash,
-                                },
+                            let seq = sequence_hash(parent.map(|p| p.seq), block.tokens_hash);
+                            let r = BlockRef::child_of(parent, seq);
+                            if let Some(old) = state.blocks.insert(block.block_hash, r)
+                                && old.seq != seq
+                            {
+                                self.unhold(&mut writer, slot, old, eviction);
+                            }
+                            let parent_seq = parent.map_or(NO_PARENT, |p| p.seq);
+                            let (added, created) = writer.shard(r.shard).insert(
+                                seq,
+                                block.tokens_hash,
+                                parent_seq,
+                                slot.idx,
                             );
-                            self.held.insert(seq_hash);
-                            parent_seq = Some(seq_hash);
-                            parent = Some(block.block_hash);
+                            if added {
+                                slot.held.fetch_add(1, Ordering::Relaxed);
+                            }
+                            if let Some(eviction) = eviction.as_deref_mut() {
+                                eviction.memberships += added as u64;
+                                if created {
+                                    eviction.lru.insert(seq, parent_seq, r.shard);
+                                }
+                                path.push(seq);
+                            }
+                            parent = Some(r);
+                        }
+                        if let Some(eviction) = eviction.as_deref_mut() {
+                            if let Some(p) = first_parent {
+                                path.insert(0, p.seq);
+                            }
+                            eviction.lru.touch(&path);
                         }
                     }
                 }
             }
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
-                    match self.by_engine_hash.remove(hash) {
-                        Some(block) => {
-                            self.held.remove(&block.seq_hash);
-                        }
+                    match state.blocks.remove(hash) {
+                        Some(r) => self.unhold(&mut writer, slot, r, eviction),
                         None => unknown_removals += 1,
                     }
                 }
             }
             EventKind::Cleared => {
-                self.by_engine_hash.clear();
-                self.held.clear();
+                drop(writer);
+                self.clear(slot, state, eviction);
             }
         }
         ApplyOutcome::Applied {
             rejected_blocks,
             unknown_removals,
+        }
+    }
+
+    /// Drops every block of the worker.
+    fn clear(
+        &self,
+        slot: &WorkerSlot,
+        state: &mut WorkerState,
+        eviction: &mut Option<MutexGuard<'_, Eviction>>,
+    ) {
+        let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
+        refs.sort_unstable_by_key(|r| r.shard);
+        let mut writer = ShardWriter::new(&self.table);
+        for r in refs {
+            self.unhold(&mut writer, slot, r, eviction);
+        }
+        state.blocks.shrink_to_fit();
+        slot.dangling.store(0, Ordering::Relaxed);
+    }
+
+    /// Takes the worker's membership of one block away.
+    fn unhold(
+        &self,
+        writer: &mut ShardWriter<'_>,
+        slot: &WorkerSlot,
+        r: BlockRef,
+        eviction: &mut Option<MutexGuard<'_, Eviction>>,
+    ) {
+        let (held, gone) = writer.shard(r.shard).remove(r.seq, slot.idx);
+        if held {
+            slot.held.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(eviction) = eviction.as_deref_mut() {
+            eviction.memberships -= held as u64;
+            if gone {
+                eviction.lru.remove(r.seq);
+            }
+        }
+    }
+
+    /// Evicts least-recently-used unpinned leaves until the limit holds, in one
+    /// cursor-resumed scan.
+    fn evict_over_limit(&self, eviction: &mut Eviction) {
+        if eviction.memberships <= eviction.max_memberships {
+            return;
+        }
+        let mut writer = ShardWriter::new(&self.table);
+        let mut holders = Vec::new();
+        let mut cursor = Cursor::default();
+        while eviction.memberships > eviction.max_memberships {
+            let Some((seq, shard)) = eviction.lru.next_victim(&mut cursor) else {
+                break;
+            };
+            let dropped = writer.shard(shard).evict(seq);
+            eviction.memberships -= dropped.len() as u64;
+            eviction.evicted_blocks += 1;
+            holders.extend(dropped);
+        }
+        drop(writer);
+        let registry = self.registry.read().unwrap();
+        for idx in holders {
+            if let Some(slot) = registry.by_idx.get(idx as usize).and_then(Option::as_ref) {
+                slot.held.fetch_sub(1, Ordering::Relaxed);
+                slot.dangling.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Gives back the memory of engine-hash entries whose blocks were evicted,
+    /// once they are at least half of the worker's entries (amortised O(1)).
+    fn sweep_dangling(&self, slot: &WorkerSlot, state: &mut WorkerState, evicting: bool) {
+        let dangling = slot.dangling.load(Ordering::Relaxed);
+        if !evicting || dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
+            return;
+        }
+        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
+        let mut reader = ShardReader::new(&self.table);
+        state
+            .blocks
+            .retain(|_, r| reader.shard(r.shard).workers(r.seq, group) & bit != 0);
+        state.blocks.shrink_to_fit();
+        slot.dangling.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Blocks of a request being routed, protected from eviction while it lives.
+pub struct PinnedPath<'a> {
+    index: &'a KvIndex,
+    seqs: Vec<u64>,
+}
+
+impl Drop for PinnedPath<'_> {
+    fn drop(&mut self) {
+        if let Some(eviction) = &self.index.eviction {
+            eviction.lock().unwrap().lru.pin(&self.seqs, -1);
         }
     }
 }

@@ -8,15 +8,19 @@
 //!   clears) and what applying one did;
 //! - [`index`] applies events per worker, in id order, and answers "how long a
 //!   prefix of this request does each worker hold?";
+//! - [`timeline`] derives benchmark workloads (lookups and events) from a trace;
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
 //!   that publish no events and for requests that race the engine's first event.
 
 pub mod event;
 pub mod hash;
 pub mod index;
+mod lru;
 pub mod predicted;
+mod table;
+pub mod timeline;
 
 pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
 pub use hash::{BlockHasher, sequence_hash, sequence_hashes};
-pub use index::{IndexConfig, IndexStats, KvIndex, WorkerDump, WorkerMatch};
+pub use index::{IndexConfig, IndexStats, KvIndex, PinnedPath, WorkerDump, WorkerMatch};
 pub use predicted::{PredictedConfig, PredictedIndex};

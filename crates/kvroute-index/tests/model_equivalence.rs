@@ -1,0 +1,186 @@
+//! The index against its reference model over random interleavings of events,
+//! worker removals, resyncs and lookups.
+
+mod model;
+
+use std::collections::HashSet;
+
+use kvroute_index::{
+    EventKind, IndexConfig, KvEvent, KvIndex, StoredBlock, WorkerKey, WorkerMatch,
+};
+use model::Model;
+use proptest::prelude::*;
+
+/// Few engine hashes and token hashes, so that chains share prefixes, parents are
+/// often unknown, removals hit middle blocks and duplicates occur.
+const ENGINE_HASHES: u64 = 10;
+/// Token hashes are 1..=TOKENS: a depth-0 sequence hash equals its local hash, and 0
+/// stands for "no parent" in the table (a real xxh3 hash is 0 with odds 2^-64).
+const TOKENS: u64 = 3;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Event {
+        worker: u8,
+        /// 0: a duplicate of the last id, 1: the next id, 2: a gap.
+        id_step: u8,
+        kind: EventKind,
+    },
+    RemoveWorker(u8),
+    /// Resync `to` from a dump of `from`.
+    Resync {
+        from: u8,
+        to: u8,
+    },
+    Lookup(Vec<u64>),
+}
+
+fn worker(w: u8) -> WorkerKey {
+    WorkerKey::new(u64::from(w % 2), u32::from(w / 2))
+}
+
+fn kind_strategy() -> impl Strategy<Value = EventKind> {
+    prop_oneof![
+        5 => (
+            prop::option::weighted(0.6, 0..ENGINE_HASHES),
+            prop::collection::vec((0..ENGINE_HASHES, 1..=TOKENS), 1..5),
+        )
+            .prop_map(|(parent_hash, blocks)| EventKind::Stored {
+                parent_hash,
+                blocks: blocks
+                    .into_iter()
+                    .map(|(block_hash, tokens_hash)| StoredBlock {
+                        block_hash,
+                        tokens_hash,
+                    })
+                    .collect(),
+            }),
+        3 => prop::collection::vec(0..ENGINE_HASHES + 2, 1..4)
+            .prop_map(|block_hashes| EventKind::Removed { block_hashes }),
+        1 => Just(EventKind::Cleared),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (0..4u8, prop_oneof![1 => Just(0u8), 8 => Just(1u8), 1 => Just(2u8)], kind_strategy())
+            .prop_map(|(worker, id_step, kind)| Op::Event { worker, id_step, kind }),
+        1 => (0..4u8).prop_map(Op::RemoveWorker),
+        1 => (0..4u8, 0..4u8).prop_map(|(from, to)| Op::Resync { from, to }),
+        4 => prop::collection::vec(1..=TOKENS, 1..6).prop_map(Op::Lookup),
+    ]
+}
+
+fn sorted(mut matches: Vec<WorkerMatch>) -> Vec<WorkerMatch> {
+    matches.sort_by_key(|m| m.worker);
+    matches
+}
+
+/// Every lookup path of up to three blocks over the token alphabet.
+fn probe_paths() -> Vec<Vec<u64>> {
+    let mut paths: Vec<Vec<u64>> = (1..=TOKENS).map(|t| vec![t]).collect();
+    for _ in 0..2 {
+        let longer: Vec<Vec<u64>> = paths
+            .iter()
+            .filter(|p| p.len() == paths.last().unwrap().len())
+            .flat_map(|p| {
+                (1..=TOKENS).map(move |t| {
+                    let mut q = p.clone();
+                    q.push(t);
+                    q
+                })
+            })
+            .collect();
+        paths.extend(longer);
+    }
+    paths
+}
+
+fn check_all(index: &KvIndex, model: &Model, paths: &[Vec<u64>]) -> Result<(), TestCaseError> {
+    for path in paths {
+        prop_assert_eq!(
+            sorted(index.find_matches(path)),
+            model.find_matches(path),
+            "path {:?}",
+            path
+        );
+    }
+    let stats = index.stats();
+    prop_assert_eq!(stats.memberships, model.memberships());
+    prop_assert_eq!(stats.blocks, model.distinct_blocks());
+    for w in 0..4 {
+        let key = worker(w);
+        let held = model.workers.get(&key).map_or(0, |m| m.held.len() as u64);
+        prop_assert_eq!(index.worker_blocks(key), held);
+        prop_assert_eq!(
+            index.last_event_id(key),
+            model.workers.get(&key).and_then(|m| m.last_event_id)
+        );
+        let dumped: HashSet<u64> = index
+            .dump(key)
+            .map(|d| {
+                d.events
+                    .iter()
+                    .flat_map(|e| match e {
+                        EventKind::Stored { blocks, .. } => {
+                            blocks.iter().map(|b| b.block_hash).collect()
+                        }
+                        _ => Vec::new(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        prop_assert_eq!(dumped, model.dumped_engine_hashes(key));
+    }
+    Ok(())
+}
+
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let index = KvIndex::new(IndexConfig::default());
+    let mut model = Model::default();
+    let paths = probe_paths();
+    for op in ops {
+        match op {
+            Op::Event {
+                worker: w,
+                id_step,
+                kind,
+            } => {
+                let key = worker(w);
+                let last = model.workers.get(&key).and_then(|m| m.last_event_id);
+                let event_id = match (last, id_step) {
+                    (None, _) => 5,
+                    (Some(l), 0) => l,
+                    (Some(l), step) => l + u64::from(step),
+                };
+                let event = KvEvent { event_id, kind };
+                prop_assert_eq!(index.apply(key, &event), model.apply(key, &event));
+            }
+            Op::RemoveWorker(w) => {
+                index.remove_worker(worker(w));
+                model.remove_worker(worker(w));
+            }
+            Op::Resync { from, to } => {
+                if let Some(dump) = index.dump(worker(from)) {
+                    let last = dump.last_event_id.unwrap_or(0);
+                    index.replace_worker(worker(to), last, &dump.events);
+                    model.replace_worker(worker(to), last, &dump.events);
+                }
+            }
+            Op::Lookup(path) => {
+                prop_assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
+            }
+        }
+        check_all(&index, &model, &paths)?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_matches_model(ops in prop::collection::vec(op_strategy(), 1..40)) {
+        run(ops)?;
+    }
+}
