@@ -48,6 +48,11 @@ pub(crate) enum Cursor {
 }
 
 impl Lru {
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
     pub fn heap_bytes(&self) -> u64 {
         (self.nodes.capacity() * size_of::<Node>() + self.free.capacity() * 4) as u64
             + map_bytes(&self.index)
@@ -167,5 +172,70 @@ impl Lru {
             None => self.tail = Some(id),
         }
         self.head = Some(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Evicts until `n` victims or the head, in one cursor-resumed scan.
+    fn evict(lru: &mut Lru, n: usize) -> Vec<u64> {
+        let mut cursor = Cursor::default();
+        std::iter::from_fn(|| lru.next_victim(&mut cursor).map(|(seq, _)| seq))
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn interleaved_skips_cost_one_visit_each() {
+        // Tail to head: pinned, leaf, pinned, leaf, ... A scan restarting at the
+        // tail after each eviction would visit about M * K / 2 nodes.
+        const M: u64 = 2000;
+        let mut lru = Lru::default();
+        for i in 1..=M {
+            lru.insert(2 * i, NO_PARENT, 0);
+            lru.pin(&[2 * i], 1);
+            lru.insert(2 * i + 1, NO_PARENT, 0);
+        }
+        let victims = evict(&mut lru, M as usize);
+        assert_eq!(victims, (1..=M).map(|i| 2 * i + 1).collect::<Vec<_>>());
+        assert!(
+            lru.visited <= 2 * M,
+            "visited {} nodes for {M} evictions",
+            lru.visited
+        );
+    }
+
+    #[test]
+    fn a_touched_chain_is_evicted_leaf_first_in_one_pass() {
+        let mut lru = Lru::default();
+        let chain = [10, 11, 12, 13];
+        let mut parent = NO_PARENT;
+        for seq in chain {
+            lru.insert(seq, parent, 0);
+            parent = seq;
+        }
+        lru.insert(99, NO_PARENT, 0);
+        // Stored root first, the chain's leaf is newest; touching reorders it.
+        lru.touch(&chain);
+        assert_eq!(evict(&mut lru, 5), vec![99, 13, 12, 11, 10]);
+        assert_eq!(lru.visited, 5);
+    }
+
+    #[test]
+    fn ancestors_and_pinned_blocks_are_never_victims() {
+        let mut lru = Lru::default();
+        lru.insert(1, NO_PARENT, 0);
+        lru.insert(2, 1, 0);
+        lru.insert(3, 2, 0);
+        lru.insert(7, NO_PARENT, 0);
+        lru.pin(&[7], 1);
+        // 1 and 2 are older than 3 but have children: skipped this pass.
+        assert_eq!(evict(&mut lru, 10), vec![3]);
+        assert_eq!(evict(&mut lru, 10), vec![2]);
+        lru.pin(&[7], -1);
+        assert_eq!(evict(&mut lru, 10), vec![1, 7]);
+        assert_eq!(lru.len(), 0);
     }
 }

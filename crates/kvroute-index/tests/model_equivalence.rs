@@ -184,3 +184,55 @@ proptest! {
         run(ops)?;
     }
 }
+
+/// More than 64 workers: indices past the blocks' inline bitset, and reuse of the
+/// indices of removed workers.
+#[test]
+fn wide_fleets_match_the_model() {
+    let index = KvIndex::new(IndexConfig::default());
+    let mut model = Model::default();
+    let apply = |index: &KvIndex, model: &mut Model, w: u64, event_id: u64, kind: EventKind| {
+        let key = WorkerKey::new(w, 0);
+        let event = KvEvent { event_id, kind };
+        assert_eq!(index.apply(key, &event), model.apply(key, &event));
+    };
+    for w in 0..150u64 {
+        let blocks: Vec<StoredBlock> = (0..1 + w % 6)
+            .map(|d| StoredBlock {
+                block_hash: 100 + d,
+                tokens_hash: 1 + d,
+            })
+            .collect();
+        let kind = EventKind::Stored {
+            parent_hash: None,
+            blocks,
+        };
+        apply(&index, &mut model, w, 1, kind);
+    }
+    for w in (0..150u64).step_by(7) {
+        let kind = EventKind::Removed {
+            block_hashes: vec![101],
+        };
+        apply(&index, &mut model, w, 2, kind);
+    }
+    for w in (3..150u64).step_by(11) {
+        index.remove_worker(WorkerKey::new(w, 0));
+        model.remove_worker(WorkerKey::new(w, 0));
+    }
+    for w in 1000..1010u64 {
+        let kind = EventKind::Stored {
+            parent_hash: None,
+            blocks: vec![StoredBlock {
+                block_hash: 7,
+                tokens_hash: 1,
+            }],
+        };
+        apply(&index, &mut model, w, 1, kind);
+    }
+    for len in 1..=7 {
+        let path: Vec<u64> = (1..=len).collect();
+        assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
+    }
+    assert_eq!(index.stats().memberships, model.memberships());
+    assert_eq!(index.stats().workers, model.workers.len() as u64);
+}

@@ -1,3 +1,6 @@
+// Each test binary uses a different part of this shared support module.
+#![allow(dead_code)]
+
 //! The reference model of the index: one plain map per worker, no sharing, no
 //! concurrency. Tests check the real index against it.
 
@@ -158,5 +161,19 @@ impl ModelWorker {
             rejected_blocks,
             unknown_removals,
         }
+    }
+}
+
+/// A `Stored` event of (engine hash, tokens hash) blocks.
+pub fn stored(parent_hash: Option<u64>, blocks: &[(u64, u64)]) -> EventKind {
+    EventKind::Stored {
+        parent_hash,
+        blocks: blocks
+            .iter()
+            .map(|&(block_hash, tokens_hash)| kvroute_index::StoredBlock {
+                block_hash,
+                tokens_hash,
+            })
+            .collect(),
     }
 }

@@ -1,0 +1,174 @@
+//! Writers and readers on several threads: no deadlock, and every answer is one
+//! that some serial order of the events could give.
+//!
+//! Each writer owns a worker whose chain shares its first two blocks with every
+//! other writer (so all chains meet in the same shard) and then grows or shrinks
+//! by whole five-block segments, one event each. A chain segment below the first
+//! two blocks is applied atomically, so a reader must only ever see a writer at
+//! depth 2, 7, 12 or 17 on its own path, and at depth 2 on another writer's path.
+
+mod model;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::Duration;
+
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey};
+use model::stored;
+
+const WRITERS: u64 = 4;
+const READERS: usize = 2;
+const STEPS: usize = 2000;
+const SEGMENT: u64 = 5;
+const MAX_SEGMENTS: u64 = 3;
+
+fn engine(writer: u64, depth: u64) -> u64 {
+    writer << 32 | depth
+}
+
+fn tokens(writer: u64, depth: u64) -> u64 {
+    match depth {
+        0 => 1,
+        1 => 2,
+        d => 1000 * (writer + 1) + d,
+    }
+}
+
+fn path(writer: u64) -> Vec<u64> {
+    (0..2 + SEGMENT * MAX_SEGMENTS)
+        .map(|d| tokens(writer, d))
+        .collect()
+}
+
+/// The writer's first event: the two blocks every chain shares, in two shards.
+fn start(index: &KvIndex, writer: u64) {
+    let kind = stored(None, &[(engine(writer, 0), 1), (engine(writer, 1), 2)]);
+    index.apply(WorkerKey::new(writer, 0), &KvEvent { event_id: 1, kind });
+}
+
+/// Runs one writer after [`start`]; returns its final depth.
+fn write(index: &KvIndex, writer: u64) -> u64 {
+    let worker = WorkerKey::new(writer, 0);
+    let mut event_id = 2;
+    let mut apply = |kind: EventKind| {
+        index.apply(worker, &KvEvent { event_id, kind });
+        event_id += 1;
+    };
+    let (mut segments, mut rng) = (0u64, writer + 1);
+    for _ in 0..STEPS {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let grow = segments == 0 || (segments < MAX_SEGMENTS && rng >> 63 == 0);
+        let top = 2 + SEGMENT * segments;
+        if grow {
+            let blocks: Vec<(u64, u64)> = (top..top + SEGMENT)
+                .map(|d| (engine(writer, d), tokens(writer, d)))
+                .collect();
+            apply(stored(Some(engine(writer, top - 1)), &blocks));
+            segments += 1;
+        } else {
+            let block_hashes = (top - SEGMENT..top)
+                .rev()
+                .map(|d| engine(writer, d))
+                .collect();
+            apply(EventKind::Removed { block_hashes });
+            segments -= 1;
+        }
+    }
+    2 + SEGMENT * segments
+}
+
+fn read(index: &KvIndex, done: &AtomicBool) -> usize {
+    let mut checked = 0;
+    // At least a few rounds even if the writers finish first.
+    while !done.load(Ordering::Acquire) || checked < 100 {
+        for writer in 0..WRITERS {
+            for m in index.find_matches(&path(writer)) {
+                if m.worker.worker_id == writer {
+                    assert!(
+                        m.depth >= 2 && (m.depth - 2) % SEGMENT as u32 == 0,
+                        "writer {writer} seen at depth {}",
+                        m.depth
+                    );
+                } else if m.worker.worker_id < WRITERS {
+                    assert_eq!(
+                        m.depth, 2,
+                        "writer {} on writer {writer}'s path",
+                        m.worker.worker_id
+                    );
+                } else {
+                    // The churned worker stores two blocks in two shards.
+                    assert!(m.depth <= 2);
+                }
+                checked += 1;
+            }
+        }
+    }
+    checked
+}
+
+/// A worker that keeps being added and removed while the others run.
+fn churn_worker(index: &KvIndex, done: &AtomicBool) {
+    let worker = WorkerKey::new(99, 0);
+    while !done.load(Ordering::Acquire) {
+        index.apply(
+            worker,
+            &KvEvent {
+                event_id: 1,
+                kind: stored(None, &[(1, 1), (2, 2)]),
+            },
+        );
+        index.remove_worker(worker);
+    }
+}
+
+#[test]
+fn concurrent_writers_and_readers_see_only_serial_states() {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        let done = Arc::new(AtomicBool::new(false));
+        for writer in 0..WRITERS {
+            start(&index, writer);
+        }
+        let finals = thread::scope(|scope| {
+            let readers: Vec<_> = (0..READERS)
+                .map(|_| scope.spawn(|| read(&index, &done)))
+                .collect();
+            let churn = scope.spawn(|| churn_worker(&index, &done));
+            let writers: Vec<_> = (0..WRITERS)
+                .map(|w| {
+                    let index = &index;
+                    scope.spawn(move || write(index, w))
+                })
+                .collect();
+            let finals: Vec<u64> = writers.into_iter().map(|h| h.join().unwrap()).collect();
+            done.store(true, Ordering::Release);
+            churn.join().unwrap();
+            for r in readers {
+                r.join().unwrap();
+            }
+            finals
+        });
+        for (writer, &expected) in finals.iter().enumerate() {
+            let writer = writer as u64;
+            let depth = index
+                .find_matches(&path(writer))
+                .into_iter()
+                .find(|m| m.worker.worker_id == writer)
+                .map(|m| u64::from(m.depth));
+            assert_eq!(depth, Some(expected));
+            assert_eq!(index.worker_blocks(WorkerKey::new(writer, 0)), expected);
+        }
+        tx.send(()).unwrap();
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => {}
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("deadlock: the threads did not finish in 60 s")
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("a thread of the test panicked"),
+    }
+}

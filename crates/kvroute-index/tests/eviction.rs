@@ -1,0 +1,134 @@
+//! The `max_blocks` limit: least-recently-used leaves go first, pinned paths stay.
+
+mod model;
+
+use kvroute_index::{ApplyOutcome, EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey};
+use model::stored;
+
+fn depth(index: &KvIndex, path: &[u64]) -> u32 {
+    index
+        .find_matches(path)
+        .iter()
+        .map(|m| m.depth)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Applies `kinds` as the worker's next events.
+fn feed(index: &KvIndex, worker: WorkerKey, kinds: Vec<EventKind>) {
+    for kind in kinds {
+        let event_id = index.last_event_id(worker).map_or(1, |id| id + 1);
+        index.apply(worker, &KvEvent { event_id, kind });
+    }
+}
+
+fn limited(max_blocks: usize) -> KvIndex {
+    KvIndex::new(IndexConfig {
+        max_blocks: Some(max_blocks),
+    })
+}
+
+const W: WorkerKey = WorkerKey {
+    worker_id: 1,
+    dp_rank: 0,
+};
+
+#[test]
+fn over_the_limit_the_leaves_go_and_the_prefix_stays() {
+    let index = limited(4);
+    feed(
+        &index,
+        W,
+        vec![stored(
+            None,
+            &[(1, 11), (2, 12), (3, 13), (4, 14), (5, 15), (6, 16)],
+        )],
+    );
+    assert_eq!(index.stats().memberships, 4);
+    assert_eq!(depth(&index, &[11, 12, 13, 14, 15, 16]), 4);
+    assert_eq!(index.evicted_blocks(), 2);
+}
+
+#[test]
+fn the_least_recently_used_chain_goes_first() {
+    let index = limited(6);
+    feed(&index, W, vec![stored(None, &[(1, 11), (2, 12), (3, 13)])]);
+    feed(&index, W, vec![stored(None, &[(4, 21), (5, 22), (6, 23)])]);
+    // Routing a request over the first chain makes it the most recent.
+    assert_eq!(depth(&index, &[11, 12, 13]), 3);
+    feed(&index, W, vec![stored(None, &[(7, 31), (8, 32), (9, 33)])]);
+    assert_eq!(depth(&index, &[11, 12, 13]), 3);
+    assert_eq!(depth(&index, &[21, 22, 23]), 0);
+    assert_eq!(depth(&index, &[31, 32, 33]), 3);
+}
+
+#[test]
+fn a_path_being_routed_is_never_evicted() {
+    let index = limited(3);
+    feed(&index, W, vec![stored(None, &[(1, 11), (2, 12), (3, 13)])]);
+    let pinned = index.pin_path(&[11, 12, 13]);
+    feed(&index, W, vec![stored(None, &[(4, 21), (5, 22), (6, 23)])]);
+    assert_eq!(depth(&index, &[11, 12, 13]), 3);
+    // Only the new chain could go, so the index stays over its limit meanwhile.
+    assert_eq!(depth(&index, &[21, 22, 23]), 0);
+    drop(pinned);
+    feed(&index, W, vec![stored(None, &[(7, 31)])]);
+    assert!(index.stats().memberships <= 3);
+}
+
+#[test]
+fn evicted_blocks_drop_for_every_worker_and_later_events_still_apply() {
+    let index = limited(4);
+    let other = WorkerKey::new(2, 0);
+    feed(&index, W, vec![stored(None, &[(1, 11), (2, 12)])]);
+    feed(&index, other, vec![stored(None, &[(101, 11), (102, 12)])]);
+    assert_eq!(index.stats().memberships, 4);
+    feed(&index, W, vec![stored(None, &[(3, 21)])]);
+    // Block 12 is held by both workers: evicting it frees two memberships.
+    assert_eq!(index.stats().memberships, 3);
+    assert_eq!(index.worker_blocks(other), 1);
+    assert_eq!(depth(&index, &[11, 12]), 1);
+    // The engine still reports removing what the index evicted: applied, and
+    // counted as unknown once the worker's engine-hash map has been swept.
+    let outcome = index.apply(
+        other,
+        &KvEvent {
+            event_id: 2,
+            kind: EventKind::Removed {
+                block_hashes: vec![102, 101],
+            },
+        },
+    );
+    assert!(matches!(
+        outcome,
+        ApplyOutcome::Applied {
+            unknown_removals: 0..=1,
+            ..
+        }
+    ));
+    assert_eq!(index.worker_blocks(other), 0);
+    assert_eq!(index.stats().memberships, 2);
+}
+
+#[test]
+fn memberships_stay_under_the_limit_through_churn_and_memory_is_reclaimed() {
+    let index = limited(64);
+    for round in 0..1000u64 {
+        let base = round * 10;
+        let blocks: Vec<(u64, u64)> = (0..8).map(|i| (base + i + 1, base + i + 1)).collect();
+        feed(&index, W, vec![stored(None, &blocks)]);
+        assert!(index.stats().memberships <= 64);
+    }
+    let full = index.heap_bytes();
+    let unbounded = KvIndex::new(IndexConfig::default());
+    for round in 0..1000u64 {
+        let base = round * 10;
+        let blocks: Vec<(u64, u64)> = (0..8).map(|i| (base + i + 1, base + i + 1)).collect();
+        feed(&unbounded, W, vec![stored(None, &blocks)]);
+    }
+    assert!(
+        full * 4 < unbounded.heap_bytes(),
+        "{full} vs {}",
+        unbounded.heap_bytes()
+    );
+}
