@@ -6,10 +6,12 @@
 //! events be routed by affinity at all. Entries expire after a TTL (refreshed
 //! when the same path is routed again) and the layer is capped in size.
 //!
-//! This first implementation is deliberately simple; it fixes the API.
+//! Entries are kept per block (sequence hash → the workers predicted to hold it),
+//! so a lookup walks the request's blocks once, like the event-fed index, and
+//! never scans a worker's other entries.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use crate::event::WorkerKey;
@@ -34,80 +36,248 @@ impl Default for PredictedConfig {
     }
 }
 
+/// One worker predicted to hold one block.
+#[derive(Clone, Copy)]
+struct Prediction {
+    worker: WorkerKey,
+    depth: u32,
+    expires: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Sequence hash → its predictions, one per worker.
+    blocks: HashMap<u64, Vec<Prediction>>,
+    /// Entries per worker, for `total_blocks`.
+    per_worker: HashMap<WorkerKey, u64>,
+    len: usize,
+    /// When expired entries were last dropped.
+    swept: Option<Instant>,
+}
+
 /// Routing decisions as predicted cache contents, per worker.
 pub struct PredictedIndex {
     config: PredictedConfig,
-    /// (worker, sequence hash) → (depth, expiry).
-    entries: Mutex<HashMap<(WorkerKey, u64), (u32, Instant)>>,
+    inner: RwLock<Inner>,
 }
 
 impl PredictedIndex {
     pub fn new(config: PredictedConfig) -> Self {
         Self {
             config,
-            entries: Mutex::new(HashMap::new()),
+            inner: RwLock::default(),
         }
     }
 
-    /// Records that `worker` was chosen for a request with these local hashes.
+    /// Records that `worker` was chosen for a request with these local hashes;
+    /// entries already there get a fresh TTL.
     pub fn record(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant) {
-        let expiry = now + self.config.ttl;
-        let mut entries = self.entries.lock().unwrap();
-        for (depth, seq) in sequence_hashes(local_hashes).into_iter().enumerate() {
-            entries.insert((worker, seq), (depth as u32, expiry));
-        }
-        if entries.len() > self.config.max_blocks {
-            entries.retain(|_, &mut (_, expiry)| expiry > now);
-            let target = self.config.max_blocks * 4 / 5;
-            if entries.len() > target {
-                let mut by_depth: Vec<_> = entries.iter().map(|(&k, &(d, _))| (d, k)).collect();
-                by_depth.sort_unstable_by_key(|&(depth, _)| std::cmp::Reverse(depth));
-                let excess = entries.len() - target;
-                for (_, key) in by_depth.into_iter().take(excess) {
-                    entries.remove(&key);
+        let expires = now + self.config.ttl;
+        let seqs = sequence_hashes(local_hashes);
+        let mut inner = self.inner.write().unwrap();
+        let mut added = 0;
+        for (depth, seq) in seqs.into_iter().enumerate() {
+            let list = inner.blocks.entry(seq).or_default();
+            match list.iter_mut().find(|p| p.worker == worker) {
+                Some(p) => p.expires = expires,
+                None => {
+                    list.push(Prediction {
+                        worker,
+                        depth: depth as u32,
+                        expires,
+                    });
+                    added += 1;
                 }
             }
+        }
+        inner.len += added as usize;
+        *inner.per_worker.entry(worker).or_default() += added;
+        // Expired entries go at least once per TTL, so memory follows live entries.
+        if inner.swept.is_none_or(|t| now >= t + self.config.ttl) {
+            inner.swept = Some(now);
+            inner.retain(|p| p.expires > now);
+        }
+        if inner.len > self.config.max_blocks {
+            inner.retain(|p| p.expires > now);
+            inner.prune_deepest(self.config.max_blocks * 4 / 5);
         }
     }
 
     /// Per worker with an unexpired predicted prefix of `local_hashes`: its depth.
     /// `total_blocks` is the worker's count of predicted entries.
     pub fn find_matches(&self, local_hashes: &[u64], now: Instant) -> Vec<WorkerMatch> {
-        let seq = sequence_hashes(local_hashes);
-        let entries = self.entries.lock().unwrap();
-        let workers: std::collections::HashSet<WorkerKey> =
-            entries.keys().map(|&(w, _)| w).collect();
-        workers
+        let seqs = sequence_hashes(local_hashes);
+        let inner = self.inner.read().unwrap();
+        let live = |seq: &u64| {
+            inner
+                .blocks
+                .get(seq)
+                .into_iter()
+                .flatten()
+                .filter(move |p| p.expires > now)
+        };
+        let Some(first) = seqs.first() else {
+            return Vec::new();
+        };
+        let mut active: Vec<WorkerKey> = live(first).map(|p| p.worker).collect();
+        let mut matches = Vec::new();
+        for (depth, seq) in seqs.iter().enumerate().skip(1) {
+            if active.is_empty() {
+                break;
+            }
+            let holders: Vec<WorkerKey> = live(seq).map(|p| p.worker).collect();
+            active.retain(|w| {
+                let kept = holders.contains(w);
+                if !kept {
+                    matches.push((*w, depth as u32));
+                }
+                kept
+            });
+        }
+        matches.extend(active.into_iter().map(|w| (w, seqs.len() as u32)));
+        matches
             .into_iter()
-            .filter_map(|worker| {
-                let depth = seq
-                    .iter()
-                    .take_while(|&&h| entries.get(&(worker, h)).is_some_and(|&(_, e)| e > now))
-                    .count() as u32;
-                let total_blocks = entries.keys().filter(|(w, _)| *w == worker).count() as u64;
-                (depth > 0).then_some(WorkerMatch {
-                    worker,
-                    depth,
-                    total_blocks,
-                })
+            .map(|(worker, depth)| WorkerMatch {
+                worker,
+                depth,
+                total_blocks: inner.per_worker.get(&worker).copied().unwrap_or(0),
             })
             .collect()
     }
 
     /// Forgets every prediction for `worker`.
     pub fn remove_worker(&self, worker: WorkerKey) {
-        self.entries
-            .lock()
-            .unwrap()
-            .retain(|(w, _), _| *w != worker);
+        self.inner.write().unwrap().retain(|p| p.worker != worker);
     }
 
     /// Entries held, expired ones included until pruned.
     pub fn len(&self) -> usize {
-        self.entries.lock().unwrap().len()
+        self.inner.read().unwrap().len
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl Inner {
+    fn retain(&mut self, mut keep: impl FnMut(&Prediction) -> bool) {
+        let Inner {
+            blocks,
+            per_worker,
+            len,
+            ..
+        } = self;
+        blocks.retain(|_, list| {
+            list.retain(|p| {
+                let kept = keep(p);
+                if !kept {
+                    *len -= 1;
+                    let n = per_worker.get_mut(&p.worker).expect("counted");
+                    *n -= 1;
+                    if *n == 0 {
+                        per_worker.remove(&p.worker);
+                    }
+                }
+                kept
+            });
+            !list.is_empty()
+        });
+    }
+
+    /// Drops the deepest entries until at most `target` remain: a shallow block
+    /// is shared by more requests than a deep one, so it is worth more.
+    fn prune_deepest(&mut self, target: usize) {
+        if self.len <= target {
+            return;
+        }
+        let mut depths: Vec<u32> = self.blocks.values().flatten().map(|p| p.depth).collect();
+        let excess = self.len - target;
+        // The depth at and above which entries go; ties at it go until `excess`.
+        let cut = depths.len() - excess;
+        let (_, &mut threshold, _) = depths.select_nth_unstable(cut);
+        let mut at_threshold =
+            excess - depths[cut + 1..].iter().filter(|&&d| d > threshold).count();
+        self.retain(|p| match p.depth.cmp(&threshold) {
+            std::cmp::Ordering::Greater => false,
+            std::cmp::Ordering::Equal if at_threshold > 0 => {
+                at_threshold -= 1;
+                false
+            }
+            _ => true,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: WorkerKey = WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    };
+    const B: WorkerKey = WorkerKey {
+        worker_id: 2,
+        dp_rank: 0,
+    };
+
+    fn depth_of(matches: &[WorkerMatch], worker: WorkerKey) -> u32 {
+        matches
+            .iter()
+            .find(|m| m.worker == worker)
+            .map_or(0, |m| m.depth)
+    }
+
+    #[test]
+    fn routed_prefixes_match_per_worker() {
+        let p = PredictedIndex::new(PredictedConfig::default());
+        let now = Instant::now();
+        p.record(A, &[1, 2, 3], now);
+        p.record(B, &[1, 2, 9, 9], now);
+        let m = p.find_matches(&[1, 2, 3, 4], now);
+        assert_eq!(depth_of(&m, A), 3);
+        assert_eq!(depth_of(&m, B), 2);
+        assert_eq!(m.iter().find(|m| m.worker == B).unwrap().total_blocks, 4);
+        assert!(p.find_matches(&[7], now).is_empty());
+        p.remove_worker(A);
+        assert_eq!(depth_of(&p.find_matches(&[1, 2, 3], now), A), 0);
+        assert_eq!(p.len(), 4);
+    }
+
+    #[test]
+    fn entries_expire_unless_routed_again() {
+        let ttl = Duration::from_secs(120);
+        let p = PredictedIndex::new(PredictedConfig {
+            ttl,
+            ..PredictedConfig::default()
+        });
+        let t0 = Instant::now();
+        p.record(A, &[1, 2], t0);
+        p.record(B, &[1, 2], t0);
+        // A's path is routed again halfway: its TTL restarts.
+        p.record(A, &[1, 2], t0 + ttl / 2);
+        let later = t0 + ttl + Duration::from_secs(1);
+        let m = p.find_matches(&[1, 2], later);
+        assert_eq!(depth_of(&m, A), 2);
+        assert_eq!(depth_of(&m, B), 0);
+        // Recording after a TTL drops what expired.
+        p.record(A, &[5], later);
+        assert_eq!(p.len(), 3);
+    }
+
+    #[test]
+    fn over_the_cap_the_deepest_entries_go_first() {
+        let p = PredictedIndex::new(PredictedConfig {
+            max_blocks: 10,
+            ..PredictedConfig::default()
+        });
+        let now = Instant::now();
+        p.record(A, &[1, 2, 3, 4, 5, 6], now);
+        p.record(B, &[1, 2, 3, 4, 5], now);
+        // 11 entries > 10: pruned to 8, so A's depth-5 and both depth-4 entries go.
+        assert_eq!(p.len(), 8);
+        let m = p.find_matches(&[1, 2, 3, 4, 5, 6], now);
+        assert_eq!((depth_of(&m, A), depth_of(&m, B)), (4, 4));
     }
 }
