@@ -7,7 +7,8 @@ use std::path::Path;
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
 use kvroute_index::{
-    BlockHasher, EventKind, IndexConfig, KvEvent, KvIndex, StoredBlock, WorkerKey, sequence_hashes,
+    ApplyOutcome, BlockHasher, EventKind, EventStatus, IndexConfig, KvEvent, KvIndex, StoredBlock,
+    WorkerKey, sequence_hashes,
 };
 
 const CHAIN: u64 = 16;
@@ -44,6 +45,8 @@ fn removal(base: u64) -> EventKind {
 
 /// Store and remove: each iteration applies one 16-block chain event (or one
 /// 16-hash removal) to an index that holds 16 workers' worth of other blocks.
+/// Per-iteration batches: a worker's events must be applied in id order, so
+/// each setup (the opposite event) has to run right before its routine.
 fn store_and_remove(c: &mut Criterion) {
     let index = KvIndex::new(IndexConfig::default());
     let worker = WorkerKey::new(0, 0);
@@ -69,8 +72,8 @@ fn store_and_remove(c: &mut Criterion) {
                 index.apply(worker, &next(removal(base - CHAIN)));
                 next(chain(base))
             },
-            |event| index.apply(worker, &event),
-            BatchSize::SmallInput,
+            |event| assert_applied(index.apply(worker, &event)),
+            BatchSize::PerIteration,
         )
     });
     c.bench_function("remove/16_hashes", |b| {
@@ -80,10 +83,14 @@ fn store_and_remove(c: &mut Criterion) {
                 index.apply(worker, &next(chain(base)));
                 next(removal(base))
             },
-            |event| index.apply(worker, &event),
-            BatchSize::SmallInput,
+            |event| assert_applied(index.apply(worker, &event)),
+            BatchSize::PerIteration,
         )
     });
+}
+
+fn assert_applied(outcome: ApplyOutcome) {
+    assert_eq!(outcome.status(), EventStatus::Applied, "{outcome:?}");
 }
 
 /// find_matches on the state and lookups of the bundled conversation trace

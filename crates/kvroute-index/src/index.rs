@@ -28,6 +28,7 @@ use crate::hash::{sequence_hash, sequence_hashes};
 use crate::lru::{Cursor, Lru};
 use crate::table::{
     BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_shards,
+    shrink_sparse,
 };
 
 /// Limits of the index.
@@ -558,6 +559,7 @@ impl KvIndex {
                         None => unknown_removals += 1,
                     }
                 }
+                shrink_sparse(&mut state.blocks);
             }
             EventKind::Cleared => {
                 drop(writer);

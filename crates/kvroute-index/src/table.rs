@@ -155,6 +155,7 @@ impl Shard {
         let empty = entry.workers == 0 && (self.wide.is_empty() || !self.wide.contains_key(&seq));
         if empty {
             self.entries.remove(&seq);
+            shrink_sparse(&mut self.entries);
         }
         (held, empty)
     }
@@ -164,6 +165,7 @@ impl Shard {
         let mut holders = Vec::new();
         if let Some(entry) = self.entries.remove(&seq) {
             holders.extend(bits(entry.workers, 0));
+            shrink_sparse(&mut self.entries);
         }
         if let Some(words) = self.wide.remove(&seq) {
             for (i, &w) in words.iter().enumerate() {
@@ -184,6 +186,17 @@ impl Shard {
                 .and_then(|w| w.get(group - 1).copied())
                 .unwrap_or(0)
         }
+    }
+}
+
+/// Gives memory back once a map is under a quarter full, keeping room to double:
+/// hash maps never shrink by themselves, and under churn a shard's share of the
+/// blocks moves around.
+pub(crate) fn shrink_sparse<K: Eq + std::hash::Hash, V, S: std::hash::BuildHasher>(
+    map: &mut HashMap<K, V, S>,
+) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
     }
 }
 

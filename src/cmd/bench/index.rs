@@ -63,6 +63,28 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
     {
         bail!("--workers, --blocks-per-worker, --ingest-threads and --rounds must be at least 1");
     }
+    // The churn run goes first, so that the process's RSS is the index's and
+    // not what the other measurements freed.
+    let churned = match (args.churn_events, &args.timeline) {
+        (Some(_), Some(_)) => bail!("--churn-events needs a trace, not a saved timeline"),
+        (Some(events), None) => {
+            let path = args
+                .trace
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(BUNDLED_TRACE));
+            let requests: Vec<Vec<u64>> = kvroute_trace::read_trace(&path, None)?
+                .into_iter()
+                .map(|r| r.hash_ids)
+                .collect();
+            Some(churn(
+                &requests,
+                args.workers,
+                args.blocks_per_worker,
+                events,
+            ))
+        }
+        (None, _) => None,
+    };
     let (source, ops, requests) = match &args.timeline {
         Some(path) => (path.display().to_string(), load_timeline(path)?, None),
         None => {
@@ -118,8 +140,8 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
             "rss_bytes_per_membership": memory.rss_delta as f64 / memory.memberships.max(1) as f64,
         },
     });
-    if let (Some(events), Some(requests)) = (args.churn_events, &requests) {
-        result["churn"] = churn(requests, args.workers, args.blocks_per_worker, events);
+    if let Some(churned) = churned {
+        result["churn"] = churned;
     }
     result["peak_rss_bytes"] = json!(rss_kib("VmHWM:") * 1024);
     println!("{result}");
@@ -318,14 +340,17 @@ fn churn(requests: &[Vec<u64>], workers: usize, blocks_per_worker: usize, events
     let steady = &samples[samples.len() / 10..];
     let min = steady.iter().map(|s| s.0).min().unwrap_or(0);
     let max = steady.iter().map(|s| s.0).max().unwrap_or(0);
+    let heap_min = steady.iter().map(|s| s.1).min().unwrap_or(0);
+    let heap_max = steady.iter().map(|s| s.1).max().unwrap_or(0);
     json!({
         "events": applied,
         "seconds": start.elapsed().as_secs_f64(),
         "rss_bytes_min": min,
         "rss_bytes_max": max,
         "rss_spread": (max - min) as f64 / min.max(1) as f64,
-        "index_heap_bytes_first": steady.first().map(|s| s.1),
-        "index_heap_bytes_last": steady.last().map(|s| s.1),
+        "index_heap_bytes_min": heap_min,
+        "index_heap_bytes_max": heap_max,
+        "index_heap_spread": (heap_max - heap_min) as f64 / heap_min.max(1) as f64,
         "memberships_last": index.stats().memberships,
     })
 }
