@@ -1,8 +1,8 @@
 //! The event-fed index of which worker holds which block.
 //!
-//! A worker's state is the set of blocks it holds, each identified by its
-//! *sequence hash* (see [`crate::hash`]), which names a block together with its
-//! whole prefix. The engine's own block hashes are kept only as opaque ids, per
+//! A worker's state is the set of blocks it holds, each identified by a chain
+//! key computed like the *sequence hash* (see [`crate::hash`]) from the blocks'
+//! local hashes, which names a block together with its whole prefix. The engine's own block hashes are kept only as opaque ids, per
 //! worker, to resolve `Removed` events and chain parents.
 //!
 //! Layout (see DESIGN.md): distinct blocks live once in the sharded [`crate::table`]
@@ -24,11 +24,10 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
-use crate::hash::{sequence_hash, sequence_hashes};
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_shards,
-    shrink_sparse,
+    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, chain_key, chain_keys, map_bytes,
+    path_shard, shrink_sparse,
 };
 
 /// Limits of the index.
@@ -79,10 +78,13 @@ impl Hasher for EngineHasher {
         z ^ (z >> 29)
     }
     fn write(&mut self, _: &[u8]) {
-        unreachable!("EngineHasher only hashes u64 keys")
+        unreachable!("EngineHasher only hashes integers")
     }
     fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+        self.0 = self.0.rotate_left(26) ^ n;
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
     }
 }
 
@@ -134,16 +136,19 @@ struct WorkerState {
     last_event_id: Option<u64>,
     /// Engine block hash → the block it names.
     blocks: HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>,
-    /// Set once the worker is removed; a writer that raced the removal retries.
-    removed: bool,
     counters: Counters,
 }
 
-/// Interned workers. Indices are reused smallest first, so a fleet of up to 64
-/// ranks stays in the blocks' inline bitsets.
+/// Shards of the worker registry: ingest threads applying different workers'
+/// events then rarely share the lock's cache line.
+const REGISTRY_SHARDS: usize = 16;
+
+type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
+
+/// Interned worker indices. Indices are reused smallest first, so a fleet of up
+/// to 64 ranks stays in the blocks' inline bitsets.
 #[derive(Default)]
-struct Registry {
-    by_key: HashMap<WorkerKey, Arc<WorkerSlot>>,
+struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
     free: BinaryHeap<Reverse<u32>>,
 }
@@ -159,7 +164,9 @@ struct Eviction {
 /// The global index. All methods take `&self` and may be called from many threads.
 pub struct KvIndex {
     table: Table,
-    registry: RwLock<Registry>,
+    /// Workers by key, sharded by key.
+    registry: Box<[RwLock<WorkerMap>]>,
+    indices: RwLock<Indices>,
     /// Groups of 64 worker indices ever allocated (bitset words a lookup scans).
     groups: AtomicUsize,
     eviction: Option<Mutex<Eviction>>,
@@ -177,7 +184,8 @@ impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         Self {
             table: Table::new(),
-            registry: RwLock::default(),
+            registry: (0..REGISTRY_SHARDS).map(|_| RwLock::default()).collect(),
+            indices: RwLock::default(),
             groups: AtomicUsize::new(1),
             eviction: config.max_blocks.map(|max| {
                 Mutex::new(Eviction {
@@ -193,12 +201,8 @@ impl KvIndex {
 
     /// Offers one event of `worker`; see [`ApplyOutcome`].
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
-        loop {
-            let slot = self.slot(worker);
+        self.with_slot(worker, |slot| {
             let mut state = slot.state.lock().unwrap();
-            if state.removed {
-                continue;
-            }
             let outcome = match state.last_event_id {
                 Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
                 Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
@@ -208,8 +212,8 @@ impl KvIndex {
                 _ => {
                     state.last_event_id = Some(event.event_id);
                     let mut eviction = self.lock_eviction();
-                    self.sweep_dangling(&slot, &mut state, eviction.is_some());
-                    let outcome = self.apply_kind(&slot, &mut state, &event.kind, &mut eviction);
+                    self.sweep_dangling(slot, &mut state, eviction.is_some());
+                    let outcome = self.apply_kind(slot, &mut state, &event.kind, &mut eviction);
                     if let Some(eviction) = eviction.as_deref_mut() {
                         self.evict_over_limit(eviction);
                     }
@@ -217,52 +221,46 @@ impl KvIndex {
                 }
             };
             state.counters.count(event.kind.type_name(), outcome);
-            return outcome;
-        }
+            outcome
+        })
     }
 
     /// Forgets `worker` entirely, its event sequence included.
     pub fn remove_worker(&self, worker: WorkerKey) {
-        let Some(slot) = self.registry.write().unwrap().by_key.remove(&worker) else {
+        let Some(slot) = self.registry_shard(worker).write().unwrap().remove(&worker) else {
             return;
         };
         {
             let mut state = slot.state.lock().unwrap();
-            state.removed = true;
             let mut eviction = self.lock_eviction();
             self.clear(&slot, &mut state, &mut eviction);
             self.retired.lock().unwrap().add(&state.counters);
         }
-        let mut registry = self.registry.write().unwrap();
-        registry.by_idx[slot.idx as usize] = None;
-        registry.free.push(Reverse(slot.idx));
+        let mut indices = self.indices.write().unwrap();
+        indices.by_idx[slot.idx as usize] = None;
+        indices.free.push(Reverse(slot.idx));
     }
 
     /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as of `last_event_id`.
     pub fn replace_worker(&self, worker: WorkerKey, last_event_id: u64, events: &[EventKind]) {
-        loop {
-            let slot = self.slot(worker);
+        self.with_slot(worker, |slot| {
             let mut state = slot.state.lock().unwrap();
-            if state.removed {
-                continue;
-            }
             let mut eviction = self.lock_eviction();
-            self.clear(&slot, &mut state, &mut eviction);
+            self.clear(slot, &mut state, &mut eviction);
             state.last_event_id = Some(last_event_id);
             for kind in events {
-                self.apply_kind(&slot, &mut state, kind, &mut eviction);
+                self.apply_kind(slot, &mut state, kind, &mut eviction);
             }
             if let Some(eviction) = eviction.as_deref_mut() {
                 self.evict_over_limit(eviction);
             }
-            return;
-        }
+        })
     }
 
     /// `worker`'s blocks reachable from the root through blocks it holds, as
     /// single-block `Stored` events, parents first.
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
-        let slot = self.registry.read().unwrap().by_key.get(&worker)?.clone();
+        let slot = self.find_slot(worker)?;
         let state = slot.state.lock().unwrap();
         let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
@@ -307,34 +305,24 @@ impl KvIndex {
     }
 
     pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
-        let slot = self.registry.read().unwrap().by_key.get(&worker)?.clone();
+        let slot = self.find_slot(worker)?;
         slot.state.lock().unwrap().last_event_id
     }
 
     /// Workers the index knows, in no particular order.
     pub fn workers(&self) -> Vec<WorkerKey> {
-        self.registry
-            .read()
-            .unwrap()
-            .by_key
-            .keys()
-            .copied()
-            .collect()
+        self.slots().iter().map(|s| s.key).collect()
     }
 
     pub fn worker_blocks(&self, worker: WorkerKey) -> u64 {
-        let registry = self.registry.read().unwrap();
-        registry
-            .by_key
-            .get(&worker)
+        self.find_slot(worker)
             .map_or(0, |s| s.held.load(Ordering::Relaxed))
     }
 
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        let seqs = sequence_hashes(local_hashes);
-        let depths = self.match_depths(&seqs);
+        let (depths, seqs) = self.match_depths(local_hashes);
         if let Some(eviction) = &self.eviction {
             let deepest = depths.iter().map(|&(_, d)| d).max().unwrap_or(0);
             eviction
@@ -346,11 +334,11 @@ impl KvIndex {
         if depths.is_empty() {
             return Vec::new();
         }
-        let registry = self.registry.read().unwrap();
+        let indices = self.indices.read().unwrap();
         depths
             .into_iter()
             .filter_map(|(idx, depth)| {
-                let slot = registry.by_idx.get(idx as usize)?.as_ref()?;
+                let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
                 Some(WorkerMatch {
                     worker: slot.key,
                     depth,
@@ -365,7 +353,7 @@ impl KvIndex {
     pub fn pin_path(&self, local_hashes: &[u64]) -> PinnedPath<'_> {
         let seqs = match &self.eviction {
             Some(eviction) => {
-                let seqs = sequence_hashes(local_hashes);
+                let seqs = chain_keys(local_hashes);
                 eviction.lock().unwrap().lru.pin(&seqs, 1);
                 seqs
             }
@@ -424,18 +412,23 @@ impl KvIndex {
         }
     }
 
-    /// (worker index, matched depth) for every worker holding at least block 0.
-    fn match_depths(&self, seqs: &[u64]) -> Vec<(u32, u32)> {
+    /// (worker index, matched depth) for every worker holding at least block 0,
+    /// and the sequence hashes of the path as deep as it was walked: they are
+    /// computed lazily, as most long requests match only a short prefix.
+    fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
         let mut depths = Vec::new();
-        if seqs.is_empty() {
-            return depths;
-        }
+        let mut seqs: Vec<u64> = Vec::with_capacity(local_hashes.len().min(32));
         let mut reader = ShardReader::new(&self.table);
         for group in 0..self.groups.load(Ordering::Acquire) {
             let base = 64 * group as u32;
             let mut active = 0;
-            for (depth, (&seq, shard)) in seqs.iter().zip(path_shards(seqs)).enumerate() {
-                let holders = reader.shard(shard).workers(seq, group);
+            for (depth, &local) in local_hashes.iter().enumerate() {
+                if depth == seqs.len() {
+                    seqs.push(chain_key(seqs.last().copied(), local));
+                }
+                let holders = reader
+                    .shard(path_shard(&seqs, depth))
+                    .workers(seqs[depth], group);
                 let still = if depth == 0 {
                     holders
                 } else {
@@ -447,44 +440,68 @@ impl KvIndex {
                     break;
                 }
             }
-            depths.extend(bits(active, base).map(|i| (i, seqs.len() as u32)));
+            depths.extend(bits(active, base).map(|i| (i, local_hashes.len() as u32)));
         }
-        depths
+        (depths, seqs)
     }
 
     /// The workers now, for walks that lock each in turn.
     fn slots(&self) -> Vec<Arc<WorkerSlot>> {
-        let registry = self.registry.read().unwrap();
-        registry.by_key.values().cloned().collect()
+        self.registry
+            .iter()
+            .flat_map(|shard| shard.read().unwrap().values().cloned().collect::<Vec<_>>())
+            .collect()
     }
 
-    fn slot(&self, worker: WorkerKey) -> Arc<WorkerSlot> {
-        if let Some(slot) = self.registry.read().unwrap().by_key.get(&worker) {
-            return slot.clone();
-        }
-        let mut registry = self.registry.write().unwrap();
-        if let Some(slot) = registry.by_key.get(&worker) {
-            return slot.clone();
-        }
-        let idx = match registry.free.pop() {
-            Some(Reverse(idx)) => idx,
-            None => {
-                registry.by_idx.push(None);
-                registry.by_idx.len() as u32 - 1
+    fn registry_shard(&self, worker: WorkerKey) -> &RwLock<WorkerMap> {
+        let h = (worker.worker_id ^ u64::from(worker.dp_rank).rotate_left(32))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        &self.registry[(h >> 60) as usize % REGISTRY_SHARDS]
+    }
+
+    fn find_slot(&self, worker: WorkerKey) -> Option<Arc<WorkerSlot>> {
+        self.registry_shard(worker)
+            .read()
+            .unwrap()
+            .get(&worker)
+            .cloned()
+    }
+
+    /// Runs `f` on the worker's slot, creating it if needed. The registry shard's
+    /// read lock is held meanwhile, so the worker cannot be removed under `f`.
+    fn with_slot<R>(&self, worker: WorkerKey, f: impl FnOnce(&WorkerSlot) -> R) -> R {
+        let shard = self.registry_shard(worker);
+        loop {
+            {
+                let workers = shard.read().unwrap();
+                if let Some(slot) = workers.get(&worker) {
+                    return f(slot);
+                }
             }
-        };
-        let slot = Arc::new(WorkerSlot {
-            key: worker,
-            idx,
-            held: AtomicU64::new(0),
-            dangling: AtomicU64::new(0),
-            state: Mutex::default(),
-        });
-        registry.by_idx[idx as usize] = Some(slot.clone());
-        registry.by_key.insert(worker, slot.clone());
-        self.groups
-            .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
-        slot
+            let mut workers = shard.write().unwrap();
+            if workers.contains_key(&worker) {
+                continue;
+            }
+            let mut indices = self.indices.write().unwrap();
+            let idx = match indices.free.pop() {
+                Some(Reverse(idx)) => idx,
+                None => {
+                    indices.by_idx.push(None);
+                    indices.by_idx.len() as u32 - 1
+                }
+            };
+            let slot = Arc::new(WorkerSlot {
+                key: worker,
+                idx,
+                held: AtomicU64::new(0),
+                dangling: AtomicU64::new(0),
+                state: Mutex::default(),
+            });
+            indices.by_idx[idx as usize] = Some(slot.clone());
+            workers.insert(worker, slot);
+            self.groups
+                .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
+        }
     }
 
     fn lock_eviction(&self) -> Option<MutexGuard<'_, Eviction>> {
@@ -517,7 +534,7 @@ impl KvIndex {
                         let first_parent = parent;
                         let mut path = Vec::new();
                         for block in blocks {
-                            let seq = sequence_hash(parent.map(|p| p.seq), block.tokens_hash);
+                            let seq = chain_key(parent.map(|p| p.seq), block.tokens_hash);
                             let r = BlockRef::child_of(parent, seq);
                             if let Some(old) = state.blocks.insert(block.block_hash, r)
                                 && old.seq != seq
@@ -628,9 +645,9 @@ impl KvIndex {
             holders.extend(dropped);
         }
         drop(writer);
-        let registry = self.registry.read().unwrap();
+        let indices = self.indices.read().unwrap();
         for idx in holders {
-            if let Some(slot) = registry.by_idx.get(idx as usize).and_then(Option::as_ref) {
+            if let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) {
                 slot.held.fetch_sub(1, Ordering::Relaxed);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
             }

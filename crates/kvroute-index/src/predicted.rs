@@ -15,8 +15,8 @@ use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use crate::event::WorkerKey;
-use crate::hash::sequence_hashes;
 use crate::index::WorkerMatch;
+use crate::table::chain_keys;
 
 /// Limits of the predicted layer.
 #[derive(Clone, Debug)]
@@ -73,7 +73,7 @@ impl PredictedIndex {
     /// entries already there get a fresh TTL.
     pub fn record(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant) {
         let expires = now + self.config.ttl;
-        let seqs = sequence_hashes(local_hashes);
+        let seqs = chain_keys(local_hashes);
         let mut inner = self.inner.write().unwrap();
         let mut added = 0;
         for (depth, seq) in seqs.into_iter().enumerate() {
@@ -106,7 +106,7 @@ impl PredictedIndex {
     /// Per worker with an unexpired predicted prefix of `local_hashes`: its depth.
     /// `total_blocks` is the worker's count of predicted entries.
     pub fn find_matches(&self, local_hashes: &[u64], now: Instant) -> Vec<WorkerMatch> {
-        let seqs = sequence_hashes(local_hashes);
+        let seqs = chain_keys(local_hashes);
         let inner = self.inner.read().unwrap();
         let live = |seq: &u64| {
             inner

@@ -14,8 +14,7 @@ use proptest::prelude::*;
 /// Few engine hashes and token hashes, so that chains share prefixes, parents are
 /// often unknown, removals hit middle blocks and duplicates occur.
 const ENGINE_HASHES: u64 = 10;
-/// Token hashes are 1..=TOKENS: a depth-0 sequence hash equals its local hash, and 0
-/// stands for "no parent" in the table (a real xxh3 hash is 0 with odds 2^-64).
+/// Token hashes are 1..=TOKENS: small numbers, so chains collide on purpose.
 const TOKENS: u64 = 3;
 
 #[derive(Clone, Debug)]
