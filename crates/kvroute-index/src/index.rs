@@ -26,8 +26,7 @@ use crate::event::{
 };
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, chain_key, chain_keys, map_bytes,
-    path_shard, shrink_sparse,
+    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs, shrink_sparse,
 };
 
 /// Limits of the index.
@@ -264,20 +263,20 @@ impl KvIndex {
         let state = slot.state.lock().unwrap();
         let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
-        held.sort_unstable_by_key(|&(engine, r)| (r.shard, engine));
+        held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Sequence hash → (an engine hash naming it, tokens hash, parent sequence hash).
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
         let mut reader = ShardReader::new(&self.table);
         for (engine, r) in held {
-            let shard = reader.shard(r.shard);
-            if shard.workers(r.seq, group) & bit == 0 {
+            let shard = reader.shard(r.shard());
+            if shard.workers(r.key(), group) & bit == 0 {
                 continue;
             }
-            let entry = shard.entries[&r.seq];
-            let names = blocks.entry(r.seq).or_default();
+            let entry = shard.entries[&r.key()];
+            let names = blocks.entry(r.key()).or_default();
             if names.is_empty() {
-                children.entry(entry.parent).or_default().push(r.seq);
+                children.entry(entry.parent).or_default().push(r.key());
             }
             names.push((engine, entry.tokens_hash));
         }
@@ -353,7 +352,7 @@ impl KvIndex {
     pub fn pin_path(&self, local_hashes: &[u64]) -> PinnedPath<'_> {
         let seqs = match &self.eviction {
             Some(eviction) => {
-                let seqs = chain_keys(local_hashes);
+                let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
                 eviction.lock().unwrap().lru.pin(&seqs, 1);
                 seqs
             }
@@ -417,18 +416,17 @@ impl KvIndex {
     /// computed lazily, as most long requests match only a short prefix.
     fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
         let mut depths = Vec::new();
-        let mut seqs: Vec<u64> = Vec::with_capacity(local_hashes.len().min(32));
+        let mut path: Vec<BlockRef> = Vec::with_capacity(local_hashes.len().min(32));
         let mut reader = ShardReader::new(&self.table);
         for group in 0..self.groups.load(Ordering::Acquire) {
             let base = 64 * group as u32;
             let mut active = 0;
             for (depth, &local) in local_hashes.iter().enumerate() {
-                if depth == seqs.len() {
-                    seqs.push(chain_key(seqs.last().copied(), local));
+                if depth == path.len() {
+                    path.push(BlockRef::child_of(path.last().copied(), local));
                 }
-                let holders = reader
-                    .shard(path_shard(&seqs, depth))
-                    .workers(seqs[depth], group);
+                let r = path[depth];
+                let holders = reader.shard(r.shard()).workers(r.key(), group);
                 let still = if depth == 0 {
                     holders
                 } else {
@@ -442,7 +440,7 @@ impl KvIndex {
             }
             depths.extend(bits(active, base).map(|i| (i, local_hashes.len() as u32)));
         }
-        (depths, seqs)
+        (depths, path.into_iter().map(BlockRef::key).collect())
     }
 
     /// The workers now, for walks that lock each in turn.
@@ -534,15 +532,15 @@ impl KvIndex {
                         let first_parent = parent;
                         let mut path = Vec::new();
                         for block in blocks {
-                            let seq = chain_key(parent.map(|p| p.seq), block.tokens_hash);
-                            let r = BlockRef::child_of(parent, seq);
+                            let r = BlockRef::child_of(parent, block.tokens_hash);
+                            let seq = r.key();
                             if let Some(old) = state.blocks.insert(block.block_hash, r)
-                                && old.seq != seq
+                                && old.key() != seq
                             {
                                 self.unhold(&mut writer, slot, old, eviction);
                             }
-                            let parent_seq = parent.map_or(NO_PARENT, |p| p.seq);
-                            let (added, created) = writer.shard(r.shard).insert(
+                            let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
+                            let (added, created) = writer.shard(r.shard()).insert(
                                 seq,
                                 block.tokens_hash,
                                 parent_seq,
@@ -554,7 +552,7 @@ impl KvIndex {
                             if let Some(eviction) = eviction.as_deref_mut() {
                                 eviction.memberships += added as u64;
                                 if created {
-                                    eviction.lru.insert(seq, parent_seq, r.shard);
+                                    eviction.lru.insert(seq, parent_seq);
                                 }
                                 path.push(seq);
                             }
@@ -562,7 +560,7 @@ impl KvIndex {
                         }
                         if let Some(eviction) = eviction.as_deref_mut() {
                             if let Some(p) = first_parent {
-                                path.insert(0, p.seq);
+                                path.insert(0, p.key());
                             }
                             eviction.lru.touch(&path);
                         }
@@ -597,7 +595,7 @@ impl KvIndex {
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
     ) {
         let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
-        refs.sort_unstable_by_key(|r| r.shard);
+        refs.sort_unstable_by_key(|r| r.shard());
         let mut writer = ShardWriter::new(&self.table);
         for r in refs {
             self.unhold(&mut writer, slot, r, eviction);
@@ -614,14 +612,14 @@ impl KvIndex {
         r: BlockRef,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
     ) {
-        let (held, gone) = writer.shard(r.shard).remove(r.seq, slot.idx);
+        let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
         if held {
             slot.held.fetch_sub(1, Ordering::Relaxed);
         }
         if let Some(eviction) = eviction.as_deref_mut() {
             eviction.memberships -= held as u64;
             if gone {
-                eviction.lru.remove(r.seq);
+                eviction.lru.remove(r.key());
             }
         }
     }
@@ -636,10 +634,10 @@ impl KvIndex {
         let mut holders = Vec::new();
         let mut cursor = Cursor::default();
         while eviction.memberships > eviction.max_memberships {
-            let Some((seq, shard)) = eviction.lru.next_victim(&mut cursor) else {
+            let Some(seq) = eviction.lru.next_victim(&mut cursor) else {
                 break;
             };
-            let dropped = writer.shard(shard).evict(seq);
+            let dropped = writer.shard(BlockRef::from_key(seq).shard()).evict(seq);
             eviction.memberships -= dropped.len() as u64;
             eviction.evicted_blocks += 1;
             holders.extend(dropped);
@@ -665,7 +663,7 @@ impl KvIndex {
         let mut reader = ShardReader::new(&self.table);
         state
             .blocks
-            .retain(|_, r| reader.shard(r.shard).workers(r.seq, group) & bit != 0);
+            .retain(|_, r| reader.shard(r.shard()).workers(r.key(), group) & bit != 0);
         state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }

@@ -18,7 +18,6 @@ const NIL: u32 = u32::MAX;
 struct Node {
     seq: u64,
     parent: u64,
-    shard: u16,
     /// Toward the head (newer) and toward the tail (older).
     newer: u32,
     older: u32,
@@ -59,14 +58,13 @@ impl Lru {
     }
 
     /// Adds a block as the newest; no-op if present.
-    pub fn insert(&mut self, seq: u64, parent: u64, shard: u16) {
+    pub fn insert(&mut self, seq: u64, parent: u64) {
         if self.index.contains_key(&seq) {
             return;
         }
         let node = Node {
             seq,
             parent,
-            shard,
             newer: NIL,
             older: NIL,
             children: 0,
@@ -122,8 +120,8 @@ impl Lru {
     }
 
     /// The next evictable block (an unpinned leaf) from `cursor` toward the head,
-    /// removed from the order, with its shard; none when the scan reached the head.
-    pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<(u64, u16)> {
+    /// removed from the order; none when the scan reached the head.
+    pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
             Cursor::At(id) => Some(id),
@@ -134,10 +132,10 @@ impl Lru {
             let node = &self.nodes[id as usize];
             let next = (node.newer != NIL).then_some(node.newer);
             if node.children == 0 && node.pins == 0 {
-                let (seq, shard) = (node.seq, node.shard);
+                let seq = node.seq;
                 self.remove(seq);
                 *cursor = next.map_or(Cursor::Done, Cursor::At);
-                return Some((seq, shard));
+                return Some(seq);
             }
             at = next;
         }
@@ -182,7 +180,7 @@ mod tests {
     /// Evicts until `n` victims or the head, in one cursor-resumed scan.
     fn evict(lru: &mut Lru, n: usize) -> Vec<u64> {
         let mut cursor = Cursor::default();
-        std::iter::from_fn(|| lru.next_victim(&mut cursor).map(|(seq, _)| seq))
+        std::iter::from_fn(|| lru.next_victim(&mut cursor))
             .take(n)
             .collect()
     }
@@ -194,9 +192,9 @@ mod tests {
         const M: u64 = 2000;
         let mut lru = Lru::default();
         for i in 1..=M {
-            lru.insert(2 * i, NO_PARENT, 0);
+            lru.insert(2 * i, NO_PARENT);
             lru.pin(&[2 * i], 1);
-            lru.insert(2 * i + 1, NO_PARENT, 0);
+            lru.insert(2 * i + 1, NO_PARENT);
         }
         let victims = evict(&mut lru, M as usize);
         assert_eq!(victims, (1..=M).map(|i| 2 * i + 1).collect::<Vec<_>>());
@@ -213,10 +211,10 @@ mod tests {
         let chain = [10, 11, 12, 13];
         let mut parent = NO_PARENT;
         for seq in chain {
-            lru.insert(seq, parent, 0);
+            lru.insert(seq, parent);
             parent = seq;
         }
-        lru.insert(99, NO_PARENT, 0);
+        lru.insert(99, NO_PARENT);
         // Stored root first, the chain's leaf is newest; touching reorders it.
         lru.touch(&chain);
         assert_eq!(evict(&mut lru, 5), vec![99, 13, 12, 11, 10]);
@@ -226,10 +224,10 @@ mod tests {
     #[test]
     fn ancestors_and_pinned_blocks_are_never_victims() {
         let mut lru = Lru::default();
-        lru.insert(1, NO_PARENT, 0);
-        lru.insert(2, 1, 0);
-        lru.insert(3, 2, 0);
-        lru.insert(7, NO_PARENT, 0);
+        lru.insert(1, NO_PARENT);
+        lru.insert(2, 1);
+        lru.insert(3, 2);
+        lru.insert(7, NO_PARENT);
         lru.pin(&[7], 1);
         // 1 and 2 are older than 3 but have children: skipped this pass.
         assert_eq!(evict(&mut lru, 10), vec![3]);

@@ -47,38 +47,63 @@ pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// Where one held block lives: its sequence hash and its shard.
+/// A block's key in the table, which also says where it lives: the chain key
+/// with its low seven bits replaced by the block's shard and a depth-0 flag, so
+/// a worker's engine-hash map needs one word per block (57 bits of hash are
+/// plenty to tell blocks apart).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct BlockRef {
-    pub seq: u64,
-    pub shard: u16,
-    /// Depth 0 (no parent): its children pick their own shard.
-    pub is_root: bool,
-}
+pub(crate) struct BlockRef(u64);
+
+const FLAG_BITS: u64 = 0x7F;
 
 impl BlockRef {
-    /// The block with sequence hash `seq` following `parent` (none: depth 0).
-    pub fn child_of(parent: Option<BlockRef>, seq: u64) -> BlockRef {
+    /// The block whose local hash is `local`, following `parent` (none: depth 0).
+    #[inline]
+    pub fn child_of(parent: Option<BlockRef>, local: u64) -> BlockRef {
+        let raw = chain_key(parent.map(|p| p.0), local);
         let shard = match parent {
-            Some(p) if !p.is_root => p.shard,
-            _ => shard_of(seq),
+            Some(p) if !p.is_root() => p.shard(),
+            _ => shard_of(raw),
         };
-        BlockRef {
-            seq,
-            shard,
-            is_root: parent.is_none(),
-        }
+        BlockRef((raw & !FLAG_BITS) | u64::from(shard) << 1 | u64::from(parent.is_none()))
+    }
+
+    pub fn from_key(key: u64) -> BlockRef {
+        BlockRef(key)
+    }
+
+    /// The block's key in its shard's map.
+    #[inline]
+    pub fn key(self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    pub fn shard(self) -> u16 {
+        (self.0 >> 1) as u16 & (SHARDS as u16 - 1)
+    }
+
+    /// Depth 0 (no parent): its children pick their own shard.
+    pub fn is_root(self) -> bool {
+        self.0 & 1 == 1
     }
 }
 
-fn shard_of(seq: u64) -> u16 {
-    (seq >> 58) as u16 & (SHARDS as u16 - 1)
+fn shard_of(raw: u64) -> u16 {
+    (raw >> 58) as u16 & (SHARDS as u16 - 1)
 }
 
-/// The shard of the block at `depth` of a path whose sequence hashes are
-/// `seqs` (known at least down to `depth` and to depth 1).
-pub(crate) fn path_shard(seqs: &[u64], depth: usize) -> u16 {
-    shard_of(seqs[depth.min(1)])
+/// The blocks of a path of local hashes, from block 0.
+pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
+    let mut parent = None;
+    local_hashes
+        .iter()
+        .map(|&local| {
+            let r = BlockRef::child_of(parent, local);
+            parent = Some(r);
+            r
+        })
+        .collect()
 }
 
 /// One distinct block.
