@@ -264,7 +264,7 @@ impl KvIndex {
         let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
-        // Sequence hash → (an engine hash naming it, tokens hash, parent sequence hash).
+        // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
         let mut reader = ShardReader::new(&self.table);
@@ -412,7 +412,7 @@ impl KvIndex {
     }
 
     /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the sequence hashes of the path as deep as it was walked: they are
+    /// and the keys of the path as deep as it was walked: they are
     /// computed lazily, as most long requests match only a short prefix.
     fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
         let mut depths = Vec::new();

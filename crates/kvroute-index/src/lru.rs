@@ -99,7 +99,7 @@ impl Lru {
         }
     }
 
-    /// Marks a path (sequence hashes from the root) as just used: root newest.
+    /// Marks a path (block keys from the root) as just used: root newest.
     pub fn touch(&mut self, path: &[u64]) {
         for seq in path.iter().rev() {
             if let Some(&id) = self.index.get(seq) {

@@ -6,7 +6,7 @@
 //! events be routed by affinity at all. Entries expire after a TTL (refreshed
 //! when the same path is routed again) and the layer is capped in size.
 //!
-//! Entries are kept per block (sequence hash → the workers predicted to hold it),
+//! Entries are kept per block (chain key → the workers predicted to hold it),
 //! so a lookup walks the request's blocks once, like the event-fed index, and
 //! never scans a worker's other entries.
 

@@ -1,6 +1,6 @@
-//! The sharded table of distinct blocks: sequence hash → which workers hold it.
+//! The sharded table of distinct blocks: block key → which workers hold it.
 //!
-//! One flat hash map per shard, keyed by the block's sequence hash, holds each
+//! One flat hash map per shard, keyed by the block's chain key, holds each
 //! distinct block once with the set of workers holding it as a bitset of interned
 //! worker indices (the first 64 inline, the rest in a per-shard side map that stays
 //! empty in fleets of up to 64 ranks). See DESIGN.md for why the layout and the
@@ -111,7 +111,7 @@ pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
 pub(crate) struct Entry {
     /// Workers 0..64 holding the block; higher indices are in [`Shard::wide`].
     pub workers: u64,
-    /// The block's local hash and its parent's sequence hash, for dumps.
+    /// The block's local hash and its parent's key, for dumps.
     pub tokens_hash: u64,
     pub parent: u64,
 }
