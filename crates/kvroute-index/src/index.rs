@@ -273,7 +273,9 @@ impl KvIndex {
             if shard.workers(r.key(), group) & bit == 0 {
                 continue;
             }
-            let entry = shard.entries[&r.key()];
+            let Some(&entry) = shard.entries.get(&r.key()) else {
+                continue;
+            };
             let names = blocks.entry(r.key()).or_default();
             if names.is_empty() {
                 children.entry(entry.parent).or_default().push(r.key());
@@ -624,8 +626,8 @@ impl KvIndex {
         }
     }
 
-    /// Evicts least-recently-used unpinned leaves until the limit holds, in one
-    /// cursor-resumed scan.
+    /// Evicts least-recently-used unpinned leaves until the limit holds, in
+    /// cursor-resumed scans (one when path-touch order holds).
     fn evict_over_limit(&self, eviction: &mut Eviction) {
         if eviction.memberships <= eviction.max_memberships {
             return;
@@ -633,10 +635,20 @@ impl KvIndex {
         let mut writer = ShardWriter::new(&self.table);
         let mut holders = Vec::new();
         let mut cursor = Cursor::default();
+        let mut evicted_this_pass = false;
         while eviction.memberships > eviction.max_memberships {
             let Some(seq) = eviction.lru.next_victim(&mut cursor) else {
-                break;
+                // A pass can end over the limit when evicting a leaf made its
+                // parent a leaf behind the cursor: an ancestor older than its
+                // descendants, as a store under an untouched ancestor leaves it.
+                // Another pass then frees it; stop once a pass frees nothing.
+                if !std::mem::take(&mut evicted_this_pass) {
+                    break;
+                }
+                cursor = Cursor::default();
+                continue;
             };
+            evicted_this_pass = true;
             let dropped = writer.shard(BlockRef::from_key(seq).shard()).evict(seq);
             eviction.memberships -= dropped.len() as u64;
             eviction.evicted_blocks += 1;

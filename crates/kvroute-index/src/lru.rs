@@ -93,7 +93,10 @@ impl Lru {
             self.unlink(id);
             let parent = self.nodes[id as usize].parent;
             if let Some(&p) = self.index.get(&parent).filter(|_| parent != NO_PARENT) {
-                self.nodes[p as usize].children -= 1;
+                // A parent dropped and stored again while this child stayed (an
+                // orphan) restarted its count without it.
+                let children = &mut self.nodes[p as usize].children;
+                *children = children.saturating_sub(1);
             }
             self.free.push(id);
         }
