@@ -1,0 +1,6 @@
+//! Tests of kvroute-tokenize: known token ids, chat templates, prompt shapes and
+//! errors. One test binary (modules below) keeps linking cheap.
+
+mod prompt;
+mod properties;
+mod tiktoken;
