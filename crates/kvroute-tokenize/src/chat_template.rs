@@ -8,7 +8,8 @@
 //! environment trims blocks and strips their leading whitespace, supports
 //! `break`/`continue`, and answers Python string, list and dict methods
 //! (`.strip()`, `.startswith()`, `.get()`, `.items()`, ...). Undefined values
-//! render as empty, as in Jinja2's default.
+//! render as empty, as in Jinja2's default, and `tojson` writes maps in their
+//! insertion order with Python's separators, as `json.dumps` does.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -66,10 +67,11 @@ impl ChatTemplate {
         let messages: Vec<Value> = messages
             .iter()
             .map(|message| {
-                Value::from(BTreeMap::from([
+                // In the order clients send them, which `tojson` keeps.
+                Value::from_pairs([
                     ("role", Value::from(message.role.as_str())),
                     ("content", Value::from(message.content.as_str())),
-                ]))
+                ])
             })
             .collect();
         context.insert("messages", Value::from(messages));
