@@ -79,7 +79,7 @@ impl Tokenizer {
         let ids = self
             .cache
             .get_or_tokenize(Kind::Prompt, text, |text| match &self.backend {
-                Backend::Tiktoken(tiktoken) => tiktoken.encode(text),
+                Backend::Tiktoken(tiktoken) => Ok(tiktoken.encode(text)),
                 Backend::HuggingFace(hf) => hf.encode(text, true),
             })?;
         Ok(ids.to_vec())

@@ -1,5 +1,11 @@
-//! OpenAI tiktoken encodings (`cl100k_base`, `o200k_base`), embedded by the
-//! tiktoken-rs crate so nothing is downloaded.
+//! OpenAI tiktoken encodings (`cl100k_base`, `o200k_base`), embedded in the
+//! binary so nothing is downloaded.
+//!
+//! The encoder is GitHub's `bpe-openai`: it gives tiktoken's ids (a property
+//! test checks it against tiktoken-rs, the port of OpenAI's own code) about 2.5×
+//! faster, because its pre-tokenizer runs the split regex on a linear-time
+//! engine instead of tiktoken's backtracking one. That also means no input can
+//! make it backtrack for long.
 //!
 //! Prompt text is encoded as ordinary text: a literal `<|endoftext|>` in a
 //! prompt is plain characters, never a special token, so no client can inject
@@ -19,10 +25,6 @@
 //! stay plain text. Because special tokens split the text, each message's
 //! `{role}\n{content}` is encoded on its own, which lets the cache keep every
 //! message of a conversation separately.
-
-use std::collections::HashSet;
-
-use tiktoken_rs::CoreBPE;
 
 use crate::cache::{Kind, TokenCache};
 use crate::{ChatMessage, TokenizeError};
@@ -51,7 +53,7 @@ impl Encoding {
 
 pub(crate) struct TiktokenTokenizer {
     /// Loaded once per process and shared by every tokenizer of that encoding.
-    bpe: &'static CoreBPE,
+    bpe: &'static bpe_openai::Tokenizer,
     im_start: u32,
     im_end: u32,
     /// The ids of the `\n` after each `<|im_end|>`.
@@ -63,32 +65,21 @@ pub(crate) struct TiktokenTokenizer {
 impl TiktokenTokenizer {
     pub(crate) fn load(encoding: &str) -> Result<Self, TokenizeError> {
         let (bpe, im_start, im_end) = match Encoding::from_name(encoding)? {
-            Encoding::Cl100kBase => (tiktoken_rs::cl100k_base_singleton(), 100264, 100265),
-            Encoding::O200kBase => (tiktoken_rs::o200k_base_singleton(), 200264, 200265),
+            Encoding::Cl100kBase => (bpe_openai::cl100k_base(), 100264, 100265),
+            Encoding::O200kBase => (bpe_openai::o200k_base(), 200264, 200265),
         };
-        let mut tokenizer = TiktokenTokenizer {
+        Ok(TiktokenTokenizer {
             bpe,
             im_start,
             im_end,
-            newline: Vec::new(),
-            assistant_header: Vec::new(),
-        };
-        tokenizer.newline = tokenizer.encode("\n")?;
-        tokenizer.assistant_header = tokenizer.encode("assistant\n")?;
-        Ok(tokenizer)
+            newline: bpe.encode("\n"),
+            assistant_header: bpe.encode("assistant\n"),
+        })
     }
 
     /// Encodes `text` as ordinary text.
-    pub(crate) fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        // `encode` with no allowed special tokens is `encode_ordinary`, but it
-        // reports a regex failure (backtrack limit) as an error instead of
-        // panicking.
-        self.bpe
-            .encode(text, &HashSet::new())
-            .map(|(ids, _)| ids)
-            .map_err(|error| TokenizeError::Encode {
-                message: error.message,
-            })
+    pub(crate) fn encode(&self, text: &str) -> Vec<u32> {
+        self.bpe.encode(text)
     }
 
     pub(crate) fn apply_chat_template(
@@ -121,7 +112,7 @@ impl TiktokenTokenizer {
             ids.push(self.im_start);
             let segment =
                 cache.get_or_tokenize(Kind::Segment, &message_segment(message), |text| {
-                    self.encode(text)
+                    Ok(self.encode(text))
                 })?;
             ids.extend_from_slice(&segment);
             ids.push(self.im_end);

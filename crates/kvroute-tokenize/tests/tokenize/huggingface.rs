@@ -33,7 +33,7 @@ fn byte_char(byte: u8) -> char {
     char::from_u32(256 + n).unwrap()
 }
 
-fn tokenizer_json() -> Value {
+pub(crate) fn tokenizer_json() -> Value {
     // Byte b has id b; merges build "hello" (259) and " world" (264).
     let mut vocab: serde_json::Map<String, Value> = (0..=255u8)
         .map(|b| (byte_char(b).to_string(), json!(b)))
@@ -115,13 +115,13 @@ fn configured_dir(test: &str, config: String) -> PathBuf {
     )
 }
 
-fn llama3_dir(test: &str) -> PathBuf {
+pub(crate) fn llama3_dir(test: &str) -> PathBuf {
     let config = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                         "chat_template": LLAMA3_TEMPLATE});
     configured_dir(test, config.to_string())
 }
 
-fn load(path: &Path) -> Result<Tokenizer, TokenizeError> {
+pub(crate) fn load(path: &Path) -> Result<Tokenizer, TokenizeError> {
     Tokenizer::load(&TokenizerSpec::HuggingFace {
         dir_or_file: path.to_path_buf(),
     })
@@ -130,6 +130,12 @@ fn load(path: &Path) -> Result<Tokenizer, TokenizeError> {
 /// The ids of ASCII text that no merge applies to: one id per byte.
 fn bytes(text: &str) -> Vec<u32> {
     text.bytes().map(u32::from).collect()
+}
+
+#[test]
+fn tokenizers_can_be_shared_across_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<Tokenizer>();
 }
 
 #[test]
