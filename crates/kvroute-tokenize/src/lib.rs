@@ -32,6 +32,8 @@ pub use error::TokenizeError;
 pub use prompt::{ChatMessage, Prompt, parse_completion_prompt};
 pub use spec::TokenizerSpec;
 
+use std::fmt;
+
 use cache::{Kind, TokenCache};
 use hf::HfTokenizer;
 use tiktoken::TiktokenTokenizer;
@@ -39,8 +41,17 @@ use tiktoken::TiktokenTokenizer;
 /// A loaded tokenizer with its chat template and cache. `Send + Sync`: load it
 /// once and share it through an `Arc`.
 pub struct Tokenizer {
+    spec: TokenizerSpec,
     backend: Backend,
     cache: TokenCache,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("spec", &self.spec.to_string())
+            .finish_non_exhaustive()
+    }
 }
 
 enum Backend {
@@ -67,9 +78,15 @@ impl Tokenizer {
             }
         };
         Ok(Tokenizer {
+            spec: spec.clone(),
             backend,
             cache: TokenCache::new(cache_tokens),
         })
+    }
+
+    /// The spec this tokenizer was loaded from, for logs and `/v1/route`.
+    pub fn spec(&self) -> &TokenizerSpec {
+        &self.spec
     }
 
     /// Token ids of a completions prompt, with the special tokens the engine

@@ -91,6 +91,8 @@ fn cached_and_uncached_results_agree() {
     let spec: TokenizerSpec = "tiktoken:cl100k_base".parse().unwrap();
     let cached = Tokenizer::load(&spec).unwrap();
     let uncached = Tokenizer::load_with_cache(&spec, 0).unwrap();
+    assert_eq!(cached.spec(), &spec);
+    assert!(format!("{cached:?}").contains("tiktoken:cl100k_base"));
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(50);
     let expected = uncached.encode(&text).unwrap();
     assert_eq!(cached.encode(&text).unwrap(), expected);
