@@ -82,3 +82,73 @@ impl TokenCache {
         Ok(ids)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    fn ids(text: &str) -> Result<Vec<u32>, TokenizeError> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+
+    #[test]
+    fn a_hit_skips_tokenizing_and_kinds_are_separate_entries() {
+        let cache = TokenCache::new(1 << 10);
+        let calls = Cell::new(0);
+        let counted = |text: &str| {
+            calls.set(calls.get() + 1);
+            ids(text)
+        };
+        let first = cache.get_or_tokenize(Kind::Prompt, "abc", counted).unwrap();
+        let again = cache.get_or_tokenize(Kind::Prompt, "abc", counted).unwrap();
+        assert_eq!(first, again);
+        assert_eq!(calls.get(), 1);
+        cache.get_or_tokenize(Kind::Chat, "abc", counted).unwrap();
+        assert_eq!(calls.get(), 2);
+    }
+
+    #[test]
+    fn errors_are_not_cached() {
+        let cache = TokenCache::new(1 << 10);
+        let failing = |_: &str| -> Result<Vec<u32>, TokenizeError> {
+            Err(TokenizeError::Encode {
+                message: "no".to_string(),
+            })
+        };
+        assert!(cache.get_or_tokenize(Kind::Prompt, "x", failing).is_err());
+        assert_eq!(
+            *cache.get_or_tokenize(Kind::Prompt, "x", ids).unwrap(),
+            [120]
+        );
+    }
+
+    #[test]
+    fn the_cache_holds_at_most_its_capacity_in_tokens() {
+        let capacity = 1_000;
+        let cache = TokenCache::new(capacity);
+        for i in 0..2_000 {
+            let text = format!("prompt number {i:05}");
+            cache.get_or_tokenize(Kind::Prompt, &text, ids).unwrap();
+        }
+        let entries = cache.entries.as_ref().unwrap();
+        assert!(entries.weight() <= capacity, "{}", entries.weight());
+        assert!(!entries.is_empty());
+    }
+
+    #[test]
+    fn capacity_zero_tokenizes_every_time() {
+        let cache = TokenCache::new(0);
+        let calls = Cell::new(0);
+        for _ in 0..3 {
+            cache
+                .get_or_tokenize(Kind::Prompt, "abc", |text| {
+                    calls.set(calls.get() + 1);
+                    ids(text)
+                })
+                .unwrap();
+        }
+        assert_eq!(calls.get(), 3);
+    }
+}
