@@ -1,0 +1,126 @@
+//! Property tests: arbitrary input never panics, the tiktoken encodings give
+//! the ids of tiktoken-rs (the port of OpenAI's own encoder), and the cache never
+//! changes a result (the reference is the same tokenizer without a cache).
+
+use std::collections::HashSet;
+use std::sync::LazyLock;
+
+use kvroute_tokenize::{ChatMessage, Tokenizer, TokenizerSpec, parse_completion_prompt};
+use proptest::prelude::*;
+
+static CACHED: LazyLock<Tokenizer> = LazyLock::new(|| {
+    Tokenizer::load(&"tiktoken:cl100k_base".parse::<TokenizerSpec>().unwrap()).unwrap()
+});
+static O200K: LazyLock<Tokenizer> = LazyLock::new(|| {
+    Tokenizer::load(&"tiktoken:o200k_base".parse::<TokenizerSpec>().unwrap()).unwrap()
+});
+/// The Llama-3-style Hugging Face tokenizer of the `huggingface` tests.
+static HUGGING_FACE: LazyLock<Tokenizer> = LazyLock::new(|| {
+    crate::huggingface::load(&crate::huggingface::llama3_dir("properties")).unwrap()
+});
+static UNCACHED: LazyLock<Tokenizer> = LazyLock::new(|| {
+    Tokenizer::load_with_cache(&"tiktoken:cl100k_base".parse::<TokenizerSpec>().unwrap(), 0)
+        .unwrap()
+});
+
+/// Text mixing arbitrary characters with the whitespace runs and special-token
+/// spellings that stress the split regex.
+fn text() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        prop_oneof![
+            any::<char>().prop_map(String::from),
+            "[ \t\r\n]{1,40}",
+            Just("<|endoftext|>".to_string()),
+            Just("<|im_start|>".to_string()),
+            "[a-z0-9']{1,12}",
+            "[A-Za-z]{1,6}'(s|T|re|VE|m|ll|D)",
+            "[0-9]{1,7}",
+            "[ .,;:!?/()\\[\\]{}<>|\\-]{1,6}",
+            "[éßñüçøæ中文字日本語한국어🙂🚀]{1,6}",
+        ],
+        0..40,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+/// tiktoken-rs's ids for `text` as ordinary text, or `None` where its
+/// backtracking regex gives up.
+fn reference(bpe: &tiktoken_rs::CoreBPE, text: &str) -> Option<Vec<u32>> {
+    bpe.encode(text, &HashSet::new()).ok().map(|(ids, _)| ids)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn tiktoken_encodings_match_tiktoken_rs(text in text()) {
+        let cl100k = reference(tiktoken_rs::cl100k_base_singleton(), &text);
+        if let Some(expected) = cl100k {
+            prop_assert_eq!(UNCACHED.encode(&text).unwrap(), expected);
+        }
+        let o200k = reference(tiktoken_rs::o200k_base_singleton(), &text);
+        if let Some(expected) = o200k {
+            prop_assert_eq!(O200K.encode(&text).unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn encode_never_panics_and_the_cache_agrees(text in text()) {
+        let expected = UNCACHED.encode(&text);
+        let cached = CACHED.encode(&text);
+        prop_assert_eq!(cached.as_ref().ok(), expected.as_ref().ok());
+        prop_assert_eq!(CACHED.encode(&text).ok(), expected.ok());
+    }
+
+    #[test]
+    fn hugging_face_encode_never_panics_and_starts_with_bos(text in text()) {
+        let ids = HUGGING_FACE.encode(&text).unwrap();
+        prop_assert_eq!(ids.first(), Some(&265));
+    }
+
+    #[test]
+    fn hugging_face_chat_renders_or_refuses_and_never_panics(
+        turns in prop::collection::vec((prop_oneof!["user", "assistant", "[a-z]{1,5}"], text()), 0..4),
+    ) {
+        let messages: Vec<ChatMessage> =
+            turns.into_iter().map(|(role, content)| ChatMessage::new(role, content)).collect();
+        let known_roles = messages.iter().all(|m| ["system", "user", "assistant"].contains(&m.role.as_str()));
+        match HUGGING_FACE.encode_chat(&messages, true) {
+            Ok(ids) => prop_assert!(known_roles && !ids.is_empty()),
+            Err(error) => prop_assert!(!known_roles && error.is_client_error(), "{}", error),
+        }
+    }
+
+    #[test]
+    fn encode_chat_never_panics_and_the_cache_agrees(
+        turns in prop::collection::vec(("[a-z]{1,9}", text()), 0..6),
+        add_generation_prompt in any::<bool>(),
+    ) {
+        let messages: Vec<ChatMessage> =
+            turns.into_iter().map(|(role, content)| ChatMessage::new(role, content)).collect();
+        let expected = UNCACHED.encode_chat(&messages, add_generation_prompt);
+        prop_assert_eq!(CACHED.encode_chat(&messages, add_generation_prompt).ok(), expected.ok());
+    }
+
+    #[test]
+    fn parse_completion_prompt_never_panics(json in json_value()) {
+        let _ = parse_completion_prompt(&json);
+    }
+}
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<f64>().prop_map(serde_json::Value::from),
+        ".{0,8}".prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            prop::collection::btree_map(".{0,4}", inner, 0..3)
+                .prop_map(|map| serde_json::Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
