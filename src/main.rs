@@ -24,12 +24,15 @@ struct Cli {
 enum Command {
     /// Print the Dynamo-compatible block hashes of a token sequence.
     Hash(cmd::hash::HashArgs),
+    /// Turn a vLLM / SGLang engine's ZeroMQ KV events into kvroute's worker stream.
+    Bridge(cmd::bridge::BridgeArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(args),
+        Command::Bridge(args) => cmd::bridge::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
