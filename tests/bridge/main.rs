@@ -1,0 +1,585 @@
+//! End to end: a test engine publisher (both wire encodings) drives the real
+//! `kvroute bridge` process over loopback ZeroMQ, and the bridge streams to a real
+//! gRPC router, whose index must end up holding exactly what the publisher stored.
+
+mod publisher;
+mod recorder;
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::{Router, routing::get};
+use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
+use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
+use recorder::{ROUTER_BLOCK_SIZE, Recorded};
+
+const WORKER_ID: u64 = 42;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `check` until it holds, failing the test with `what` after [`DEADLINE`].
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A free loopback port, or the first of `count` consecutive free ports.
+fn free_ports(count: u16) -> u16 {
+    for _ in 0..100 {
+        let first = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let all_free = (0..count).all(|i| {
+            first
+                .checked_add(i)
+                .is_some_and(|p| TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if all_free {
+            return first;
+        }
+    }
+    panic!("no {count} consecutive free ports");
+}
+
+/// The engine's HTTP side: its model list (a base model and one adapter) and vLLM-style gauges.
+async fn start_engine_http() -> String {
+    const METRICS: &str = "\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine=\"0\",model_name=\"test-model\"} 3.0
+vllm:num_requests_running{engine=\"1\",model_name=\"test-model\"} 1.0
+vllm:num_requests_waiting{engine=\"0\",model_name=\"test-model\"} 2.0
+vllm:num_requests_waiting{engine=\"1\",model_name=\"test-model\"} 0.0
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"test-model\"} 0.25
+vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.0
+";
+    let models = serde_json::json!({"object": "list", "data": [
+        {"id": "test-model", "object": "model", "parent": null},
+        {"id": "adapter", "object": "model", "parent": "test-model"},
+    ]});
+    let app = Router::new()
+        .route("/v1/models", get(move || async move { axum::Json(models) }))
+        .route("/metrics", get(|| async { METRICS }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// A running `kvroute bridge`, killed when dropped.
+struct Bridge {
+    child: Child,
+    metrics_url: String,
+}
+
+impl Bridge {
+    fn spawn(extra: &[String], router: SocketAddr, engine_url: &str, block_size: u32) -> Self {
+        let metrics_port = free_ports(1);
+        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .arg("bridge")
+            .args(extra)
+            .args(["--router", &format!("http://{router}")])
+            .args(["--worker-id", &WORKER_ID.to_string()])
+            .args(["--engine-url", engine_url])
+            .args(["--block-size", &block_size.to_string()])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .env("RUST_LOG", "warn")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
+        }
+    }
+
+    /// The sum of the samples of `name` whose labels include `labels`; 0 when none.
+    async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let Ok(response) = reqwest::get(&self.metrics_url).await else {
+            return 0.0;
+        };
+        let text = response.text().await.unwrap_or_default();
+        text.lines()
+            .filter(|line| line.starts_with(name) && !line.starts_with('#'))
+            .filter(|line| line[name.len()..].starts_with(['{', ' ']))
+            .filter(|line| {
+                labels
+                    .iter()
+                    .all(|(k, v)| line.contains(&format!("{k}=\"{v}\"")))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What the router should hold, built independently: kvroute's hashes of the
+/// tokens the publisher stored, applied to a reference index.
+#[derive(Default)]
+struct Expected {
+    index: KvIndex,
+    next_id: u64,
+}
+
+impl Expected {
+    fn apply(&mut self, dp_rank: u32, events: &[EngineEvent]) {
+        for event in events {
+            let kind = match event {
+                EngineEvent::Stored {
+                    medium: Some(m), ..
+                }
+                | EngineEvent::Removed {
+                    medium: Some(m), ..
+                } if *m != "GPU" => continue,
+                EngineEvent::Stored { block_size, .. } if *block_size != ROUTER_BLOCK_SIZE => {
+                    continue;
+                }
+                EngineEvent::Stored {
+                    hashes,
+                    parent,
+                    tokens,
+                    lora_name,
+                    ..
+                } => {
+                    let hasher =
+                        BlockHasher::with_lora(ROUTER_BLOCK_SIZE as usize, lora_name.unwrap_or(""));
+                    EventKind::Stored {
+                        parent_hash: parent.as_ref().map(Hash::id),
+                        blocks: hashes
+                            .iter()
+                            .zip(hasher.local_hashes(tokens))
+                            .map(|(h, tokens_hash)| StoredBlock {
+                                block_hash: h.id(),
+                                tokens_hash,
+                            })
+                            .collect(),
+                    }
+                }
+                EngineEvent::Removed { hashes, .. } => EventKind::Removed {
+                    block_hashes: hashes.iter().map(Hash::id).collect(),
+                },
+                EngineEvent::Cleared => EventKind::Cleared,
+            };
+            self.next_id += 1;
+            self.index.apply(
+                WorkerKey::new(WORKER_ID, dp_rank),
+                &KvEvent {
+                    event_id: self.next_id,
+                    kind,
+                },
+            );
+        }
+    }
+}
+
+/// A rank's blocks as (parent, engine hash, tokens hash), sorted: what a dump shows.
+fn held(index: &KvIndex, dp_rank: u32) -> Vec<(Option<u64>, u64, u64)> {
+    let mut blocks: Vec<_> = index
+        .dump(WorkerKey::new(WORKER_ID, dp_rank))
+        .map(|d| d.events)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|kind| match kind {
+            EventKind::Stored {
+                parent_hash,
+                blocks,
+            } => blocks
+                .into_iter()
+                .map(|b| (parent_hash, b.block_hash, b.tokens_hash))
+                .collect(),
+            _ => vec![],
+        })
+        .collect();
+    blocks.sort();
+    blocks
+}
+
+/// Distinct tokens for `blocks` blocks of 4.
+fn tokens(first: u32, blocks: u32) -> Vec<u32> {
+    (first..first + blocks * ROUTER_BLOCK_SIZE).collect()
+}
+
+fn stored(hashes: Vec<Hash>, parent: Option<Hash>, tokens: Vec<u32>) -> EngineEvent {
+    EngineEvent::Stored {
+        hashes,
+        parent,
+        tokens,
+        block_size: ROUTER_BLOCK_SIZE,
+        medium: None,
+        lora_name: None,
+    }
+}
+
+fn unsigned(ids: &[u64]) -> Vec<Hash> {
+    ids.iter().map(|&h| Hash::Unsigned(h)).collect()
+}
+
+fn digest(last: u64) -> Hash {
+    let mut bytes = [0x5a; 32];
+    bytes[24..].copy_from_slice(&last.to_be_bytes());
+    Hash::Bytes(bytes)
+}
+
+/// Publishes empty batches until the bridge has received one: the subscription is up.
+async fn until_subscribed(
+    publisher: &mut Publisher,
+    bridge: &Bridge,
+    encoding: Encoding,
+    dp_rank: u32,
+) {
+    let rank = dp_rank.to_string();
+    let start = Instant::now();
+    while bridge
+        .metric("kvroute_bridge_batches_received_total", &[("rank", &rank)])
+        .await
+        < 1.0
+    {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the bridge never subscribed to rank {rank}"
+        );
+        publisher.publish(encode(&[], encoding, dp_rank)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
+    let recorded = Arc::new(Recorded::default());
+    let router = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(2);
+    let replay_port = free_ports(2);
+    let mut rank0 = Publisher::bind(events_port, Some(replay_port), "kv").await;
+    let mut rank1 = Publisher::bind(events_port + 1, Some(replay_port + 1), "kv").await;
+    let bridge = Bridge::spawn(
+        &[
+            format!("--engine-events=tcp://127.0.0.1:{events_port}"),
+            format!("--engine-replay=tcp://127.0.0.1:{replay_port}"),
+            "--topic=kv".into(),
+            "--data-parallel-size=2".into(),
+        ],
+        router,
+        &engine_url,
+        ROUTER_BLOCK_SIZE,
+    );
+    let mut expected = Expected::default();
+    until_subscribed(&mut rank0, &bridge, Encoding::Array, 0).await;
+    until_subscribed(&mut rank1, &bridge, Encoding::Map, 1).await;
+    eventually("registration", || async {
+        !recorded.registrations.lock().unwrap().is_empty()
+    })
+    .await;
+    {
+        let registrations = recorded.registrations.lock().unwrap();
+        let register = &registrations[0];
+        assert_eq!(
+            (register.worker_id, register.block_size),
+            (WORKER_ID, ROUTER_BLOCK_SIZE)
+        );
+        assert_eq!(register.dp_ranks, [0, 1]);
+        assert_eq!(register.models, ["test-model"]);
+        assert_eq!(register.lora_names, ["adapter"]);
+        assert_eq!(register.base_url, engine_url);
+    }
+    // The router loses the next batch: it must notice the gap and resync from the bridge's mirror.
+    *recorded.batches_to_lose.lock().unwrap() = 1;
+
+    // Rank 0, array encoding, unsigned hashes.
+    let batches: Vec<Vec<EngineEvent>> = vec![
+        vec![stored(unsigned(&[101, 102, 103]), None, tokens(0, 3))],
+        vec![
+            stored(
+                unsigned(&[104, 105]),
+                Some(Hash::Unsigned(103)),
+                tokens(12, 2),
+            ),
+            // CPU-tier copies and a foreign block size are left out.
+            EngineEvent::Stored {
+                hashes: unsigned(&[901]),
+                parent: None,
+                tokens: tokens(0, 1),
+                block_size: 4,
+                medium: Some("CPU"),
+                lora_name: None,
+            },
+            EngineEvent::Removed {
+                hashes: unsigned(&[101]),
+                medium: Some("CPU"),
+            },
+            EngineEvent::Stored {
+                hashes: unsigned(&[902]),
+                parent: None,
+                tokens: (0..8).collect(),
+                block_size: 8,
+                medium: None,
+                lora_name: None,
+            },
+        ],
+    ];
+    for batch in &batches {
+        rank0.publish(encode(batch, Encoding::Array, 0)).await;
+        expected.apply(0, batch);
+    }
+    rank0.publish(b"\x92\x01".to_vec()).await; // malformed: counted and skipped
+    // A batch ZeroMQ drops: the next one reveals the gap and the replay socket fills it.
+    let lost = vec![stored(
+        unsigned(&[106]),
+        Some(Hash::Unsigned(105)),
+        tokens(20, 1),
+    )];
+    rank0.drop_next(encode(&lost, Encoding::Array, 0));
+    expected.apply(0, &lost);
+    let after_gap = vec![EngineEvent::Removed {
+        hashes: unsigned(&[106, 105]),
+        medium: Some("GPU"),
+    }];
+    rank0.publish(encode(&after_gap, Encoding::Array, 0)).await;
+    expected.apply(0, &after_gap);
+
+    // Rank 1, map encoding: signed and byte hashes, a LoRA adapter, a clear, then an engine restart.
+    let batches: Vec<Vec<EngineEvent>> = vec![
+        vec![
+            stored(
+                vec![Hash::Signed(-5), Hash::Signed(-6)],
+                None,
+                tokens(100, 2),
+            ),
+            stored(vec![digest(7)], Some(Hash::Signed(-6)), tokens(108, 1)),
+            EngineEvent::Stored {
+                hashes: unsigned(&[300]),
+                parent: None,
+                tokens: tokens(100, 1),
+                block_size: 4,
+                medium: Some("GPU"),
+                lora_name: Some("adapter"),
+            },
+        ],
+        vec![
+            EngineEvent::Cleared,
+            stored(vec![Hash::Signed(-8)], None, tokens(200, 1)),
+        ],
+    ];
+    for batch in &batches {
+        rank1.publish(encode(batch, Encoding::Map, 1)).await;
+        expected.apply(1, batch);
+    }
+    eventually("rank 1's batches before the restart", || async {
+        held(&recorded.index, 1) == held(&expected.index, 1)
+    })
+    .await;
+    for _ in 0..50 {
+        rank1.publish(encode(&[], Encoding::Map, 1)).await;
+    }
+    rank1.restart().await;
+    expected.apply(1, &[EngineEvent::Cleared]);
+    let start = Instant::now();
+    while bridge
+        .metric("kvroute_bridge_restarts_total", &[("rank", "1")])
+        .await
+        < 1.0
+    {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the bridge never saw the restart"
+        );
+        rank1.publish(encode(&[], Encoding::Map, 1)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after_restart = vec![stored(vec![digest(1), digest(2)], None, tokens(300, 2))];
+    rank1
+        .publish(encode(&after_restart, Encoding::Map, 1))
+        .await;
+    expected.apply(1, &after_restart);
+
+    eventually("the router index to equal what was stored", || async {
+        held(&recorded.index, 0) == held(&expected.index, 0)
+            && held(&recorded.index, 1) == held(&expected.index, 1)
+    })
+    .await;
+    assert_eq!(held(&recorded.index, 0).len(), 4, "rank 0 keeps 101..104");
+    assert_eq!(
+        held(&recorded.index, 1).len(),
+        2,
+        "rank 1 keeps only what came after the restart"
+    );
+    assert!(*recorded.resyncs_sent.lock().unwrap() >= 1);
+    assert!(
+        *recorded.dumps.lock().unwrap() >= 3,
+        "two dumps at registration, one per resync"
+    );
+
+    let m = |name: &'static str, labels: &'static [(&'static str, &'static str)]| {
+        bridge.metric(name, labels)
+    };
+    assert_eq!(
+        m(
+            "kvroute_bridge_decode_failures_total",
+            &[("rank", "0"), ("reason", "not_msgpack")]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        m(
+            "kvroute_bridge_events_skipped_total",
+            &[("rank", "0"), ("reason", "medium")]
+        )
+        .await,
+        2.0
+    );
+    assert_eq!(
+        m(
+            "kvroute_bridge_events_skipped_total",
+            &[("rank", "0"), ("reason", "block_size")]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(m("kvroute_bridge_gaps_total", &[("rank", "0")]).await, 1.0);
+    assert!(
+        m(
+            "kvroute_bridge_replays_total",
+            &[("rank", "0"), ("outcome", "complete")]
+        )
+        .await
+            >= 1.0
+    );
+    assert_eq!(m("kvroute_bridge_mirror_resets_total", &[]).await, 0.0);
+    assert_eq!(
+        m("kvroute_bridge_restarts_total", &[("rank", "1")]).await,
+        1.0
+    );
+    assert_eq!(
+        m("kvroute_bridge_restarts_total", &[("rank", "0")]).await,
+        0.0
+    );
+
+    eventually("load reports of both ranks", || async {
+        let loads = recorded.loads.lock().unwrap();
+        let rank0 = loads.iter().any(|l| {
+            (
+                l.dp_rank,
+                l.running_requests,
+                l.queued_requests,
+                l.kv_blocks_used,
+                l.kv_blocks_total,
+            ) == (0, 3, 2, 250, 1000)
+        });
+        rank0
+            && loads
+                .iter()
+                .any(|l| (l.dp_rank, l.running_requests) == (1, 1))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_replay_a_gap_clears_the_rank_and_a_late_router_gets_the_mirror() {
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(1);
+    let router_port = free_ports(1);
+    let router: SocketAddr = format!("127.0.0.1:{router_port}").parse().unwrap();
+    let mut publisher = Publisher::bind(events_port, None, "").await;
+    let bridge = Bridge::spawn(
+        &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
+        router,
+        &engine_url,
+        ROUTER_BLOCK_SIZE,
+    );
+    until_subscribed(&mut publisher, &bridge, Encoding::Map, 0).await;
+
+    let mut expected = Expected::default();
+    let first = vec![stored(unsigned(&[1, 2]), None, tokens(0, 2))];
+    publisher.publish(encode(&first, Encoding::Map, 0)).await;
+    expected.apply(0, &first);
+    publisher.drop_next(encode(
+        &[stored(
+            unsigned(&[3]),
+            Some(Hash::Unsigned(2)),
+            tokens(8, 1),
+        )],
+        Encoding::Map,
+        0,
+    ));
+    // Nothing can recover the lost batch: the rank is cleared, then goes on.
+    expected.apply(0, &[EngineEvent::Cleared]);
+    let after = vec![stored(unsigned(&[10]), None, tokens(50, 1))];
+    publisher.publish(encode(&after, Encoding::Array, 0)).await;
+    expected.apply(0, &after);
+    eventually("the gap to be handled", || async {
+        bridge
+            .metric("kvroute_bridge_mirror_resets_total", &[("rank", "0")])
+            .await
+            == 1.0
+    })
+    .await;
+
+    // The router comes up only now: the bridge has been retrying, and registers with its mirror.
+    let recorded = Arc::new(Recorded::default());
+    recorder::start(router, recorded.clone()).await;
+    eventually("the router index to equal the mirror", || async {
+        !held(&recorded.index, 0).is_empty() && held(&recorded.index, 0) == held(&expected.index, 0)
+    })
+    .await;
+    assert_eq!(held(&recorded.index, 0).len(), 1);
+    assert_eq!(
+        bridge
+            .metric("kvroute_bridge_gaps_total", &[("rank", "0")])
+            .await,
+        1.0
+    );
+    assert_eq!(
+        bridge.metric("kvroute_bridge_replays_total", &[]).await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_size_the_router_refuses_stops_the_bridge_with_the_reason() {
+    let recorded = Arc::new(Recorded::default());
+    let router = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(1);
+    let _publisher = Publisher::bind(events_port, None, "").await;
+    let mut bridge = Bridge::spawn(
+        &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
+        router,
+        &engine_url,
+        16,
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = bridge.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the bridge kept running after the refusal"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(bridge.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains("block size 16 does not match the router's 4"),
+        "stderr: {stderr}"
+    );
+}
