@@ -24,12 +24,15 @@ struct Cli {
 enum Command {
     /// Print the Dynamo-compatible block hashes of a token sequence.
     Hash(cmd::hash::HashArgs),
+    /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
