@@ -129,6 +129,11 @@ fn install() -> PrometheusHandle {
     }
     // Families without worker labels exist from the start, so dashboards and
     // alerts see zeros instead of "no data".
+    for &(name, _) in FAMILIES {
+        if name.ends_with("_total") {
+            let _ = metrics::counter!(name);
+        }
+    }
     for phase in ["tokenize", "hash", "find_matches", "schedule", "total"] {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
     }
@@ -144,12 +149,9 @@ fn install() -> PrometheusHandle {
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
-        CANCELLED,
     ] {
         if name.ends_with("_seconds") || name.ends_with("_ratio") {
             let _ = metrics::histogram!(name);
-        } else if name.ends_with("_total") {
-            let _ = metrics::counter!(name);
         } else {
             let _ = metrics::gauge!(name);
         }
