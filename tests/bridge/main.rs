@@ -1,7 +1,12 @@
 //! End to end: a test engine publisher (both wire encodings) drives the real
-//! `kvroute bridge` process over loopback ZeroMQ, and the bridge streams to a real
-//! gRPC router, whose index must end up holding exactly what the publisher stored.
+//! `kvroute bridge` process over loopback ZeroMQ, and the bridge streams to the
+//! real `kvroute serve`, whose index (read through its HTTP API) must end up
+//! holding exactly what the publisher stored. The same scenario also runs against
+//! a recording gRPC router that loses a batch on purpose, to drive the resync
+//! path, and whose index can be compared block by block.
 
+#[path = "../common/mod.rs"]
+mod common;
 mod publisher;
 mod recorder;
 
@@ -12,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
+use common::{Http, RouterProcess};
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
@@ -69,7 +75,8 @@ vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.
     ]});
     let app = Router::new()
         .route("/v1/models", get(move || async move { axum::Json(models) }))
-        .route("/metrics", get(|| async { METRICS }));
+        .route("/metrics", get(|| async { METRICS }))
+        .route("/health", get(|| async { "ok" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -83,12 +90,12 @@ struct Bridge {
 }
 
 impl Bridge {
-    fn spawn(extra: &[String], router: SocketAddr, engine_url: &str, block_size: u32) -> Self {
+    fn spawn(extra: &[String], router: &str, engine_url: &str, block_size: u32) -> Self {
         let metrics_port = free_ports(1);
         let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .arg("bridge")
             .args(extra)
-            .args(["--router", &format!("http://{router}")])
+            .args(["--router", router])
             .args(["--worker-id", &WORKER_ID.to_string()])
             .args(["--engine-url", engine_url])
             .args(["--block-size", &block_size.to_string()])
@@ -259,10 +266,157 @@ async fn until_subscribed(
     }
 }
 
+/// Prompts whose cached prefix the router is asked about: (model or adapter, tokens).
+type Probes = Vec<(&'static str, Vec<u32>)>;
+
+/// What a router knows of one rank: its block count and the cached prefix, in
+/// blocks, of each probe prompt.
+#[derive(Debug, PartialEq)]
+struct RankView {
+    blocks: u64,
+    overlaps: Vec<u32>,
+}
+
+fn index_view(index: &KvIndex, dp_rank: u32, probes: &Probes) -> RankView {
+    let key = WorkerKey::new(WORKER_ID, dp_rank);
+    let overlaps = probes
+        .iter()
+        .map(|(name, tokens)| {
+            let lora = if *name == "adapter" { "adapter" } else { "" };
+            let local =
+                BlockHasher::with_lora(ROUTER_BLOCK_SIZE as usize, lora).local_hashes(tokens);
+            index
+                .find_matches(&local)
+                .iter()
+                .find(|m| m.worker == key)
+                .map_or(0, |m| m.depth)
+        })
+        .collect();
+    RankView {
+        blocks: index.worker_blocks(key),
+        overlaps,
+    }
+}
+
+/// The router the bridge streams to in a scenario.
+enum Target {
+    /// The real router, asked through its HTTP API.
+    Serve(RouterProcess),
+    /// The recording router, whose index is read directly.
+    Recorder(Arc<Recorded>, SocketAddr),
+}
+
+impl Target {
+    fn grpc_url(&self) -> String {
+        match self {
+            Target::Serve(router) => router.grpc.clone(),
+            Target::Recorder(_, addr) => format!("http://{addr}"),
+        }
+    }
+
+    async fn view(&self, dp_rank: u32, probes: &Probes) -> RankView {
+        let router = match self {
+            Target::Recorder(recorded, _) => return index_view(&recorded.index, dp_rank, probes),
+            Target::Serve(router) => router,
+        };
+        let http = Http::default();
+        let worker = http
+            .get(&format!("{}/workers/{WORKER_ID}", router.http))
+            .await;
+        if !worker.status.is_success() {
+            return RankView {
+                blocks: 0,
+                overlaps: vec![],
+            };
+        }
+        let blocks = worker.json()["index"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["dp_rank"] == dp_rank)
+            .map_or(0, |r| r["indexed_blocks"].as_u64().unwrap());
+        let mut overlaps = Vec::new();
+        for (name, tokens) in probes {
+            let body = serde_json::json!({"model": name, "prompt": tokens});
+            let reply = http.post(&format!("{}/v1/route", router.http), &body).await;
+            assert!(
+                reply.status.is_success(),
+                "/v1/route: {}",
+                String::from_utf8_lossy(&reply.body)
+            );
+            let overlap = reply.json()["scores"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["worker_id"] == WORKER_ID && s["dp_rank"] == dp_rank)
+                .map_or(0, |s| s["event_overlap_blocks"].as_u64().unwrap() as u32);
+            overlaps.push(overlap);
+        }
+        RankView { blocks, overlaps }
+    }
+
+    /// The worker as the router knows it: models, adapters, engine URL and each rank's reported load.
+    async fn worker(&self) -> Option<serde_json::Value> {
+        match self {
+            Target::Recorder(recorded, _) => {
+                let registrations = recorded.registrations.lock().unwrap();
+                let register = registrations.first()?;
+                let loads = recorded.loads.lock().unwrap();
+                let reported = |rank: u32| {
+                    loads.iter().rev().find(|l| l.dp_rank == rank).map_or(
+                        serde_json::Value::Null,
+                        |l| {
+                            serde_json::json!({
+                                "running_requests": l.running_requests,
+                                "queued_requests": l.queued_requests,
+                                "kv_blocks_used": l.kv_blocks_used,
+                                "kv_blocks_total": l.kv_blocks_total,
+                            })
+                        },
+                    )
+                };
+                let ranks: Vec<_> = register
+                    .dp_ranks
+                    .iter()
+                    .map(|&r| serde_json::json!({"dp_rank": r, "reported": reported(r)}))
+                    .collect();
+                Some(serde_json::json!({
+                    "models": register.models,
+                    "lora_names": register.lora_names,
+                    "base_url": register.base_url,
+                    "ranks": ranks,
+                }))
+            }
+            Target::Serve(router) => {
+                let reply = Http::default()
+                    .get(&format!("{}/workers/{WORKER_ID}", router.http))
+                    .await;
+                reply
+                    .status
+                    .is_success()
+                    .then(|| reply.json()["worker"].clone())
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
+async fn the_real_router_indexes_what_the_engine_published() {
+    let router = RouterProcess::start(&format!("block_size = {ROUTER_BLOCK_SIZE}"));
+    engine_scenario(Target::Serve(router)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_lost_a_batch_resyncs_from_the_mirror() {
     let recorded = Arc::new(Recorded::default());
-    let router = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    let addr = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    engine_scenario(Target::Recorder(recorded, addr)).await;
+}
+
+/// Both encodings, two data-parallel ranks, a gap filled by replay, an engine
+/// restart, filtered and malformed input: the router must end up holding what
+/// the engine holds on GPU.
+async fn engine_scenario(target: Target) {
     let engine_url = start_engine_http().await;
     let events_port = free_ports(2);
     let replay_port = free_ports(2);
@@ -275,31 +429,24 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
             "--topic=kv".into(),
             "--data-parallel-size=2".into(),
         ],
-        router,
+        &target.grpc_url(),
         &engine_url,
         ROUTER_BLOCK_SIZE,
     );
     let mut expected = Expected::default();
     until_subscribed(&mut rank0, &bridge, Encoding::Array, 0).await;
     until_subscribed(&mut rank1, &bridge, Encoding::Map, 1).await;
-    eventually("registration", || async {
-        !recorded.registrations.lock().unwrap().is_empty()
-    })
-    .await;
-    {
-        let registrations = recorded.registrations.lock().unwrap();
-        let register = &registrations[0];
-        assert_eq!(
-            (register.worker_id, register.block_size),
-            (WORKER_ID, ROUTER_BLOCK_SIZE)
-        );
-        assert_eq!(register.dp_ranks, [0, 1]);
-        assert_eq!(register.models, ["test-model"]);
-        assert_eq!(register.lora_names, ["adapter"]);
-        assert_eq!(register.base_url, engine_url);
+    eventually("registration", || async { target.worker().await.is_some() }).await;
+    let worker = target.worker().await.unwrap();
+    assert_eq!(worker["models"], serde_json::json!(["test-model"]));
+    assert_eq!(worker["lora_names"], serde_json::json!(["adapter"]));
+    assert_eq!(worker["base_url"], engine_url.as_str());
+    assert_eq!(worker["ranks"].as_array().unwrap().len(), 2);
+    if let Target::Recorder(recorded, _) = &target {
+        // The router loses rank 0's next batch (rank 0 sends more after it): it must
+        // notice the gap and resync from the bridge's mirror.
+        *recorded.lose_next_batch_of.lock().unwrap() = Some(0);
     }
-    // The router loses the next batch: it must notice the gap and resync from the bridge's mirror.
-    *recorded.batches_to_lose.lock().unwrap() = 1;
 
     // Rank 0, array encoding, unsigned hashes.
     let batches: Vec<Vec<EngineEvent>> = vec![
@@ -376,15 +523,35 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
             stored(vec![Hash::Signed(-8)], None, tokens(200, 1)),
         ],
     ];
-    for batch in &batches {
-        rank1.publish(encode(batch, Encoding::Map, 1)).await;
-        expected.apply(1, batch);
-    }
-    eventually("rank 1's batches before the restart", || async {
-        held(&recorded.index, 1) == held(&expected.index, 1)
+    let probes: Probes = vec![
+        ("test-model", tokens(0, 3)),
+        (
+            "test-model",
+            [tokens(0, 3), tokens(12, 2), tokens(20, 1)].concat(),
+        ),
+        ("test-model", [tokens(100, 2), tokens(108, 1)].concat()),
+        ("adapter", tokens(100, 1)),
+        ("test-model", tokens(200, 1)),
+        ("test-model", tokens(300, 2)),
+    ];
+    rank1.publish(encode(&batches[0], Encoding::Map, 1)).await;
+    expected.apply(1, &batches[0]);
+    eventually("rank 1's first batch, a LoRA block among it", || async {
+        target.view(1, &probes).await == index_view(&expected.index, 1, &probes)
     })
     .await;
-    for _ in 0..50 {
+    assert_eq!(
+        index_view(&expected.index, 1, &probes).overlaps,
+        [0, 0, 3, 1, 0, 0]
+    );
+    rank1.publish(encode(&batches[1], Encoding::Map, 1)).await;
+    expected.apply(1, &batches[1]);
+    eventually("rank 1's batches before the restart", || async {
+        target.view(1, &probes).await == index_view(&expected.index, 1, &probes)
+    })
+    .await;
+    // Far enough ahead that the restarted engine cannot catch up before the bridge reconnects.
+    for _ in 0..200 {
         rank1.publish(encode(&[], Encoding::Map, 1)).await;
     }
     rank1.restart().await;
@@ -409,27 +576,43 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
     expected.apply(1, &after_restart);
 
     eventually("the router index to equal what was stored", || async {
-        held(&recorded.index, 0) == held(&expected.index, 0)
-            && held(&recorded.index, 1) == held(&expected.index, 1)
+        target.view(0, &probes).await == index_view(&expected.index, 0, &probes)
+            && target.view(1, &probes).await == index_view(&expected.index, 1, &probes)
     })
     .await;
-    assert_eq!(held(&recorded.index, 0).len(), 4, "rank 0 keeps 101..104");
+    let rank0 = index_view(&expected.index, 0, &probes);
     assert_eq!(
-        held(&recorded.index, 1).len(),
-        2,
-        "rank 1 keeps only what came after the restart"
+        rank0,
+        RankView {
+            blocks: 4,
+            overlaps: vec![3, 4, 0, 0, 0, 0]
+        },
+        "rank 0 keeps 101..104"
     );
-    assert!(*recorded.resyncs_sent.lock().unwrap() >= 1);
-    assert!(
-        *recorded.dumps.lock().unwrap() >= 3,
-        "two dumps at registration, one per resync"
+    let rank1 = index_view(&expected.index, 1, &probes);
+    assert_eq!(
+        rank1,
+        RankView {
+            blocks: 2,
+            overlaps: vec![0, 0, 0, 0, 0, 2]
+        },
+        "rank 1 keeps what followed the restart"
     );
+    if let Target::Recorder(recorded, _) = &target {
+        assert_eq!(held(&recorded.index, 0), held(&expected.index, 0));
+        assert_eq!(held(&recorded.index, 1), held(&expected.index, 1));
+        assert!(*recorded.resyncs_sent.lock().unwrap() >= 1);
+        assert!(
+            *recorded.dumps.lock().unwrap() >= 3,
+            "two dumps at registration, one per resync"
+        );
+    }
 
-    let m = |name: &'static str, labels: &'static [(&'static str, &'static str)]| {
+    let metric = |name: &'static str, labels: &'static [(&'static str, &'static str)]| {
         bridge.metric(name, labels)
     };
     assert_eq!(
-        m(
+        metric(
             "kvroute_bridge_decode_failures_total",
             &[("rank", "0"), ("reason", "not_msgpack")]
         )
@@ -437,7 +620,7 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
         1.0
     );
     assert_eq!(
-        m(
+        metric(
             "kvroute_bridge_events_skipped_total",
             &[("rank", "0"), ("reason", "medium")]
         )
@@ -445,47 +628,45 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
         2.0
     );
     assert_eq!(
-        m(
+        metric(
             "kvroute_bridge_events_skipped_total",
             &[("rank", "0"), ("reason", "block_size")]
         )
         .await,
         1.0
     );
-    assert_eq!(m("kvroute_bridge_gaps_total", &[("rank", "0")]).await, 1.0);
+    assert_eq!(
+        metric("kvroute_bridge_gaps_total", &[("rank", "0")]).await,
+        1.0
+    );
     assert!(
-        m(
+        metric(
             "kvroute_bridge_replays_total",
             &[("rank", "0"), ("outcome", "complete")]
         )
         .await
             >= 1.0
     );
-    assert_eq!(m("kvroute_bridge_mirror_resets_total", &[]).await, 0.0);
+    assert_eq!(metric("kvroute_bridge_mirror_resets_total", &[]).await, 0.0);
     assert_eq!(
-        m("kvroute_bridge_restarts_total", &[("rank", "1")]).await,
+        metric("kvroute_bridge_restarts_total", &[("rank", "1")]).await,
         1.0
     );
     assert_eq!(
-        m("kvroute_bridge_restarts_total", &[("rank", "0")]).await,
+        metric("kvroute_bridge_restarts_total", &[("rank", "0")]).await,
         0.0
     );
 
     eventually("load reports of both ranks", || async {
-        let loads = recorded.loads.lock().unwrap();
-        let rank0 = loads.iter().any(|l| {
-            (
-                l.dp_rank,
-                l.running_requests,
-                l.queued_requests,
-                l.kv_blocks_used,
-                l.kv_blocks_total,
-            ) == (0, 3, 2, 250, 1000)
-        });
-        rank0
-            && loads
-                .iter()
-                .any(|l| (l.dp_rank, l.running_requests) == (1, 1))
+        let Some(worker) = target.worker().await else {
+            return false;
+        };
+        let reported = |rank: usize| worker["ranks"][rank]["reported"].clone();
+        reported(0)["running_requests"] == 3
+            && reported(0)["queued_requests"] == 2
+            && reported(0)["kv_blocks_used"] == 250
+            && reported(0)["kv_blocks_total"] == 1000
+            && reported(1)["running_requests"] == 1
     })
     .await;
 }
@@ -494,12 +675,11 @@ async fn both_encodings_gaps_restarts_and_ranks_reach_the_router_index() {
 async fn without_replay_a_gap_clears_the_rank_and_a_late_router_gets_the_mirror() {
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
-    let router_port = free_ports(1);
-    let router: SocketAddr = format!("127.0.0.1:{router_port}").parse().unwrap();
+    let router: SocketAddr = format!("127.0.0.1:{}", free_ports(1)).parse().unwrap();
     let mut publisher = Publisher::bind(events_port, None, "").await;
     let bridge = Bridge::spawn(
         &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
-        router,
+        &format!("http://{router}"),
         &engine_url,
         ROUTER_BLOCK_SIZE,
     );
@@ -553,14 +733,13 @@ async fn without_replay_a_gap_clears_the_rank_and_a_late_router_gets_the_mirror(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_size_the_router_refuses_stops_the_bridge_with_the_reason() {
-    let recorded = Arc::new(Recorded::default());
-    let router = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    let router = RouterProcess::start(&format!("block_size = {ROUTER_BLOCK_SIZE}"));
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
     let _publisher = Publisher::bind(events_port, None, "").await;
     let mut bridge = Bridge::spawn(
         &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
-        router,
+        &router.grpc,
         &engine_url,
         16,
     );

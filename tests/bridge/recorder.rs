@@ -25,8 +25,8 @@ pub struct Recorded {
     pub loads: Mutex<Vec<proto::LoadReport>>,
     pub dumps: Mutex<u64>,
     pub resyncs_sent: Mutex<u64>,
-    /// Event batches to lose on purpose before applying the rest, as a router whose queue overflowed.
-    pub batches_to_lose: Mutex<u64>,
+    /// A rank whose next event batch is lost on purpose, as by a router whose queue overflowed.
+    pub lose_next_batch_of: Mutex<Option<u32>>,
 }
 
 #[derive(Clone)]
@@ -97,9 +97,9 @@ impl Recorded {
         match body {
             Body::Events(batch) => {
                 {
-                    let mut lose = self.batches_to_lose.lock().unwrap();
-                    if *lose > 0 && !batch.events.is_empty() {
-                        *lose -= 1;
+                    let mut lose = self.lose_next_batch_of.lock().unwrap();
+                    if *lose == Some(batch.dp_rank) && !batch.events.is_empty() {
+                        *lose = None;
                         return vec![];
                     }
                 }
