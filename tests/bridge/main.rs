@@ -86,7 +86,7 @@ vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.
 /// A running `kvroute bridge`, killed when dropped.
 struct Bridge {
     child: Child,
-    metrics_url: String,
+    metrics_addr: SocketAddr,
 }
 
 impl Bridge {
@@ -106,17 +106,24 @@ impl Bridge {
             .unwrap();
         Self {
             child,
-            metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
+            metrics_addr: SocketAddr::from(([127, 0, 0, 1], metrics_port)),
         }
     }
 
-    /// The sum of the samples of `name` whose labels include `labels`; 0 when none.
+    /// The sum of the samples of `name` whose labels include `labels`; 0 when
+    /// none, or while the bridge is not serving `/metrics` yet.
     async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let Ok(response) = reqwest::get(&self.metrics_url).await else {
+        if tokio::net::TcpStream::connect(self.metrics_addr)
+            .await
+            .is_err()
+        {
             return 0.0;
-        };
-        let text = response.text().await.unwrap_or_default();
-        text.lines()
+        }
+        let reply = Http::default()
+            .get(&format!("http://{}/metrics", self.metrics_addr))
+            .await;
+        String::from_utf8_lossy(&reply.body)
+            .lines()
             .filter(|line| line.starts_with(name) && !line.starts_with('#'))
             .filter(|line| line[name.len()..].starts_with(['{', ' ']))
             .filter(|line| {

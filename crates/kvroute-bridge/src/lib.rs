@@ -29,6 +29,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
 use kvroute_proto as proto;
 use tokio::sync::mpsc;
 use tracing::warn;
@@ -119,7 +124,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         );
         tokio::spawn(follower.run());
     }
-    let engine = EngineHttp::new(&config.engine_url)?;
+    let engine = EngineHttp::new(&config.engine_url);
     tokio::spawn(report_load(
         engine.clone(),
         config.block_size,
@@ -179,45 +184,64 @@ fn offset_port(endpoint: &str, offset: u32) -> Result<String, BridgeError> {
 #[derive(Clone)]
 pub struct EngineHttp {
     base: String,
-    client: reqwest::Client,
+    client: Client<HttpConnector, Empty<Bytes>>,
     /// The KV pool of rank 0 in blocks, as last scraped; 0 until known.
     total_kv_blocks: Arc<AtomicU64>,
 }
 
 impl EngineHttp {
-    fn new(base: &str) -> Result<Self, BridgeError> {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()
-            .map_err(|e| BridgeError::EngineHttp(base.to_owned(), e.to_string()))?;
-        Ok(Self {
+    const TIMEOUT: Duration = Duration::from_secs(5);
+
+    fn new(base: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Self::TIMEOUT));
+        Self {
             base: base.trim_end_matches('/').to_owned(),
-            client,
+            client: Client::builder(TokioExecutor::new()).build(connector),
             total_kv_blocks: Arc::default(),
-        })
+        }
     }
 
-    async fn get(&self, path: &str) -> Result<reqwest::Response, BridgeError> {
+    /// The body of a successful `GET` of `path`.
+    async fn get(&self, path: &str) -> Result<Bytes, BridgeError> {
         let url = format!("{}{path}", self.base);
-        let error = |e: reqwest::Error| BridgeError::EngineHttp(url.clone(), e.to_string());
-        self.client
-            .get(&url)
-            .send()
+        let error = |e: String| BridgeError::EngineHttp(url.clone(), e);
+        let uri: hyper::Uri = url
+            .parse()
+            .map_err(|e: hyper::http::uri::InvalidUri| error(e.to_string()))?;
+        let fetch = async {
+            let response = self
+                .client
+                .get(uri)
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            if !response.status().is_success() {
+                return Err(error(format!("status {}", response.status())));
+            }
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| error(e.to_string()))?;
+            Ok(body.to_bytes())
+        };
+        tokio::time::timeout(Self::TIMEOUT, fetch)
             .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(error)
+            .map_err(|_| error(format!("no answer within {:?}", Self::TIMEOUT)))?
     }
 
     pub async fn models(&self) -> Result<ServedModels, BridgeError> {
-        let body: serde_json::Value = self.get("/v1/models").await?.json().await.map_err(|e| {
-            BridgeError::EngineHttp(format!("{}/v1/models", self.base), e.to_string())
-        })?;
-        parse_models(&body).ok_or_else(|| {
-            BridgeError::EngineHttp(
-                format!("{}/v1/models", self.base),
-                "not an OpenAI model list".into(),
-            )
-        })
+        let body = self.get("/v1/models").await?;
+        serde_json::from_slice(&body)
+            .ok()
+            .as_ref()
+            .and_then(parse_models)
+            .ok_or_else(|| {
+                BridgeError::EngineHttp(
+                    format!("{}/v1/models", self.base),
+                    "not an OpenAI model list".into(),
+                )
+            })
     }
 
     pub fn total_kv_blocks(&self) -> u64 {
@@ -225,10 +249,8 @@ impl EngineHttp {
     }
 
     async fn scrape(&self, block_size: u32) -> Result<BTreeMap<u32, RankLoad>, BridgeError> {
-        let text = self.get("/metrics").await?.text().await.map_err(|e| {
-            BridgeError::EngineHttp(format!("{}/metrics", self.base), e.to_string())
-        })?;
-        Ok(parse_load(&text, block_size))
+        let body = self.get("/metrics").await?;
+        Ok(parse_load(&String::from_utf8_lossy(&body), block_size))
     }
 }
 
