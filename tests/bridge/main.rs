@@ -23,6 +23,8 @@ use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
 
 const WORKER_ID: u64 = 42;
+/// The bearer token the real router requires on gRPC and its admin endpoints.
+const TOKEN: &str = "s3cret";
 const DEADLINE: Duration = Duration::from_secs(30);
 
 /// Polls `check` until it holds, failing the test with `what` after [`DEADLINE`].
@@ -327,9 +329,7 @@ impl Target {
             Target::Serve(router) => router,
         };
         let http = Http::default();
-        let worker = http
-            .get(&format!("{}/workers/{WORKER_ID}", router.http))
-            .await;
+        let worker = admin_get(&http, &format!("{}/workers/{WORKER_ID}", router.http)).await;
         if !worker.status.is_success() {
             return RankView {
                 blocks: 0,
@@ -395,9 +395,11 @@ impl Target {
                 }))
             }
             Target::Serve(router) => {
-                let reply = Http::default()
-                    .get(&format!("{}/workers/{WORKER_ID}", router.http))
-                    .await;
+                let reply = admin_get(
+                    &Http::default(),
+                    &format!("{}/workers/{WORKER_ID}", router.http),
+                )
+                .await;
                 reply
                     .status
                     .is_success()
@@ -409,8 +411,20 @@ impl Target {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_router_indexes_what_the_engine_published() {
-    let router = RouterProcess::start(&format!("block_size = {ROUTER_BLOCK_SIZE}"));
-    engine_scenario(Target::Serve(router)).await;
+    engine_scenario(Target::Serve(start_router())).await;
+}
+
+/// The real router, requiring [`TOKEN`].
+fn start_router() -> RouterProcess {
+    RouterProcess::start(&format!(
+        "block_size = {ROUTER_BLOCK_SIZE}\nauth_token = \"{TOKEN}\""
+    ))
+}
+
+async fn admin_get(http: &Http, url: &str) -> common::Reply {
+    let bearer = format!("Bearer {TOKEN}");
+    http.call("GET", url, &[("authorization", &bearer)], "")
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -435,6 +449,7 @@ async fn engine_scenario(target: Target) {
             format!("--engine-replay=tcp://127.0.0.1:{replay_port}"),
             "--topic=kv".into(),
             "--data-parallel-size=2".into(),
+            format!("--router-token={TOKEN}"),
         ],
         &target.grpc_url(),
         &engine_url,
@@ -739,33 +754,38 @@ async fn without_replay_a_gap_clears_the_rank_and_a_late_router_gets_the_mirror(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_block_size_the_router_refuses_stops_the_bridge_with_the_reason() {
-    let router = RouterProcess::start(&format!("block_size = {ROUTER_BLOCK_SIZE}"));
+async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
+    let router = start_router();
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
     let _publisher = Publisher::bind(events_port, None, "").await;
-    let mut bridge = Bridge::spawn(
-        &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
-        &router.grpc,
-        &engine_url,
-        16,
-    );
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = bridge.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the bridge kept running after the refusal"
+    for (block_size, token, reason) in [
+        (16, TOKEN, "block size 16 does not match the router's 4"),
+        (ROUTER_BLOCK_SIZE, "wrong", "missing or wrong bearer token"),
+    ] {
+        let mut bridge = Bridge::spawn(
+            &[
+                format!("--engine-events=tcp://127.0.0.1:{events_port}"),
+                format!("--router-token={token}"),
+            ],
+            &router.grpc,
+            &engine_url,
+            block_size,
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert!(!status.success());
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(bridge.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    assert!(
-        stderr.contains("block size 16 does not match the router's 4"),
-        "stderr: {stderr}"
-    );
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = bridge.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the bridge kept running after: {reason}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(!status.success());
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(bridge.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        assert!(stderr.contains(reason), "stderr: {stderr}");
+    }
 }
