@@ -694,17 +694,24 @@ async fn engine_scenario(target: Target) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_replay_a_gap_clears_the_rank_and_a_late_router_gets_the_mirror() {
+async fn without_replay_a_gap_clears_the_rank_and_late_engine_and_router_are_joined() {
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
     let router: SocketAddr = format!("127.0.0.1:{}", free_ports(1)).parse().unwrap();
-    let mut publisher = Publisher::bind(events_port, None, "").await;
     let bridge = Bridge::spawn(
         &[format!("--engine-events=tcp://127.0.0.1:{events_port}")],
         &format!("http://{router}"),
         &engine_url,
         ROUTER_BLOCK_SIZE,
     );
+    // The engine's publisher comes up after the bridge, which keeps trying to connect.
+    eventually("the bridge to serve /metrics", || async {
+        tokio::net::TcpStream::connect(bridge.metrics_addr)
+            .await
+            .is_ok()
+    })
+    .await;
+    let mut publisher = Publisher::bind(events_port, None, "").await;
     until_subscribed(&mut publisher, &bridge, Encoding::Map, 0).await;
 
     let mut expected = Expected::default();
