@@ -391,6 +391,7 @@ impl Target {
                     "models": register.models,
                     "lora_names": register.lora_names,
                     "base_url": register.base_url,
+                    "total_kv_blocks": register.total_kv_blocks,
                     "ranks": ranks,
                 }))
             }
@@ -464,6 +465,7 @@ async fn engine_scenario(target: Target) {
     assert_eq!(worker["lora_names"], serde_json::json!(["adapter"]));
     assert_eq!(worker["base_url"], engine_url.as_str());
     assert_eq!(worker["ranks"].as_array().unwrap().len(), 2);
+    assert_eq!(worker["total_kv_blocks"], 1000);
     if let Target::Recorder(recorded, _) = &target {
         // The router loses rank 0's next batch (rank 0 sends more after it): it must
         // notice the gap and resync from the bridge's mirror.

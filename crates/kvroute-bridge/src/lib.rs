@@ -244,13 +244,25 @@ impl EngineHttp {
             })
     }
 
-    pub fn total_kv_blocks(&self) -> u64 {
+    /// The KV pool size to register: as last scraped, or scraped now if still unknown.
+    pub async fn total_kv_blocks(&self, block_size: u32) -> u64 {
+        let known = self.total_kv_blocks.load(Ordering::Relaxed);
+        if known > 0 {
+            return known;
+        }
+        // Unknown stays 0: the router then relies on the load reports alone.
+        let _ = self.scrape(block_size).await;
         self.total_kv_blocks.load(Ordering::Relaxed)
     }
 
+    /// Per-rank load, remembering rank 0's pool size for registration.
     async fn scrape(&self, block_size: u32) -> Result<BTreeMap<u32, RankLoad>, BridgeError> {
         let body = self.get("/metrics").await?;
-        Ok(parse_load(&String::from_utf8_lossy(&body), block_size))
+        let load = parse_load(&String::from_utf8_lossy(&body), block_size);
+        if let Some(total) = load.get(&0).and_then(|l| l.total_blocks) {
+            self.total_kv_blocks.store(total, Ordering::Relaxed);
+        }
+        Ok(load)
     }
 }
 
@@ -274,9 +286,6 @@ async fn report_load(
             }
         };
         ::metrics::counter!(metrics::LOAD_SCRAPES, "outcome" => "ok").increment(1);
-        if let Some(total) = load.get(&0).and_then(|l| l.total_blocks) {
-            engine.total_kv_blocks.store(total, Ordering::Relaxed);
-        }
         for (&dp_rank, rank_load) in load.iter().filter(|(r, _)| **r < ranks) {
             // A full queue means the router link is down; the next report supersedes this one.
             let _ = reports.try_send(rank_load.report(dp_rank));

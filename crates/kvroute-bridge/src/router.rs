@@ -96,7 +96,7 @@ impl RouterLink {
             models: served.models.clone(),
             base_url: self.engine_url.clone(),
             block_size: self.block_size,
-            total_kv_blocks: self.engine.total_kv_blocks(),
+            total_kv_blocks: self.engine.total_kv_blocks(self.block_size).await,
             lora_names: served.lora_names.clone(),
         };
         // Queued before the call starts, so they are the stream's first messages.
