@@ -560,6 +560,30 @@ async fn engine_scenario(target: Target) {
     ];
     rank1.publish(encode(&batches[0], Encoding::Map, 1)).await;
     expected.apply(1, &batches[0]);
+    // A newer engine's event class is skipped; a map event without its tokens fails its batch.
+    let batch_of = |event: Vec<(&str, rmpv::Value)>| {
+        let event = rmpv::Value::Map(event.into_iter().map(|(k, v)| (k.into(), v)).collect());
+        let batch = rmpv::Value::Map(vec![
+            ("ts".into(), 1.0.into()),
+            ("events".into(), rmpv::Value::Array(vec![event])),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &batch).unwrap();
+        bytes
+    };
+    let hashes = || rmpv::Value::Array(vec![1.into()]);
+    rank1
+        .publish(batch_of(vec![
+            ("type", "BlockMoved".into()),
+            ("block_hashes", hashes()),
+        ]))
+        .await;
+    rank1
+        .publish(batch_of(vec![
+            ("type", "BlockStored".into()),
+            ("block_hashes", hashes()),
+        ]))
+        .await;
     eventually("rank 1's first batch, a LoRA block among it", || async {
         target.view(1, &probes).await == index_view(&expected.index, 1, &probes)
     })
@@ -674,6 +698,22 @@ async fn engine_scenario(target: Target) {
     assert_eq!(metric("kvroute_bridge_mirror_resets_total", &[]).await, 0.0);
     assert_eq!(
         metric("kvroute_bridge_restarts_total", &[("rank", "1")]).await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            "kvroute_bridge_events_skipped_total",
+            &[("rank", "1"), ("reason", "unknown_type")]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            "kvroute_bridge_decode_failures_total",
+            &[("rank", "1"), ("reason", "bad_field")]
+        )
+        .await,
         1.0
     );
     assert_eq!(
