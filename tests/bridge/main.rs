@@ -821,3 +821,39 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
         assert!(stderr.contains(reason), "stderr: {stderr}");
     }
 }
+
+#[test]
+fn bad_endpoints_are_clear_errors_at_start() {
+    for (flag, value, message) in [
+        (
+            "--engine-events",
+            "localhost:5557",
+            "\"localhost:5557\" is not tcp://HOST:PORT",
+        ),
+        (
+            "--engine-url",
+            "localhost:8000",
+            "--engine-url \"localhost:8000\" is not http://HOST:PORT",
+        ),
+    ] {
+        let mut args = [
+            ("--engine-events", "tcp://127.0.0.1:5557"),
+            ("--engine-url", "http://127.0.0.1:8000"),
+            ("--router", "http://127.0.0.1:50051"),
+            ("--worker-id", "1"),
+            ("--block-size", "16"),
+            ("--metrics-addr", "127.0.0.1:0"),
+        ];
+        args.iter_mut()
+            .filter(|(f, _)| *f == flag)
+            .for_each(|a| a.1 = value);
+        let output = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .arg("bridge")
+            .args(args.iter().map(|(f, v)| format!("{f}={v}")))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(stderr.contains(message), "stderr: {stderr}");
+    }
+}

@@ -100,6 +100,16 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         ));
     }
     let ranks = rank_endpoints(&config)?;
+    let engine_uri: hyper::Uri = config
+        .engine_url
+        .parse()
+        .map_err(|e| BridgeError::Config(format!("--engine-url {:?}: {e}", config.engine_url)))?;
+    if engine_uri.scheme_str() != Some("http") || engine_uri.host().is_none() {
+        return Err(BridgeError::Config(format!(
+            "--engine-url {:?} is not http://HOST:PORT",
+            config.engine_url
+        )));
+    }
     let listener = metrics::bind(config.metrics_addr).await?;
     let handle = metrics::install()?;
     let filter = EventFilter {
