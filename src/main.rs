@@ -26,6 +26,10 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Print the Dynamo-compatible block hashes of a token sequence.
     Hash(cmd::hash::HashArgs),
+    /// Turn a vLLM / SGLang engine's ZeroMQ KV events into kvroute's worker stream.
+    Bridge(cmd::bridge::BridgeArgs),
+    /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +37,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Hash(args) => cmd::hash::run(args),
+        Command::Bridge(args) => cmd::bridge::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

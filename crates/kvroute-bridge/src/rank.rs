@@ -1,0 +1,414 @@
+//! One data-parallel rank's state: which engine sequence comes next, and a mirror
+//! of the rank's cache as kvroute events.
+//!
+//! The engine numbers its *batches* (per publisher socket, from 0 at start); the
+//! router wants consecutive *event* ids per (worker, rank). The bridge keeps the
+//! two apart: [`SequenceTracker`] judges engine sequences (in order, a gap, or a
+//! restart), and [`RankMirror`] gives every event it forwards the next id of its
+//! own and applies it to a single-worker [`KvIndex`], so that a resync can be
+//! answered with a full dump of exactly what the router should hold.
+//!
+//! Invariant: the mirror holds the result of applying, in id order, every event
+//! this bridge has given an id; the router holds the same once it has applied
+//! them all, which is what a dump restores after anything went missing.
+
+use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvroute_proto as proto;
+
+use crate::wire::{EngineEvent, StoredEvent};
+
+/// What the bridge forwards: the selected medium, the configured block size.
+#[derive(Clone, Debug)]
+pub struct EventFilter {
+    pub block_size: u32,
+    pub medium: String,
+}
+
+/// Why an engine event was not forwarded; labels the skipped-events metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SkipReason {
+    /// Blocks on another tier (CPU, disk, ...) than the selected one.
+    Medium,
+    /// A KV-cache group other than the first (hybrid models report one per group).
+    Group,
+    /// Blocks of another size than `--block-size`: hashes would never match.
+    BlockSize,
+    /// A LoRA adapter given only by id: its hash seed needs the name.
+    UnnamedLora,
+    /// `token_ids` do not fill exactly one block per block hash.
+    TokenCount,
+    /// An event class the bridge does not know.
+    UnknownType,
+}
+
+impl SkipReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::Medium => "medium",
+            SkipReason::Group => "group",
+            SkipReason::BlockSize => "block_size",
+            SkipReason::UnnamedLora => "unnamed_lora",
+            SkipReason::TokenCount => "token_count",
+            SkipReason::UnknownType => "unknown_type",
+        }
+    }
+}
+
+impl EventFilter {
+    /// The kvroute event for an engine event, or why it is left out. Absent media
+    /// are the GPU: engines only started to name the tier when they added others.
+    pub fn translate(&self, event: &EngineEvent) -> Result<EventKind, SkipReason> {
+        match event {
+            EngineEvent::Stored(stored) => {
+                self.check_medium(stored.medium.as_deref())?;
+                if stored.group_idx != 0 {
+                    return Err(SkipReason::Group);
+                }
+                self.stored(stored)
+            }
+            EngineEvent::Removed {
+                block_hashes,
+                medium,
+                group_idx,
+            } => {
+                self.check_medium(medium.as_deref())?;
+                if *group_idx != 0 {
+                    return Err(SkipReason::Group);
+                }
+                Ok(EventKind::Removed {
+                    block_hashes: block_hashes.clone(),
+                })
+            }
+            EngineEvent::AllCleared => Ok(EventKind::Cleared),
+            EngineEvent::Unknown(_) => Err(SkipReason::UnknownType),
+        }
+    }
+
+    fn check_medium(&self, medium: Option<&str>) -> Result<(), SkipReason> {
+        let medium = medium.unwrap_or("GPU");
+        if medium.eq_ignore_ascii_case(&self.medium) {
+            Ok(())
+        } else {
+            Err(SkipReason::Medium)
+        }
+    }
+
+    /// Computes kvroute's own local hash of every block from its tokens, so the
+    /// engine's hash algorithm and seed never matter.
+    fn stored(&self, stored: &StoredEvent) -> Result<EventKind, SkipReason> {
+        if stored.block_size != self.block_size {
+            return Err(SkipReason::BlockSize);
+        }
+        let lora_name = match (&stored.lora_name, stored.lora_id) {
+            (Some(name), _) => name.as_str(),
+            (None, Some(_)) => return Err(SkipReason::UnnamedLora),
+            (None, None) => "",
+        };
+        let block_size = self.block_size as usize;
+        if stored.token_ids.len() != stored.block_hashes.len() * block_size {
+            return Err(SkipReason::TokenCount);
+        }
+        let hasher = BlockHasher::with_lora(block_size, lora_name);
+        let no_extra_keys = Vec::new();
+        let blocks = stored
+            .block_hashes
+            .iter()
+            .zip(stored.token_ids.chunks_exact(block_size))
+            .enumerate()
+            .map(|(i, (&block_hash, tokens))| {
+                let mm_hashes = stored
+                    .extra_keys
+                    .as_ref()
+                    .and_then(|keys| keys.get(i))
+                    .unwrap_or(&no_extra_keys);
+                StoredBlock {
+                    block_hash,
+                    tokens_hash: hasher.local_hash_multimodal(tokens, mm_hashes),
+                }
+            })
+            .collect();
+        Ok(EventKind::Stored {
+            parent_hash: stored.parent_block_hash,
+            blocks,
+        })
+    }
+}
+
+/// What an engine sequence number means, given the ones seen before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sequence {
+    /// The first batch since the bridge started: earlier ones may be in the replay buffer.
+    First,
+    /// The next one.
+    InOrder,
+    /// Batches `from..` this one are missing.
+    Gap { from: u64 },
+    /// The sequence went backwards: the engine restarted and dropped its cache.
+    Restart,
+}
+
+/// The engine sequence a rank's publisher should send next.
+#[derive(Clone, Debug, Default)]
+pub struct SequenceTracker {
+    next: Option<u64>,
+}
+
+impl SequenceTracker {
+    pub fn check(&self, seq: u64) -> Sequence {
+        match self.next {
+            None => Sequence::First,
+            Some(next) if seq == next => Sequence::InOrder,
+            Some(next) if seq > next => Sequence::Gap { from: next },
+            Some(_) => Sequence::Restart,
+        }
+    }
+
+    /// Marks `seq` as handled.
+    pub fn advance(&mut self, seq: u64) {
+        self.next = Some(seq + 1);
+    }
+}
+
+/// A rank's cache as the router should know it, with the ids given so far.
+pub struct RankMirror {
+    key: WorkerKey,
+    index: KvIndex,
+    /// The id of the last event given out; ids start at 1, so 0 means none yet.
+    last_event_id: u64,
+}
+
+impl RankMirror {
+    pub fn new(worker_id: u64, dp_rank: u32) -> Self {
+        Self {
+            key: WorkerKey::new(worker_id, dp_rank),
+            index: KvIndex::default(),
+            last_event_id: 0,
+        }
+    }
+
+    pub fn dp_rank(&self) -> u32 {
+        self.key.dp_rank
+    }
+
+    /// Gives `kind` the next id and applies it to the mirror.
+    pub fn record(&mut self, kind: EventKind) -> KvEvent {
+        self.last_event_id += 1;
+        let event = KvEvent {
+            event_id: self.last_event_id,
+            kind,
+        };
+        self.index.apply(self.key, &event);
+        event
+    }
+
+    /// Blocks the rank holds, for the mirror-size gauge.
+    pub fn blocks(&self) -> u64 {
+        self.index.worker_blocks(self.key)
+    }
+
+    /// The rank's whole cache, to replace what the router holds.
+    pub fn dump(&self) -> proto::Dump {
+        let chains = self
+            .index
+            .dump(self.key)
+            .map(|dump| dump.events)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|kind| match kind {
+                EventKind::Stored {
+                    parent_hash,
+                    blocks,
+                } => Some(stored_to_proto(parent_hash, &blocks)),
+                _ => None,
+            })
+            .collect();
+        proto::Dump {
+            dp_rank: self.key.dp_rank,
+            last_event_id: self.last_event_id,
+            chains,
+        }
+    }
+}
+
+fn stored_to_proto(parent_hash: Option<u64>, blocks: &[StoredBlock]) -> proto::Stored {
+    proto::Stored {
+        parent_hash,
+        blocks: blocks
+            .iter()
+            .map(|b| proto::StoredBlock {
+                block_hash: b.block_hash,
+                tokens_hash: b.tokens_hash,
+            })
+            .collect(),
+    }
+}
+
+/// A kvroute event in its wire form.
+pub fn event_to_proto(event: &KvEvent) -> proto::KvEvent {
+    use proto::kv_event::Kind;
+    let kind = match &event.kind {
+        EventKind::Stored {
+            parent_hash,
+            blocks,
+        } => Kind::Stored(stored_to_proto(*parent_hash, blocks)),
+        EventKind::Removed { block_hashes } => Kind::Removed(proto::Removed {
+            block_hashes: block_hashes.clone(),
+        }),
+        EventKind::Cleared => Kind::Cleared(proto::Cleared {}),
+    };
+    proto::KvEvent {
+        event_id: event.event_id,
+        kind: Some(kind),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter() -> EventFilter {
+        EventFilter {
+            block_size: 4,
+            medium: "GPU".into(),
+        }
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>) -> StoredEvent {
+        StoredEvent::on_gpu(hashes, parent)
+    }
+
+    #[test]
+    fn stored_blocks_get_kvroute_local_hashes_from_their_tokens() {
+        let event = EngineEvent::Stored(stored(&[10, 11], None));
+        let local = BlockHasher::new(4).local_hashes(&(0..8).collect::<Vec<_>>());
+        let EventKind::Stored { blocks, .. } = filter().translate(&event).unwrap() else {
+            panic!("not a stored event");
+        };
+        let hashes: Vec<_> = blocks
+            .iter()
+            .map(|b| (b.block_hash, b.tokens_hash))
+            .collect();
+        assert_eq!(hashes, [(10, local[0]), (11, local[1])]);
+    }
+
+    #[test]
+    fn lora_name_selects_the_adapter_seed_and_an_unnamed_lora_is_refused() {
+        let mut event = stored(&[1], None);
+        event.lora_name = Some("my-adapter".into());
+        event.lora_id = Some(3);
+        let EventKind::Stored { blocks, .. } = filter()
+            .translate(&EngineEvent::Stored(event.clone()))
+            .unwrap()
+        else {
+            panic!("not a stored event");
+        };
+        let adapter = BlockHasher::with_lora(4, "my-adapter").local_hashes(&[0, 1, 2, 3]);
+        assert_eq!(blocks[0].tokens_hash, adapter[0]);
+        event.lora_name = None;
+        assert_eq!(
+            filter().translate(&EngineEvent::Stored(event)),
+            Err(SkipReason::UnnamedLora)
+        );
+    }
+
+    #[test]
+    fn multimodal_keys_change_the_block_hash() {
+        let mut event = stored(&[1, 2], None);
+        event.extra_keys = Some(vec![vec![], vec![99]]);
+        let EventKind::Stored { blocks, .. } =
+            filter().translate(&EngineEvent::Stored(event)).unwrap()
+        else {
+            panic!("not a stored event");
+        };
+        let hasher = BlockHasher::new(4);
+        assert_eq!(blocks[0].tokens_hash, hasher.local_hashes(&[0, 1, 2, 3])[0]);
+        assert_eq!(
+            blocks[1].tokens_hash,
+            hasher.local_hash_multimodal(&[4, 5, 6, 7], &[99])
+        );
+    }
+
+    #[test]
+    fn other_media_groups_and_block_sizes_are_skipped() {
+        let mut cpu = stored(&[1], None);
+        cpu.medium = Some("CPU".into());
+        let mut gpu = stored(&[1], None);
+        gpu.medium = Some("gpu".into());
+        let mut second_group = stored(&[1], None);
+        second_group.group_idx = 1;
+        let mut big = stored(&[1], None);
+        big.block_size = 8;
+        big.token_ids = (0..8).collect();
+        let mut short = stored(&[1, 2], None);
+        short.token_ids.pop();
+        let f = filter();
+        assert_eq!(
+            f.translate(&EngineEvent::Stored(cpu)),
+            Err(SkipReason::Medium)
+        );
+        assert!(f.translate(&EngineEvent::Stored(gpu)).is_ok());
+        assert_eq!(
+            f.translate(&EngineEvent::Stored(second_group)),
+            Err(SkipReason::Group)
+        );
+        assert_eq!(
+            f.translate(&EngineEvent::Stored(big)),
+            Err(SkipReason::BlockSize)
+        );
+        assert_eq!(
+            f.translate(&EngineEvent::Stored(short)),
+            Err(SkipReason::TokenCount)
+        );
+        let cpu_removal = EngineEvent::Removed {
+            block_hashes: vec![1],
+            medium: Some("CPU_PINNED".into()),
+            group_idx: 0,
+        };
+        assert_eq!(f.translate(&cpu_removal), Err(SkipReason::Medium));
+        assert_eq!(
+            f.translate(&EngineEvent::Unknown("BlockMoved".into())),
+            Err(SkipReason::UnknownType)
+        );
+    }
+
+    #[test]
+    fn sequences_in_order_gaps_and_restarts() {
+        let mut tracker = SequenceTracker::default();
+        assert_eq!(tracker.check(5), Sequence::First);
+        tracker.advance(5);
+        assert_eq!(tracker.check(6), Sequence::InOrder);
+        assert_eq!(tracker.check(9), Sequence::Gap { from: 6 });
+        assert_eq!(tracker.check(5), Sequence::Restart);
+        assert_eq!(tracker.check(0), Sequence::Restart);
+    }
+
+    #[test]
+    fn mirror_gives_consecutive_ids_and_dumps_what_it_holds() {
+        let f = filter();
+        let mut mirror = RankMirror::new(7, 1);
+        let first = mirror.record(
+            f.translate(&EngineEvent::Stored(stored(&[1, 2], None)))
+                .unwrap(),
+        );
+        let second = mirror.record(
+            f.translate(&EngineEvent::Stored(stored(&[3], Some(2))))
+                .unwrap(),
+        );
+        let third = mirror.record(EventKind::Removed {
+            block_hashes: vec![3],
+        });
+        assert_eq!([first.event_id, second.event_id, third.event_id], [1, 2, 3]);
+        let dump = mirror.dump();
+        assert_eq!((dump.dp_rank, dump.last_event_id), (1, 3));
+        let mut held: Vec<_> = dump
+            .chains
+            .iter()
+            .flat_map(|c| c.blocks.iter().map(|b| b.block_hash))
+            .collect();
+        held.sort();
+        assert_eq!(held, [1, 2]);
+        assert_eq!(mirror.blocks(), 2);
+        mirror.record(EventKind::Cleared);
+        assert!(mirror.dump().chains.is_empty());
+    }
+}

@@ -1,0 +1,202 @@
+//! The router side: one gRPC stream, re-opened with backoff for as long as the
+//! bridge runs.
+//!
+//! Each time the stream opens, the bridge registers the engine (models and LoRA
+//! adapters as the engine lists them now) and sends every rank's full dump, so a
+//! router that restarted or purged the worker meanwhile holds exactly the mirror
+//! again; queued events the dump already covers are then left out. Afterwards the
+//! stream carries event batches and load reports out, and acks, resync requests
+//! (answered with a dump) and errors in.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_proto as proto;
+use kvroute_proto::kv_router_client::KvRouterClient;
+use metrics::counter;
+use proto::router_message::Body as RouterBody;
+use proto::worker_message::Body as WorkerBody;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Code, Request, Status};
+use tracing::{info, warn};
+
+use crate::load::ServedModels;
+use crate::rank::RankMirror;
+use crate::{Backoff, BridgeError};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the router link needs to know and share.
+pub struct RouterLink {
+    pub url: String,
+    pub token: Option<String>,
+    pub worker_id: u64,
+    pub engine_url: String,
+    pub block_size: u32,
+    pub mirrors: Vec<Arc<Mutex<RankMirror>>>,
+    pub engine: crate::EngineHttp,
+}
+
+/// Why a stream ended.
+enum Ended {
+    /// The router went away or the stream broke: reconnect.
+    Lost(String),
+    /// The router refused the bridge for good (a block-size mismatch, a bad token).
+    Refused(Status),
+}
+
+impl RouterLink {
+    /// Runs until the router refuses the bridge, which is a configuration error.
+    pub async fn run(
+        self,
+        mut events: mpsc::Receiver<proto::EventBatch>,
+        mut loads: mpsc::Receiver<proto::LoadReport>,
+    ) -> BridgeError {
+        let mut backoff = Backoff::default();
+        loop {
+            let served = self.engine.models().await;
+            match served {
+                Ok(served) => match self.session(&served, &mut events, &mut loads).await {
+                    Ended::Refused(status) => {
+                        counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "refused")
+                            .increment(1);
+                        return BridgeError::Refused(status.message().to_owned());
+                    }
+                    Ended::Lost(why) => {
+                        counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "lost").increment(1);
+                        warn!(router = %self.url, "router stream: {why}");
+                    }
+                },
+                Err(e) => warn!("engine models: {e}"),
+            }
+            backoff.wait().await;
+        }
+    }
+
+    async fn session(
+        &self,
+        served: &ServedModels,
+        events: &mut mpsc::Receiver<proto::EventBatch>,
+        loads: &mut mpsc::Receiver<proto::LoadReport>,
+    ) -> Ended {
+        let channel = match tonic::transport::Endpoint::from_shared(self.url.clone()) {
+            Ok(endpoint) => endpoint.connect_timeout(CONNECT_TIMEOUT).connect().await,
+            Err(e) => return Ended::Refused(Status::invalid_argument(e.to_string())),
+        };
+        let channel = match channel {
+            Ok(channel) => channel,
+            Err(e) => return Ended::Lost(format!("connecting: {e}")),
+        };
+        let (out, out_rx) = mpsc::channel(256);
+        let register = proto::Register {
+            worker_id: self.worker_id,
+            dp_ranks: (0..self.mirrors.len() as u32).collect(),
+            models: served.models.clone(),
+            base_url: self.engine_url.clone(),
+            block_size: self.block_size,
+            total_kv_blocks: self.engine.total_kv_blocks(self.block_size).await,
+            lora_names: served.lora_names.clone(),
+        };
+        // Queued before the call starts, so they are the stream's first messages.
+        let _ = out.try_send(message(WorkerBody::Register(register)));
+        let mut dumped = HashMap::new();
+        for mirror in &self.mirrors {
+            let dump = mirror.lock().unwrap().dump();
+            dumped.insert(dump.dp_rank, dump.last_event_id);
+            let _ = out.try_send(message(WorkerBody::Dump(dump)));
+            counter!(crate::metrics::DUMPS_SENT, "reason" => "connect").increment(1);
+        }
+        let mut request = Request::new(ReceiverStream::new(out_rx));
+        if let Some(token) = &self.token {
+            match format!("Bearer {token}").parse() {
+                Ok(value) => {
+                    request.metadata_mut().insert("authorization", value);
+                }
+                Err(_) => {
+                    return Ended::Refused(Status::invalid_argument(
+                        "the router token is not a valid header value",
+                    ));
+                }
+            }
+        }
+        let mut inbound = match KvRouterClient::new(channel).stream(request).await {
+            Ok(response) => response.into_inner(),
+            Err(status) => return ended_by(status),
+        };
+        counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "registered").increment(1);
+        info!(router = %self.url, worker_id = self.worker_id, models = ?served.models, "registered with the router");
+        loop {
+            let outgoing = tokio::select! {
+                batch = events.recv() => {
+                    let Some(mut batch) = batch else { return Ended::Lost("bridge shutting down".into()) };
+                    let covered = dumped.get(&batch.dp_rank).copied().unwrap_or(0);
+                    batch.events.retain(|e| e.event_id > covered);
+                    if batch.events.is_empty() {
+                        continue;
+                    }
+                    WorkerBody::Events(batch)
+                }
+                load = loads.recv() => match load {
+                    Some(load) => WorkerBody::Load(load),
+                    None => return Ended::Lost("bridge shutting down".into()),
+                },
+                reply = inbound.message() => match reply {
+                    Ok(Some(reply)) => match self.on_reply(reply) {
+                        Some(body) => body,
+                        None => continue,
+                    },
+                    Ok(None) => return Ended::Lost("closed by the router".into()),
+                    Err(status) => return ended_by(status),
+                },
+            };
+            if out.send(message(outgoing)).await.is_err() {
+                return Ended::Lost("request stream closed".into());
+            }
+        }
+    }
+
+    /// A reply to send back, if the router's message calls for one.
+    fn on_reply(&self, reply: proto::RouterMessage) -> Option<WorkerBody> {
+        match reply.body? {
+            RouterBody::Ack(_) => None,
+            RouterBody::Resync(resync) => {
+                let mirror = self.mirrors.get(resync.dp_rank as usize);
+                let Some(mirror) = mirror else {
+                    warn!(
+                        dp_rank = resync.dp_rank,
+                        "router asked to resync a rank this bridge does not have"
+                    );
+                    return None;
+                };
+                info!(
+                    dp_rank = resync.dp_rank,
+                    from_event_id = resync.from_event_id,
+                    "router asked for a resync: sending a full dump"
+                );
+                counter!(crate::metrics::DUMPS_SENT, "reason" => "resync").increment(1);
+                Some(WorkerBody::Dump(mirror.lock().unwrap().dump()))
+            }
+            RouterBody::Error(error) => {
+                warn!(router = %self.url, "router reported: {}", error.message);
+                None
+            }
+        }
+    }
+}
+
+fn message(body: WorkerBody) -> proto::WorkerMessage {
+    proto::WorkerMessage { body: Some(body) }
+}
+
+/// Statuses that retrying cannot fix end the bridge; the rest reconnect.
+fn ended_by(status: Status) -> Ended {
+    match status.code() {
+        Code::InvalidArgument
+        | Code::FailedPrecondition
+        | Code::Unauthenticated
+        | Code::PermissionDenied => Ended::Refused(status),
+        _ => Ended::Lost(status.to_string()),
+    }
+}

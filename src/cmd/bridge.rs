@@ -1,0 +1,72 @@
+//! `kvroute bridge`: the sidecar that makes a vLLM or SGLang engine a kvroute
+//! worker, by turning its ZeroMQ KV events into the router's gRPC stream.
+
+use std::net::SocketAddr;
+
+use clap::Args;
+use kvroute_bridge::BridgeConfig;
+
+#[derive(Args)]
+pub struct BridgeArgs {
+    /// The engine's KV event publisher (vLLM `--kv-events-config` "endpoint");
+    /// data-parallel rank N publishes on this port + N.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    engine_events: String,
+    /// The engine's replay socket ("replay_endpoint"), used to recover lost batches;
+    /// rank N on this port + N. Without it, lost batches clear the rank.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    engine_replay: Option<String>,
+    /// Topic to subscribe to; empty: every topic.
+    #[arg(long, default_value = "")]
+    topic: String,
+    /// The engine's data-parallel size: one publisher per rank.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    data_parallel_size: u32,
+    /// The router's gRPC URL, e.g. http://router:50051.
+    #[arg(long, value_name = "GRPC_URL")]
+    router: String,
+    /// Bearer token for the router's gRPC ingest, when it requires one.
+    #[arg(long, env = "KVROUTE_ROUTER_TOKEN", hide_env_values = true)]
+    router_token: Option<String>,
+    /// This engine's worker id at the router.
+    #[arg(long)]
+    worker_id: u64,
+    /// The engine's OpenAI-compatible HTTP server: registered with the router,
+    /// and scraped for `/v1/models` and `/metrics`.
+    #[arg(long, value_name = "URL")]
+    engine_url: String,
+    /// Tokens per KV block: must equal the engine's and the router's.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    block_size: u32,
+    /// The memory tier whose blocks are forwarded (engines also report CPU, disk, ...).
+    #[arg(long, default_value = "GPU")]
+    medium: String,
+    /// Where the bridge serves its own Prometheus `/metrics`.
+    #[arg(long, default_value = "0.0.0.0:9401")]
+    metrics_addr: SocketAddr,
+}
+
+pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = BridgeConfig {
+        engine_events: args.engine_events,
+        engine_replay: args.engine_replay,
+        topic: args.topic,
+        data_parallel_size: args.data_parallel_size,
+        router: args.router,
+        router_token: args.router_token,
+        worker_id: args.worker_id,
+        engine_url: args.engine_url,
+        block_size: args.block_size,
+        medium: args.medium,
+        metrics_addr: args.metrics_addr,
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(kvroute_bridge::run(config))?;
+    Ok(())
+}

@@ -1,0 +1,564 @@
+//! Real parts for end-to-end tests over loopback: the `kvroute serve` process,
+//! a small OpenAI-compatible test worker (an axum server), a gRPC worker client
+//! streaming KV events, and a plain HTTP client.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute_index::BlockHasher;
+use kvroute_proto::kv_router_client::KvRouterClient;
+use kvroute_proto::{
+    KvEvent, Register, RouterMessage, Stored, StoredBlock, WorkerMessage, kv_event, router_message,
+    worker_message,
+};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+
+pub const BLOCK_SIZE: usize = 16;
+
+/// A `kvroute serve` process on ephemeral loopback ports; killed on drop.
+pub struct RouterProcess {
+    child: Child,
+    pub http: String,
+    pub grpc: String,
+    config_path: std::path::PathBuf,
+}
+
+impl RouterProcess {
+    /// Starts the router with `config` (TOML) appended to test defaults.
+    pub fn start(config: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let config_path = std::env::temp_dir().join(format!(
+            "kvroute-test-{}-{}.toml",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let text = format!(
+            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"127.0.0.1:0\"\n{config}\n[log]\nlevel = \"error\"\n"
+        );
+        std::fs::write(&config_path, text).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config_path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("kvroute starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = |key: &str| {
+            line.split_whitespace()
+                .find_map(|part| part.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in the ready line {line:?}"))
+                .to_string()
+        };
+        Self {
+            http: format!("http://{}", addr("http=")),
+            grpc: format!("http://{}", addr("grpc=")),
+            child,
+            config_path,
+        }
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config_path);
+    }
+}
+
+/// An HTTP response, fully read.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    /// The worker id the router named in `x-kvroute-worker`.
+    pub fn worker(&self) -> u64 {
+        self.headers["x-kvroute-worker"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    /// Asserts an OpenAI-style error body with this status.
+    pub fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(
+            self.status.as_u16(),
+            status,
+            "{}",
+            String::from_utf8_lossy(&self.body)
+        );
+        let error = &self.json()["error"];
+        assert_eq!(error["code"], code, "{error}");
+        assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(error["type"].is_string());
+    }
+}
+
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        }
+    }
+}
+
+impl Http {
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> http::Response<hyper::body::Incoming> {
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        self.client
+            .request(request.body(Full::new(body.into())).unwrap())
+            .await
+            .expect("the request reaches the server")
+    }
+
+    pub async fn call(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        let response = self.send(method, url, headers, body).await;
+        let (parts, body) = response.into_parts();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    pub async fn post(&self, url: &str, body: &Value) -> Reply {
+        self.call("POST", url, &[], body.to_string()).await
+    }
+
+    pub async fn get(&self, url: &str) -> Reply {
+        self.call("GET", url, &[], "").await
+    }
+}
+
+/// A completion request for token ids.
+pub fn completion(model: &str, tokens: &[u32]) -> Value {
+    json!({"model": model, "prompt": tokens, "max_tokens": 4})
+}
+
+/// `n` token ids starting at `start`.
+pub fn tokens(start: u32, n: usize) -> Vec<u32> {
+    (start..start + n as u32).collect()
+}
+
+/// Polls `check` every 20 ms until it holds, failing after 10 s.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..500 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// How the test worker answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Ok,
+    /// Every completion and health check fails with 500.
+    Fail,
+    /// Completions wait until [`TestWorker::release`].
+    Hold,
+}
+
+pub struct WorkerState {
+    pub id: u64,
+    mode: Mutex<Mode>,
+    pub received: AtomicUsize,
+    pub inflight: AtomicUsize,
+    pub cancelled: AtomicUsize,
+    pub completed_streams: AtomicUsize,
+    release: Notify,
+    released: Mutex<bool>,
+    pub last_body: Mutex<Option<Value>>,
+}
+
+/// A small OpenAI-compatible worker: answers completions with a body naming
+/// itself, streams SSE chunks when asked, and counts what it saw.
+pub struct TestWorker {
+    pub url: String,
+    pub state: Arc<WorkerState>,
+}
+
+impl TestWorker {
+    pub async fn start(id: u64) -> Self {
+        let state = Arc::new(WorkerState {
+            id,
+            mode: Mutex::new(Mode::Ok),
+            received: AtomicUsize::new(0),
+            inflight: AtomicUsize::new(0),
+            cancelled: AtomicUsize::new(0),
+            completed_streams: AtomicUsize::new(0),
+            release: Notify::new(),
+            released: Mutex::new(false),
+            last_body: Mutex::new(None),
+        });
+        let app = Router::new()
+            .route("/v1/completions", post(complete))
+            .route("/v1/chat/completions", post(complete))
+            .route("/health", get(health))
+            .with_state(Arc::clone(&state));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Self {
+            url: format!("http://{addr}"),
+            state,
+        }
+    }
+
+    pub fn set_mode(&self, mode: Mode) {
+        *self.state.mode.lock().unwrap() = mode;
+        *self.state.released.lock().unwrap() = false;
+    }
+
+    /// Lets every held request (and later ones) finish.
+    pub fn release(&self) {
+        *self.state.released.lock().unwrap() = true;
+        self.state.release.notify_waiters();
+    }
+
+    pub fn received(&self) -> usize {
+        self.state.received.load(Ordering::SeqCst)
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.state.inflight.load(Ordering::SeqCst)
+    }
+}
+
+/// The SSE body a test worker streams for `chunks` chunks.
+pub fn sse_chunk(worker: u64, i: usize) -> String {
+    format!(
+        "data: {}\n\n",
+        json!({"object": "text_completion", "worker": worker, "choices": [{"index": 0, "text": format!("tok{i} ")}]})
+    )
+}
+
+struct InflightGuard(Arc<WorkerState>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Counts a stream dropped before its end as a cancel.
+struct StreamGuard {
+    state: Arc<WorkerState>,
+    done: bool,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        let counter = if self.done {
+            &self.state.completed_streams
+        } else {
+            &self.state.cancelled
+        };
+        counter.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Response {
+    state.received.fetch_add(1, Ordering::SeqCst);
+    state.inflight.fetch_add(1, Ordering::SeqCst);
+    let guard = InflightGuard(Arc::clone(&state));
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    *state.last_body.lock().unwrap() = Some(request.clone());
+    let mode = *state.mode.lock().unwrap();
+    if mode == Mode::Fail {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "worker failure").into_response();
+    }
+    if mode == Mode::Hold {
+        let released = state.release.notified();
+        if !*state.released.lock().unwrap() {
+            released.await;
+        }
+    }
+    if request["stream"] == json!(true) {
+        let chunks = request["max_tokens"].as_u64().unwrap_or(4) as usize;
+        let delay = Duration::from_millis(request["chunk_delay_ms"].as_u64().unwrap_or(5));
+        let id = state.id;
+        let stream = futures_util::stream::unfold(
+            (
+                0usize,
+                StreamGuard {
+                    state: Arc::clone(&state),
+                    done: false,
+                },
+                guard,
+            ),
+            move |(i, mut stream_guard, guard)| async move {
+                if i > chunks {
+                    return None;
+                }
+                tokio::time::sleep(delay).await;
+                let text = if i == chunks {
+                    stream_guard.done = true;
+                    "data: [DONE]\n\n".to_string()
+                } else {
+                    sse_chunk(id, i)
+                };
+                Some((
+                    Ok::<_, std::convert::Infallible>(Bytes::from(text)),
+                    (i + 1, stream_guard, guard),
+                ))
+            },
+        );
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    drop(guard);
+    axum::Json(json!({
+        "id": "cmpl-test",
+        "object": "text_completion",
+        "worker": state.id,
+        "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
+    }))
+    .into_response()
+}
+
+async fn health(State(state): State<Arc<WorkerState>>) -> StatusCode {
+    if *state.mode.lock().unwrap() == Mode::Fail {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::OK
+    }
+}
+
+/// A worker's gRPC event stream to the router.
+pub struct GrpcWorker {
+    pub id: u64,
+    tx: mpsc::Sender<WorkerMessage>,
+    pub rx: tonic::Streaming<RouterMessage>,
+    /// Engine block hash → tokens hash, of blocks stored so far.
+    next_block_hash: u64,
+    next_event_id: u64,
+}
+
+pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Register {
+    Register {
+        worker_id: id,
+        dp_ranks: vec![0],
+        models: models.iter().map(|m| m.to_string()).collect(),
+        base_url: base_url.to_string(),
+        block_size,
+        total_kv_blocks: 1000,
+        lora_names: Vec::new(),
+    }
+}
+
+impl GrpcWorker {
+    /// Opens the stream and registers; the router's refusal comes back as the error.
+    pub async fn connect(
+        grpc: &str,
+        token: Option<&str>,
+        register: Register,
+    ) -> Result<Self, tonic::Status> {
+        let channel = tonic::transport::Endpoint::from_shared(grpc.to_string())
+            .unwrap()
+            .connect()
+            .await
+            .expect("the router's gRPC port accepts");
+        let header = token.map(|t| {
+            format!("Bearer {t}")
+                .parse::<tonic::metadata::MetadataValue<_>>()
+                .unwrap()
+        });
+        let mut client =
+            KvRouterClient::with_interceptor(channel, move |mut req: tonic::Request<()>| {
+                if let Some(h) = &header {
+                    req.metadata_mut().insert("authorization", h.clone());
+                }
+                Ok(req)
+            });
+        let (tx, rx) = mpsc::channel(64);
+        let id = register.worker_id;
+        tx.send(WorkerMessage {
+            body: Some(worker_message::Body::Register(register)),
+        })
+        .await
+        .unwrap();
+        let rx = client.stream(ReceiverStream::new(rx)).await?.into_inner();
+        Ok(Self {
+            id,
+            tx,
+            rx,
+            next_block_hash: id << 32,
+            next_event_id: 0,
+        })
+    }
+
+    pub async fn send(&self, body: worker_message::Body) {
+        self.tx
+            .send(WorkerMessage { body: Some(body) })
+            .await
+            .unwrap();
+    }
+
+    /// A Stored chain for the full blocks of `tokens` from the root; returns the
+    /// engine block hashes used.
+    pub fn chain(&mut self, tokens: &[u32]) -> (Stored, Vec<u64>) {
+        let locals = BlockHasher::new(BLOCK_SIZE).local_hashes(tokens);
+        let hashes: Vec<u64> = locals
+            .iter()
+            .map(|_| {
+                self.next_block_hash += 1;
+                self.next_block_hash
+            })
+            .collect();
+        let stored = Stored {
+            parent_hash: None,
+            blocks: locals
+                .iter()
+                .zip(&hashes)
+                .map(|(&tokens_hash, &block_hash)| StoredBlock {
+                    block_hash,
+                    tokens_hash,
+                })
+                .collect(),
+        };
+        (stored, hashes)
+    }
+
+    /// Sends one event with the next id (or `id` when given) and returns its id.
+    pub async fn event(&mut self, id: Option<u64>, kind: kv_event::Kind) -> u64 {
+        let event_id = id.unwrap_or(self.next_event_id);
+        self.next_event_id = event_id + 1;
+        self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
+            dp_rank: 0,
+            events: vec![KvEvent {
+                event_id,
+                kind: Some(kind),
+            }],
+        }))
+        .await;
+        event_id
+    }
+
+    /// Stores the full blocks of `tokens` and waits for the router's ack.
+    pub async fn store(&mut self, tokens: &[u32]) -> Vec<u64> {
+        let (stored, hashes) = self.chain(tokens);
+        let id = self.event(None, kv_event::Kind::Stored(stored)).await;
+        self.wait_ack(id).await;
+        hashes
+    }
+
+    /// Removes blocks and waits for the router's ack.
+    pub async fn remove(&mut self, block_hashes: Vec<u64>) {
+        let id = self
+            .event(
+                None,
+                kv_event::Kind::Removed(kvroute_proto::Removed { block_hashes }),
+            )
+            .await;
+        self.wait_ack(id).await;
+    }
+
+    /// The router's next message.
+    pub async fn next(&mut self) -> router_message::Body {
+        let message = tokio::time::timeout(Duration::from_secs(10), self.rx.message())
+            .await
+            .expect("the router answers within 10 s")
+            .expect("the stream is healthy")
+            .expect("the stream is open");
+        message.body.expect("a message with a body")
+    }
+
+    /// Reads messages until a resync request.
+    pub async fn wait_resync(&mut self) -> kvroute_proto::ResyncRequest {
+        loop {
+            if let router_message::Body::Resync(r) = self.next().await {
+                return r;
+            }
+        }
+    }
+
+    /// Reads messages until an ack of at least `event_id`.
+    pub async fn wait_ack(&mut self, event_id: u64) {
+        loop {
+            if let router_message::Body::Ack(ack) = self.next().await
+                && ack.last_event_id >= event_id
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// Per-worker counts of a batch of requests, by the `x-kvroute-worker` header.
+pub fn count_by_worker(workers: &[u64]) -> HashMap<u64, usize> {
+    let mut counts = HashMap::new();
+    for w in workers {
+        *counts.entry(*w).or_default() += 1;
+    }
+    counts
+}

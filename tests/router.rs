@@ -1,0 +1,594 @@
+//! End-to-end tests of `kvroute serve`: the real binary, real test workers (HTTP
+//! servers) and real gRPC event streams, all over loopback.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvroute_proto::{Dump, kv_event, worker_message};
+use serde_json::json;
+
+/// Registers `n` HTTP test workers over gRPC (no events); ids 1..=n.
+async fn fleet(router: &RouterProcess, n: u64) -> (Vec<TestWorker>, Vec<GrpcWorker>) {
+    let mut http = Vec::new();
+    let mut grpc = Vec::new();
+    for id in 1..=n {
+        let worker = TestWorker::start(id).await;
+        let stream = GrpcWorker::connect(
+            &router.grpc,
+            None,
+            register(id, &worker.url, &["m"], BLOCK_SIZE as u32),
+        )
+        .await
+        .unwrap();
+        http.push(worker);
+        grpc.push(stream);
+    }
+    (http, grpc)
+}
+
+async fn dry_run(router: &RouterProcess, tokens: &[u32]) -> serde_json::Value {
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/route", router.http),
+            &completion("m", tokens),
+        )
+        .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    reply.json()
+}
+
+fn prompt(prefix: &[u32], suffix_start: u32) -> Vec<u32> {
+    let mut t = prefix.to_vec();
+    t.extend(tokens(suffix_start, 40));
+    t
+}
+
+#[tokio::test]
+async fn shared_prefix_goes_to_the_same_static_worker() {
+    let workers = [
+        TestWorker::start(1).await,
+        TestWorker::start(2).await,
+        TestWorker::start(3).await,
+    ];
+    let config: String = workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            format!(
+                "[[workers]]\nid = {}\nbase_url = \"{}\"\nmodels = [\"m\"]\n",
+                i + 1,
+                w.url
+            )
+        })
+        .collect();
+    let router = RouterProcess::start(&config);
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    for round in 0..3u32 {
+        let prefix = tokens(10_000 * (round + 1), 128);
+        let first = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+        assert_eq!(first.status, 200);
+        assert_eq!(first.json()["worker"], first.worker());
+        for suffix in 2..5 {
+            let next = http
+                .post(&url, &completion("m", &prompt(&prefix, suffix * 100)))
+                .await;
+            assert_eq!(next.worker(), first.worker(), "round {round}");
+        }
+    }
+    // Non-streaming bodies pass through unchanged.
+    let reply = http.post(&url, &completion("m", &tokens(0, 20))).await;
+    assert_eq!(
+        reply.json(),
+        json!({"id": "cmpl-test", "object": "text_completion", "worker": reply.worker(),
+               "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}]})
+    );
+}
+
+#[tokio::test]
+async fn stored_events_attract_and_removed_events_release() {
+    let router = RouterProcess::start("");
+    let (_http, mut grpc) = fleet(&router, 3).await;
+    let prefix = tokens(500, 128);
+    let hashes = grpc[1].store(&prefix).await;
+    let route = dry_run(&router, &prompt(&prefix, 1)).await;
+    assert_eq!(route["worker_id"], 2, "{route}");
+    assert_eq!(route["overlap_blocks"], 128 / BLOCK_SIZE);
+    assert!(route["predicted_hit_ratio"].as_f64().unwrap() > 0.7);
+
+    grpc[1].remove(hashes).await;
+    let route = dry_run(&router, &prompt(&prefix, 1)).await;
+    for score in route["scores"].as_array().unwrap() {
+        assert_eq!(score["overlap_blocks"], 0, "{route}");
+    }
+}
+
+#[tokio::test]
+async fn a_gap_triggers_a_resync_that_restores_the_index() {
+    let router = RouterProcess::start("");
+    let (_http, mut grpc) = fleet(&router, 2).await;
+    let worker = &mut grpc[0];
+    let a = tokens(1000, 64);
+    let b = tokens(2000, 64);
+    worker.store(&a).await; // event 0
+    // Event 1 (B) is lost on the way; event 2 (C) arrives.
+    let (stored_b, _) = worker.chain(&b);
+    let c = tokens(3000, 64);
+    let (stored_c, _) = worker.chain(&c);
+    worker
+        .event(Some(2), kv_event::Kind::Stored(stored_c.clone()))
+        .await;
+    let resync = worker.wait_resync().await;
+    assert_eq!(resync.from_event_id, 1);
+    // The worker answers with a full dump, which replaces its state.
+    let (stored_a, _) = worker.chain(&a);
+    worker
+        .send(worker_message::Body::Dump(Dump {
+            dp_rank: 0,
+            last_event_id: 2,
+            chains: vec![stored_a, stored_b, stored_c],
+        }))
+        .await;
+    worker.wait_ack(2).await;
+    for t in [&a, &b, &c] {
+        let route = dry_run(&router, &prompt(t, 1)).await;
+        assert_eq!(route["worker_id"], 1, "{route}");
+        assert_eq!(route["overlap_blocks"], 4);
+    }
+    // Later events continue from the dump's id; a replay by events works too.
+    let d = tokens(4000, 64);
+    let (stored_d, _) = worker.chain(&d);
+    worker
+        .event(Some(4), kv_event::Kind::Stored(stored_d.clone()))
+        .await;
+    let resync = worker.wait_resync().await;
+    assert_eq!(resync.from_event_id, 3);
+    worker
+        .event(Some(3), kv_event::Kind::Cleared(kvroute_proto::Cleared {}))
+        .await;
+    worker
+        .event(Some(4), kv_event::Kind::Stored(stored_d))
+        .await;
+    worker.wait_ack(4).await;
+    assert_eq!(dry_run(&router, &prompt(&a, 1)).await["overlap_blocks"], 0);
+    assert_eq!(dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"], 4);
+
+    // Ids that start over mean a restart: the old state is cleared.
+    let e = tokens(5000, 64);
+    let (stored_e, _) = worker.chain(&e);
+    worker
+        .event(Some(0), kv_event::Kind::Stored(stored_e))
+        .await;
+    worker.wait_ack(0).await;
+    assert_eq!(dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"], 0);
+    assert_eq!(dry_run(&router, &prompt(&e, 1)).await["worker_id"], 1);
+}
+
+#[tokio::test]
+async fn a_block_size_mismatch_is_refused() {
+    let router = RouterProcess::start("");
+    let err = GrpcWorker::connect(
+        &router.grpc,
+        None,
+        register(1, "http://127.0.0.1:9", &["m"], 32),
+    )
+    .await
+    .err()
+    .expect("refused");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        err.message(),
+        "block size 32 does not match the router's 16"
+    );
+    let workers = Http::default()
+        .get(&format!("{}/workers", router.http))
+        .await;
+    assert_eq!(workers.json()["workers"], json!([]));
+}
+
+#[tokio::test]
+async fn a_disconnected_worker_is_not_routed_and_is_purged_after_the_grace_period() {
+    let router = RouterProcess::start("[ingest]\ngrace_period_ms = 1500\n");
+    let (_http, mut grpc) = fleet(&router, 2).await;
+    let prefix = tokens(700, 128);
+    grpc[0].store(&prefix).await;
+    assert_eq!(dry_run(&router, &prompt(&prefix, 1)).await["worker_id"], 1);
+    drop(grpc.remove(0));
+    let http = Http::default();
+    let worker_url = format!("{}/workers/1", router.http);
+    eventually("worker 1 is disconnected", || async {
+        http.get(&worker_url).await.json()["worker"]["state"] == "disconnected"
+    })
+    .await;
+    // Out of routing at once, even though it holds the prefix.
+    let route = dry_run(&router, &prompt(&prefix, 1)).await;
+    assert_eq!(route["worker_id"], 2, "{route}");
+    let status = http.get(&worker_url).await.json();
+    assert_eq!(
+        status["index"][0]["indexed_blocks"], 8,
+        "kept during the grace period"
+    );
+    eventually("worker 1 is purged", || async {
+        http.get(&worker_url).await.status == 404
+    })
+    .await;
+    let metrics = http.get(&format!("{}/metrics", router.http)).await;
+    let text = String::from_utf8_lossy(&metrics.body).to_string();
+    assert!(text.contains("kvroute_index_memberships 0"), "{text}");
+}
+
+#[tokio::test]
+async fn sse_passes_through_intact_and_a_client_cancel_reaches_the_worker() {
+    let router = RouterProcess::start("");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true, "max_tokens": 6});
+    let reply = http.post(&url, &body).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    let expected: String = (0..6).map(|i| sse_chunk(1, i)).collect::<String>() + "data: [DONE]\n\n";
+    assert_eq!(String::from_utf8_lossy(&reply.body), expected);
+    assert_eq!(
+        workers[0]
+            .state
+            .completed_streams
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+
+    // A long stream: read one chunk, then hang up.
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 100000, "chunk_delay_ms": 2});
+    let response = http.send("POST", &url, &[], body.to_string()).await;
+    let mut incoming = response.into_body();
+    let first = http_body_util::BodyExt::frame(&mut incoming)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.into_data().unwrap().starts_with(b"data: "));
+    drop(incoming);
+    eventually("the worker saw the cancel", || async {
+        workers[0]
+            .state
+            .cancelled
+            .load(std::sync::atomic::Ordering::SeqCst)
+            == 1
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn dead_and_failing_workers_are_retried_around() {
+    let router = RouterProcess::start("");
+    let (workers, mut grpc) = fleet(&router, 2).await;
+    // Worker 3 is dead: its port refuses connections. It holds the prefix, so it
+    // is the first choice.
+    let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut dead = GrpcWorker::connect(
+        &router.grpc,
+        None,
+        register(3, &format!("http://127.0.0.1:{dead_port}"), &["m"], 16),
+    )
+    .await
+    .unwrap();
+    let prefix = tokens(900, 128);
+    dead.store(&prefix).await;
+    assert_eq!(dry_run(&router, &prompt(&prefix, 1)).await["worker_id"], 3);
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let reply = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+    assert_eq!(reply.status, 200);
+    assert_ne!(reply.worker(), 3);
+
+    // Worker 1 answers 500: retried on worker 2, which was never preferred.
+    workers[0].set_mode(Mode::Fail);
+    let received_before = workers[0].received();
+    let prefix = tokens(20_000, 128);
+    grpc[0].store(&prefix).await;
+    let reply = http.post(&url, &completion("m", &prompt(&prefix, 2))).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(reply.worker(), 2);
+    assert_eq!(workers[0].received(), received_before + 1);
+
+    // Pinned to the failing worker: no retry elsewhere, a 502.
+    let reply = http
+        .call(
+            "POST",
+            &url,
+            &[("x-kvroute-worker", "1")],
+            completion("m", &prefix).to_string(),
+        )
+        .await;
+    reply.assert_error(502, "upstream_error");
+}
+
+#[tokio::test]
+async fn error_bodies_are_openai_style() {
+    let router = RouterProcess::start(
+        "body_limit_bytes = 65536\n[scheduler]\nbusy_max_inflight = 1\nqueue_timeout_ms = 200\n",
+    );
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    http.call("POST", &url, &[], "{not json")
+        .await
+        .assert_error(400, "invalid_request");
+    http.post(&url, &json!({"prompt": [1, 2]}))
+        .await
+        .assert_error(400, "invalid_request");
+    http.post(&url, &json!({"model": "m"}))
+        .await
+        .assert_error(400, "invalid_request");
+    http.post(
+        &format!("{}/v1/chat/completions", router.http),
+        &json!({"model": "m"}),
+    )
+    .await
+    .assert_error(400, "invalid_request");
+    http.call("POST", &url, &[], vec![b' '; 100_000])
+        .await
+        .assert_error(413, "request_too_large");
+    http.post(&url, &completion("nope", &[1, 2, 3]))
+        .await
+        .assert_error(404, "model_not_found");
+
+    // The only worker is busy with a held request: the next one waits, then 503.
+    workers[0].set_mode(Mode::Hold);
+    let held = {
+        let http = http.clone();
+        let url = url.clone();
+        tokio::spawn(async move { http.post(&url, &completion("m", &tokens(0, 32))).await })
+    };
+    eventually("the first request is held", || async {
+        workers[0].inflight() == 1
+    })
+    .await;
+    let reply = http.post(&url, &completion("m", &tokens(0, 32))).await;
+    reply.assert_error(503, "no_worker_available");
+    assert_eq!(reply.headers["retry-after"], "1");
+    workers[0].release();
+    assert_eq!(held.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn metrics_list_every_family_and_route_agrees_with_the_proxied_choice() {
+    let router = RouterProcess::start("");
+    let (_workers, mut grpc) = fleet(&router, 4).await;
+    let http = Http::default();
+    let prefix = tokens(3000, 128);
+    grpc[2].store(&prefix).await;
+    let request = completion("m", &prompt(&prefix, 1));
+    let route = dry_run(&router, &prompt(&prefix, 1)).await;
+    assert_eq!(route["worker_id"], 3);
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &request)
+        .await;
+    assert_eq!(reply.worker(), 3);
+
+    // The Route RPC agrees too.
+    let channel = tonic::transport::Endpoint::from_shared(router.grpc.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let response = kvroute_proto::kv_router_client::KvRouterClient::new(channel)
+        .route(kvroute_proto::RouteRequest {
+            model: "m".into(),
+            lora_name: String::new(),
+            input: Some(kvroute_proto::route_request::Input::TokenIds(
+                kvroute_proto::TokenIds {
+                    ids: prompt(&prefix, 1),
+                },
+            )),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.worker_id, 3);
+    assert!(
+        response
+            .scores
+            .iter()
+            .any(|s| s.worker_id == 3 && s.overlap_blocks >= 8)
+    );
+
+    let text = String::from_utf8(
+        http.get(&format!("{}/metrics", router.http))
+            .await
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    for (family, _) in kvroute_router::metrics::FAMILIES {
+        assert!(
+            text.contains(&format!("# TYPE {family} ")),
+            "{family} missing from /metrics"
+        );
+    }
+    assert!(text.contains("kvroute_routed_requests_total{worker=\"3\",policy=\"kv\"} 1"));
+}
+
+#[tokio::test]
+async fn models_and_lora_adapters_are_routed_only_to_workers_that_serve_them() {
+    let router = RouterProcess::start("");
+    let base = TestWorker::start(1).await;
+    let adapted = TestWorker::start(2).await;
+    let _g1 = GrpcWorker::connect(&router.grpc, None, register(1, &base.url, &["m"], 16))
+        .await
+        .unwrap();
+    let mut reg = register(2, &adapted.url, &["m"], 16);
+    reg.lora_names = vec!["ad".into()];
+    let mut g2 = GrpcWorker::connect(&router.grpc, None, reg).await.unwrap();
+    let http = Http::default();
+    let models = http.get(&format!("{}/v1/models", router.http)).await.json();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["ad", "m"]);
+    // Worker 2 holds the prefix for the base model; it must not count for the adapter.
+    let prefix = tokens(42, 128);
+    g2.store(&prefix).await;
+    let route = |model: &'static str| {
+        let http = http.clone();
+        let url = format!("{}/v1/route", router.http);
+        let body = completion(model, &prefix);
+        async move { http.post(&url, &body).await.json() }
+    };
+    let base_route = route("m").await;
+    assert_eq!(base_route["worker_id"], 2);
+    assert_eq!(base_route["overlap_blocks"], 8);
+    let adapter_route = route("ad").await;
+    assert_eq!(adapter_route["worker_id"], 2);
+    assert_eq!(adapter_route["overlap_blocks"], 0, "{adapter_route}");
+    let url = format!("{}/v1/completions", router.http);
+    for i in 0..4 {
+        let reply = http
+            .post(&url, &completion("ad", &prompt(&prefix, i)))
+            .await;
+        assert_eq!(reply.worker(), 2, "only worker 2 has the adapter");
+    }
+}
+
+#[tokio::test]
+async fn a_configured_token_is_required_on_grpc_and_admin_endpoints() {
+    let router = RouterProcess::start("auth_token = \"s3cret\"\n");
+    let worker = TestWorker::start(1).await;
+    for token in [None, Some("wrong")] {
+        let err = GrpcWorker::connect(&router.grpc, token, register(1, &worker.url, &["m"], 16))
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    }
+    let _ok = GrpcWorker::connect(
+        &router.grpc,
+        Some("s3cret"),
+        register(1, &worker.url, &["m"], 16),
+    )
+    .await
+    .unwrap();
+    let http = Http::default();
+    let workers = format!("{}/workers", router.http);
+    http.get(&workers)
+        .await
+        .assert_error(401, "invalid_api_key");
+    http.call(
+        "POST",
+        &format!("{workers}/1/drain"),
+        &[("authorization", "Bearer wrong")],
+        "",
+    )
+    .await
+    .assert_error(401, "invalid_api_key");
+    let ok = http
+        .call("GET", &workers, &[("authorization", "Bearer s3cret")], "")
+        .await;
+    assert_eq!(ok.status, 200);
+    assert_eq!(ok.json()["workers"][0]["state"], "connected");
+    // The OpenAI endpoints stay open.
+    let reply = http
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &[1, 2, 3]),
+        )
+        .await;
+    assert_eq!(reply.status, 200);
+    let drained = http
+        .call(
+            "POST",
+            &format!("{workers}/1/drain"),
+            &[("authorization", "Bearer s3cret")],
+            "",
+        )
+        .await;
+    assert_eq!(drained.status, 200);
+    let reply = http
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &[1, 2, 3]),
+        )
+        .await;
+    reply.assert_error(503, "no_worker_available");
+}
+
+/// Sends `prompts` concurrently to workers that hold every request, and returns
+/// each worker's count of requests in flight once all have arrived.
+async fn inflight_spread(
+    router: &RouterProcess,
+    workers: &[TestWorker],
+    prompts: Vec<Vec<u32>>,
+) -> Vec<usize> {
+    for w in workers {
+        w.set_mode(Mode::Hold);
+    }
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let total = prompts.len();
+    let mut tasks = Vec::new();
+    for p in prompts {
+        let http = http.clone();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            http.post(&url, &completion("m", &p)).await.status
+        }));
+    }
+    eventually("every request reached a worker", || async {
+        workers.iter().map(TestWorker::inflight).sum::<usize>() == total
+    })
+    .await;
+    let spread: Vec<usize> = workers.iter().map(TestWorker::inflight).collect();
+    for w in workers {
+        w.release();
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    spread
+}
+
+#[tokio::test]
+async fn no_hot_spotting_on_shared_system_prompts_or_zero_reuse_traffic() {
+    let router = RouterProcess::start("");
+    let (workers, _grpc) = fleet(&router, 8).await;
+    let system = tokens(100_000, 512);
+    let shared: Vec<Vec<u32>> = (0..64u32)
+        .map(|i| {
+            let mut p = system.clone();
+            p.extend(tokens(200_000 + i * 1000, 64));
+            p
+        })
+        .collect();
+    let unique: Vec<Vec<u32>> = (0..64u32)
+        .map(|i| tokens(300_000 + i * 1000, 576))
+        .collect();
+    for (name, prompts) in [("shared system prompt", shared), ("zero reuse", unique)] {
+        let spread = inflight_spread(&router, &workers, prompts).await;
+        let max = *spread.iter().max().unwrap();
+        let min = *spread.iter().min().unwrap();
+        assert!(
+            min >= 1 && max <= 3 * min,
+            "{name}: in flight per worker {spread:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
