@@ -4,6 +4,7 @@
 //! subcommand lives in its own module under `cmd/`.
 
 mod cmd;
+mod plot;
 
 use std::process::ExitCode;
 
@@ -24,12 +25,15 @@ struct Cli {
 enum Command {
     /// Print the Dynamo-compatible block hashes of a token sequence.
     Hash(cmd::hash::HashArgs),
+    /// Replay a Mooncake trace through KV-cache eviction policies.
+    Replay(cmd::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(args),
+        Command::Replay(args) => cmd::replay::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
