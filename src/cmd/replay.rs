@@ -82,11 +82,18 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 write_per_request(path, &report)?;
             }
             let capacity_blocks = (policy != PolicyKind::Infinite).then_some(capacity);
-            let summary = summary_json(policy, capacity_blocks, args.block_size, &report);
+            let summary = summary(policy, capacity_blocks, args.block_size, &report);
             if args.json {
-                println!("{summary}");
+                let object: serde_json::Map<String, serde_json::Value> = summary
+                    .into_iter()
+                    .map(|(name, value)| (name.to_owned(), value))
+                    .collect();
+                println!("{}", serde_json::Value::Object(object));
             } else {
-                print_summary(&args.trace, &summary);
+                println!("replay of {}", args.trace.display());
+                for (name, value) in summary {
+                    println!("  {name:<24} {value}");
+                }
             }
             Ok(())
         }
@@ -122,44 +129,42 @@ fn progress_bar(requests: usize) -> ProgressBar {
     }
     let bar = ProgressBar::new(requests as u64);
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} requests {per_sec} eta {eta}")
+        ProgressStyle::with_template("{bar:40} {pos}/{len} requests ({percent}%), eta {eta}")
             .expect("the progress template is valid"),
     );
     bar
 }
 
-fn summary_json(
+/// The run's results, in reading order.
+fn summary(
     policy: PolicyKind,
     capacity_blocks: Option<u64>,
     block_size: u64,
     report: &ReplayReport,
-) -> serde_json::Value {
-    json!({
-        "policy": policy.name(),
-        "capacity_blocks": capacity_blocks,
-        "block_size": block_size,
-        "total_requests": report.total_requests,
-        "total_prompt_tokens": report.total_prompt_tokens,
-        "total_hit_tokens": report.total_hit_tokens,
-        "overall_hit_rate": report.overall_hit_rate(),
-        "final_cache_blocks": report.final_cache_blocks,
-        "block_accesses": report.block_accesses,
-        "block_hits": report.block_hits,
-        "evictions": report.evictions,
-        "eviction_latency_p50_ns": report.eviction_latency_p50_ns,
-        "eviction_latency_p99_ns": report.eviction_latency_p99_ns,
-        "re_prefill_rate": report.re_prefill_rate(),
-        "mean_utilisation": report.mean_utilisation,
-    })
-}
-
-fn print_summary(trace: &Path, summary: &serde_json::Value) {
-    println!("replay of {}", trace.display());
-    if let serde_json::Value::Object(fields) = summary {
-        for (name, value) in fields {
-            println!("  {name:<24} {value}");
-        }
-    }
+) -> Vec<(&'static str, serde_json::Value)> {
+    vec![
+        ("policy", json!(policy.name())),
+        ("capacity_blocks", json!(capacity_blocks)),
+        ("block_size", json!(block_size)),
+        ("total_requests", json!(report.total_requests)),
+        ("total_prompt_tokens", json!(report.total_prompt_tokens)),
+        ("total_hit_tokens", json!(report.total_hit_tokens)),
+        ("overall_hit_rate", json!(report.overall_hit_rate())),
+        ("final_cache_blocks", json!(report.final_cache_blocks)),
+        ("block_accesses", json!(report.block_accesses)),
+        ("block_hits", json!(report.block_hits)),
+        ("evictions", json!(report.evictions)),
+        (
+            "eviction_latency_p50_ns",
+            json!(report.eviction_latency_p50_ns),
+        ),
+        (
+            "eviction_latency_p99_ns",
+            json!(report.eviction_latency_p99_ns),
+        ),
+        ("re_prefill_rate", json!(report.re_prefill_rate())),
+        ("mean_utilisation", json!(report.mean_utilisation)),
+    ]
 }
 
 fn write_per_request(path: &Path, report: &ReplayReport) -> anyhow::Result<()> {
