@@ -243,6 +243,11 @@ fn bad_input_exits_2_with_a_clear_error() {
         "4",
     ]);
     assert!(err.contains("/nonexistent/trace.jsonl"), "{err}");
+    assert_eq!(
+        err.matches("No such file").count(),
+        1,
+        "the reason once: {err}"
+    );
     let err = fails(&[
         "replay",
         trace,
