@@ -33,7 +33,8 @@ fn stderr(output: &Output) -> String {
 }
 
 /// The LRU/FIFO hand trace of the cache crate's tests (block size 4,
-/// capacity 3): LRU hits 0, 0, 7, 0, 8, 0 tokens of 10, 4, 7, 8, 12, 8.
+/// capacity 3), with ids shifted and one skipped to show that the values of
+/// ids do not matter: LRU hits 0, 0, 7, 0, 8, 0 tokens of 10, 4, 7, 8, 12, 8.
 const GAP_TRACE: &str = r#"{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]}
 {"timestamp": 1, "input_length": 4, "output_length": 1, "hash_ids": [4]}
 {"timestamp": 2, "input_length": 7, "output_length": 1, "hash_ids": [2, 3]}

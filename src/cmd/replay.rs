@@ -9,9 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvroute_cache::replay::flatten;
-use kvroute_cache::{PolicyKind, ReplayReport, S3FifoParams, replay};
-use kvroute_trace::{TraceRequest, read_trace};
+use kvroute_cache::{PolicyKind, PreparedTrace, ReplayReport, S3FifoParams, replay};
+use kvroute_trace::read_trace;
 use serde_json::json;
 
 use crate::plot::{LineChart, Series, write_line_chart};
@@ -67,7 +66,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(chart) = &args.plot {
         check_chart_extension(chart)?;
     }
-    let trace = read_trace(&args.trace, args.max_requests)?;
+    let trace = PreparedTrace::new(&read_trace(&args.trace, args.max_requests)?);
     match args.policy {
         Some(policy) => {
             let capacity = match (policy, args.capacity_blocks) {
@@ -75,7 +74,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 (PolicyKind::Infinite, None) => 1,
                 (_, None) => bail!("--capacity-blocks is required for policy {policy}"),
             };
-            let progress = progress_bar(trace.len());
+            let progress = progress_bar(trace.requests());
             let report = run_one(policy, capacity, params, &trace, args.block_size, &progress)?;
             progress.finish_and_clear();
             if let Some(path) = &args.per_request {
@@ -106,17 +105,12 @@ fn run_one(
     policy: PolicyKind,
     capacity: u64,
     params: S3FifoParams,
-    trace: &[TraceRequest],
+    trace: &PreparedTrace,
     block_size: u64,
     progress: &ProgressBar,
 ) -> anyhow::Result<ReplayReport> {
     let capacity = usize::try_from(capacity).context("--capacity-blocks is too large")?;
-    let future = if policy == PolicyKind::Belady {
-        flatten(trace)
-    } else {
-        Vec::new()
-    };
-    let mut cache = policy.build(capacity, params, &future)?;
+    let mut cache = policy.build(capacity, params, trace.accesses())?;
     Ok(replay(cache.as_mut(), trace, block_size, || {
         progress.inc(1)
     }))
@@ -195,10 +189,10 @@ struct Run {
     report: ReplayReport,
 }
 
-fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &[TraceRequest]) -> anyhow::Result<()> {
+fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &PreparedTrace) -> anyhow::Result<()> {
     let policies = &args.compare;
     let capacities = &args.capacities;
-    let progress = progress_bar(trace.len() * policies.len() * capacities.len());
+    let progress = progress_bar(trace.requests() * policies.len() * capacities.len());
     let mut runs = Vec::new();
     for &capacity in capacities {
         for &policy in policies {
@@ -219,7 +213,7 @@ fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &[TraceRequest]) -> a
     print_table(
         &trace_name,
         args.block_size,
-        trace.len(),
+        trace.requests(),
         policies,
         capacities,
         &runs,

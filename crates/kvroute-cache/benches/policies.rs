@@ -17,9 +17,8 @@ use std::time::Duration;
 
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_cache::replay::flatten;
-use kvroute_cache::{PolicyKind, S3FifoParams, replay};
-use kvroute_trace::{TraceRequest, read_trace};
+use kvroute_cache::{PolicyKind, PreparedTrace, S3FifoParams, replay};
+use kvroute_trace::read_trace;
 
 const CAPACITIES: [usize; 3] = [1024, 4096, 16384];
 
@@ -64,16 +63,18 @@ impl Measurement for ThreadCpuTime {
     }
 }
 
-fn trace(name: &str) -> Vec<TraceRequest> {
+fn trace(name: &str) -> PreparedTrace {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/data/traces")
         .join(name);
-    read_trace(&path, None).expect("the bundled traces parse")
+    PreparedTrace::new(&read_trace(&path, None).expect("the bundled traces parse"))
 }
 
 fn access(c: &mut Criterion<ThreadCpuTime>) {
-    let once = flatten(&trace("conversation_trace.jsonl"));
-    let sequence: Vec<u64> = (0..10).flat_map(|_| once.iter().copied()).collect();
+    let once = trace("conversation_trace.jsonl");
+    let sequence: Vec<u64> = (0..10)
+        .flat_map(|_| once.accesses().iter().copied())
+        .collect();
     let mut group = c.benchmark_group("access");
     group.throughput(Throughput::Elements(sequence.len() as u64));
     group.sample_size(10);
@@ -113,12 +114,11 @@ fn compare_grid(c: &mut Criterion<ThreadCpuTime>) {
         trace("conversation_trace.jsonl"),
         trace("synthetic_trace.jsonl"),
     ];
-    let futures: Vec<Vec<u64>> = traces.iter().map(|t| flatten(t)).collect();
     let mut group = c.benchmark_group("compare_grid");
     group.sample_size(10);
     group.bench_function("6 policies x 3 capacities x 2 traces", |b| {
         b.iter(|| {
-            for (trace, future) in traces.iter().zip(&futures) {
+            for trace in &traces {
                 for capacity in CAPACITIES {
                     // The five policies and Belady; infinite needs no run per capacity.
                     for policy in PolicyKind::ALL
@@ -126,7 +126,7 @@ fn compare_grid(c: &mut Criterion<ThreadCpuTime>) {
                         .filter(|&p| p != PolicyKind::Infinite)
                     {
                         let mut cache = policy
-                            .build(capacity, S3FifoParams::default(), future)
+                            .build(capacity, S3FifoParams::default(), trace.accesses())
                             .expect("valid capacity");
                         black_box(replay(cache.as_mut(), trace, 512, || {}));
                     }

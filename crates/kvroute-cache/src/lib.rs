@@ -45,7 +45,7 @@ pub use belady::Belady;
 pub use infinite::Infinite;
 pub use lfu::Lfu;
 pub use queue::{Fifo, Lru};
-pub use replay::{ReplayReport, RequestOutcome, replay};
+pub use replay::{PreparedTrace, ReplayReport, RequestOutcome, replay};
 pub use s3fifo::{S3Fifo, S3FifoParams};
 
 /// A block id: a block hash, or a trace's `hash_ids` entry.
@@ -146,14 +146,15 @@ impl PolicyKind {
         matches!(self, PolicyKind::Belady | PolicyKind::Infinite)
     }
 
-    /// Builds the cache. `future` is the whole block access sequence, which
-    /// only [`Belady`] reads; `capacity` is ignored by [`Infinite`].
+    /// Builds the cache. `future` is the whole block access sequence (for a
+    /// replay, [`PreparedTrace::accesses`]), which only [`Belady`] reads;
+    /// `capacity` is ignored by [`Infinite`].
     pub fn build(
         self,
         capacity: usize,
         s3fifo: S3FifoParams,
         future: &[BlockId],
-    ) -> Result<Box<dyn BlockCache>, CacheError> {
+    ) -> Result<Box<dyn BlockCache + Send>, CacheError> {
         if capacity == 0 {
             return Err(CacheError::ZeroCapacity);
         }

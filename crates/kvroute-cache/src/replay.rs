@@ -71,70 +71,111 @@ fn ratio(part: u64, whole: u64) -> f64 {
     }
 }
 
-/// All block accesses of a trace in replay order (what [`crate::Belady`] needs).
-pub fn flatten(trace: &[TraceRequest]) -> Vec<BlockId> {
-    trace
-        .iter()
-        .flat_map(|request| request.hash_ids.iter().copied())
-        .collect()
+/// A trace laid out for fast replays, built once and replayed many times.
+///
+/// Block ids are relabelled densely (0, 1, 2, ... in order of first use).
+/// Policies only compare ids for equality, so hits, evictions and sizes are
+/// unchanged, and per-block facts become plain array lookups: which evicted
+/// blocks are requested again later is one `Vec` read per eviction instead of
+/// a probe into a hash map of every block in the trace.
+#[derive(Clone, Debug)]
+pub struct PreparedTrace {
+    /// Every block access, in replay order, as dense ids.
+    accesses: Vec<BlockId>,
+    /// Per request: `input_length` and the end of its blocks in `accesses`.
+    requests: Vec<(u64, usize)>,
+    /// Per dense id: the position of its last access.
+    last_use: Vec<usize>,
+}
+
+impl PreparedTrace {
+    pub fn new(trace: &[TraceRequest]) -> Self {
+        let mut dense: FxHashMap<BlockId, BlockId> = FxHashMap::default();
+        let mut accesses = Vec::with_capacity(trace.iter().map(|r| r.hash_ids.len()).sum());
+        let mut last_use = Vec::new();
+        let mut requests = Vec::with_capacity(trace.len());
+        for request in trace {
+            for &block in &request.hash_ids {
+                let next_id = dense.len() as BlockId;
+                let id = *dense.entry(block).or_insert(next_id);
+                if id == next_id {
+                    last_use.push(0);
+                }
+                last_use[id as usize] = accesses.len();
+                accesses.push(id);
+            }
+            requests.push((request.input_length, accesses.len()));
+        }
+        PreparedTrace {
+            accesses,
+            requests,
+            last_use,
+        }
+    }
+
+    /// All block accesses in replay order, relabelled: the future that
+    /// [`crate::Belady`] must be given for a replay of this trace.
+    pub fn accesses(&self) -> &[BlockId] {
+        &self.accesses
+    }
+
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
 }
 
 /// Replays `trace` through `cache`, calling `after_request` once per request
 /// (for progress reporting).
 pub fn replay<C: BlockCache + ?Sized>(
     cache: &mut C,
-    trace: &[TraceRequest],
+    trace: &PreparedTrace,
     block_size: u64,
     mut after_request: impl FnMut(),
 ) -> ReplayReport {
-    let last_use = last_positions(trace);
     let capacity = cache.capacity().map(|c| c as f64);
     let mut latency = Histogram::<u64>::new(3).expect("3 significant figures is a valid precision");
     let mut evicted = Vec::new();
     let mut report = ReplayReport {
-        total_requests: trace.len(),
+        total_requests: trace.requests(),
         total_prompt_tokens: 0,
         total_hit_tokens: 0,
         final_cache_blocks: 0,
-        block_accesses: 0,
+        block_accesses: trace.accesses.len() as u64,
         block_hits: 0,
         evictions: 0,
         re_prefilled_evictions: 0,
         mean_utilisation: None,
         eviction_latency_p50_ns: None,
         eviction_latency_p99_ns: None,
-        per_request: Vec::with_capacity(trace.len()),
+        per_request: Vec::with_capacity(trace.requests()),
     };
     let mut utilisation_sum = 0.0;
-    let mut position = 0usize;
-    for request in trace {
-        let resident_prefix = request
-            .hash_ids
+    let mut start = 0;
+    for &(input_length, end) in &trace.requests {
+        let blocks = &trace.accesses[start..end];
+        let resident_prefix = blocks
             .iter()
             .take_while(|&&block| cache.contains(block))
             .count() as u64;
         let outcome = RequestOutcome {
-            prompt_tokens: request.input_length,
-            hit_tokens: resident_prefix
-                .saturating_mul(block_size)
-                .min(request.input_length),
+            prompt_tokens: input_length,
+            hit_tokens: resident_prefix.saturating_mul(block_size).min(input_length),
         };
-        for &block in &request.hash_ids {
+        for (position, &block) in (start..).zip(blocks) {
             let started = Instant::now();
             let access = cache.access(block, &mut evicted);
             if !evicted.is_empty() {
                 latency.saturating_record(started.elapsed().as_nanos() as u64);
                 for victim in evicted.drain(..) {
                     report.evictions += 1;
-                    if last_use.get(&victim).is_some_and(|&last| last > position) {
+                    if trace.last_use[victim as usize] > position {
                         report.re_prefilled_evictions += 1;
                     }
                 }
             }
             report.block_hits += u64::from(access == crate::Access::Hit);
-            position += 1;
         }
-        report.block_accesses += request.hash_ids.len() as u64;
+        start = end;
         report.total_prompt_tokens += outcome.prompt_tokens;
         report.total_hit_tokens += outcome.hit_tokens;
         report.per_request.push(outcome);
@@ -144,21 +185,12 @@ pub fn replay<C: BlockCache + ?Sized>(
         after_request();
     }
     report.final_cache_blocks = cache.len();
-    if capacity.is_some() && !trace.is_empty() {
-        report.mean_utilisation = Some(utilisation_sum / trace.len() as f64);
+    if capacity.is_some() && !trace.requests.is_empty() {
+        report.mean_utilisation = Some(utilisation_sum / trace.requests.len() as f64);
     }
     if !latency.is_empty() {
         report.eviction_latency_p50_ns = Some(latency.value_at_quantile(0.5));
         report.eviction_latency_p99_ns = Some(latency.value_at_quantile(0.99));
     }
     report
-}
-
-/// The last position in the flattened access sequence of every block.
-fn last_positions(trace: &[TraceRequest]) -> FxHashMap<BlockId, usize> {
-    let mut last = FxHashMap::default();
-    for (position, &block) in trace.iter().flat_map(|r| &r.hash_ids).enumerate() {
-        last.insert(block, position);
-    }
-    last
 }

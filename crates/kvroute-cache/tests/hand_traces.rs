@@ -1,8 +1,8 @@
 //! Small traces per policy with the expected results worked out by hand.
 
 use kvroute_cache::{
-    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, ReplayReport,
-    S3Fifo, S3FifoParams, replay,
+    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, PreparedTrace,
+    ReplayReport, S3Fifo, S3FifoParams, replay,
 };
 use kvroute_trace::TraceRequest;
 
@@ -34,30 +34,31 @@ fn hits(report: &ReplayReport) -> Vec<u64> {
 }
 
 /// Block size 4; capacity 3. Exercises a partial last block, a hit after a gap
-/// and a resident block behind a missing one.
-fn gap_trace() -> Vec<TraceRequest> {
-    vec![
-        request(10, &[1, 2, 3]), // r1
-        request(4, &[4]),        // r2
-        request(7, &[2, 3]),     // r3
-        request(8, &[5, 6]),     // r4
-        request(12, &[3, 5, 7]), // r5
-        request(8, &[9, 3]),     // r6
-    ]
+/// and a resident block behind a missing one. Ids are numbered in order of
+/// first use, so the replay's dense relabelling leaves them as they are.
+fn gap_trace() -> PreparedTrace {
+    PreparedTrace::new(&[
+        request(10, &[0, 1, 2]), // r1
+        request(4, &[3]),        // r2
+        request(7, &[1, 2]),     // r3
+        request(8, &[4, 5]),     // r4
+        request(12, &[2, 4, 6]), // r5
+        request(8, &[7, 2]),     // r6
+    ])
 }
 
 #[test]
 fn lru_replay_partial_block_gap_and_prefix_stop() {
     // LRU order, oldest first:
-    // r1 [1,2,3] all miss, k=0                                 -> [1,2,3]
-    // r2 [4] miss, evicts 1                                    -> [2,3,4]
-    // r3 [2,3] both resident: k=2, 2*4=8 > 7 so hit = 7 (partial last block)
-    //    hits move them to most recent                         -> [4,2,3]
-    // r4 [5,6] miss, evict 4 then 2                            -> [3,5,6]
-    // r5 [3,5,7]: 3 and 5 resident (3 after a gap of one request), 7 not: k=2, hit 8
-    //    3 hit -> [5,6,3]; 5 hit -> [6,3,5]; 7 evicts 6        -> [3,5,7]
-    // r6 [9,3]: 9 missing, so k=0 although 3 is resident; hit 0
-    //    9 evicts 3 -> [5,7,9]; 3 evicts 5                     -> [7,9,3]
+    // r1 [0,1,2] all miss, k=0                                 -> [0,1,2]
+    // r2 [3] miss, evicts 0                                    -> [1,2,3]
+    // r3 [1,2] both resident: k=2, 2*4=8 > 7 so hit = 7 (partial last block)
+    //    hits move them to most recent                         -> [3,1,2]
+    // r4 [4,5] miss, evict 3 then 1                            -> [2,4,5]
+    // r5 [2,4,6]: 2 and 4 resident (2 after a gap of one request), 6 not: k=2, hit 8
+    //    2 hit -> [4,5,2]; 4 hit -> [5,2,4]; 6 evicts 5        -> [2,4,6]
+    // r6 [7,2]: 7 missing, so k=0 although 2 is resident; hit 0
+    //    7 evicts 2 -> [4,6,7]; 2 evicts 4                     -> [6,7,2]
     let mut cache = Lru::new(3).unwrap();
     let report = replay(&mut cache, &gap_trace(), 4, || {});
     assert_eq!(hits(&report), [0, 0, 7, 0, 8, 0]);
@@ -65,11 +66,11 @@ fn lru_replay_partial_block_gap_and_prefix_stop() {
     assert_eq!(report.total_hit_tokens, 15);
     assert_eq!(report.final_cache_blocks, 3);
     assert_eq!(report.evictions, 6);
-    assert_eq!(report.block_hits, 4, "2 and 3 in r3, 3 and 5 in r5");
-    // Evicted 1, 4, 2, 6, 3, 5: only 3 is requested again later (right after
+    assert_eq!(report.block_hits, 4, "1 and 2 in r3, 2 and 4 in r5");
+    // Evicted 0, 3, 1, 5, 2, 4: only 2 is requested again later (right after
     // its eviction, in r6).
     assert_eq!(report.re_prefilled_evictions, 1);
-    for block in [7, 9, 3] {
+    for block in [6, 7, 2] {
         assert!(cache.contains(block), "{block}");
     }
     assert!((report.overall_hit_rate() - 15.0 / 49.0).abs() < 1e-12);
@@ -78,19 +79,19 @@ fn lru_replay_partial_block_gap_and_prefix_stop() {
 #[test]
 fn fifo_replay_hits_do_not_refresh() {
     // FIFO order, oldest first:
-    // r1 [1,2,3] miss                        -> [1,2,3]
-    // r2 [4] evicts 1                        -> [2,3,4]
-    // r3 [2,3] k=2, hit min(8,7)=7, no moves -> [2,3,4]
-    // r4 [5,6] evict 2, 3                    -> [4,5,6]
-    // r5 [3,5,7] 3 missing: k=0. 3 evicts 4 -> [5,6,3]; 5 hit; 7 evicts 5 -> [6,3,7]
-    // r6 [9,3] k=0. 9 evicts 6 -> [3,7,9]; 3 hit
+    // r1 [0,1,2] miss                        -> [0,1,2]
+    // r2 [3] evicts 0                        -> [1,2,3]
+    // r3 [1,2] k=2, hit min(8,7)=7, no moves -> [1,2,3]
+    // r4 [4,5] evict 1, 2                    -> [3,4,5]
+    // r5 [2,4,6] 2 missing: k=0. 2 evicts 3 -> [4,5,2]; 4 hit; 6 evicts 4 -> [5,2,6]
+    // r6 [7,2] k=0. 7 evicts 5 -> [2,6,7]; 2 hit
     let mut cache = Fifo::new(3).unwrap();
     let report = replay(&mut cache, &gap_trace(), 4, || {});
     assert_eq!(hits(&report), [0, 0, 7, 0, 0, 0]);
     assert_eq!(report.total_hit_tokens, 7);
     assert_eq!(report.evictions, 6);
     assert_eq!(report.final_cache_blocks, 3);
-    for block in [3, 7, 9] {
+    for block in [2, 6, 7] {
         assert!(cache.contains(block), "{block}");
     }
 }
@@ -201,6 +202,7 @@ fn s3fifo_final_size_below_capacity() {
     // Capacity 4 (S 1, M 3): blocks used once each pass through S into the
     // ghost queue, so M stays empty and the cache holds a single block.
     let trace: Vec<TraceRequest> = (0..4).map(|i| request(4, &[i])).collect();
+    let trace = PreparedTrace::new(&trace);
     let params = S3FifoParams {
         small_ratio: 0.25,
         max_freq: 3,
@@ -278,7 +280,7 @@ fn belady_evicts_the_block_used_farthest_in_the_future() {
 fn infinite_never_evicts_and_bounds_every_policy() {
     let mut cache = Infinite::default();
     let report = replay(&mut cache, &gap_trace(), 4, || {});
-    // r3 hits 7; r5: 3 and 5 resident, 7 new: 8; r6: 9 new: 0.
+    // r3 hits 7; r5: 2 and 4 resident, 6 new: 8; r6: 7 new: 0.
     assert_eq!(hits(&report), [0, 0, 7, 0, 8, 0]);
     assert_eq!(report.final_cache_blocks, 8);
     assert_eq!(report.evictions, 0);

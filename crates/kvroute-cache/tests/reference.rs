@@ -5,8 +5,8 @@
 use std::collections::{HashSet, VecDeque};
 
 use kvroute_cache::{
-    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, S3Fifo,
-    S3FifoParams, replay,
+    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, PreparedTrace,
+    S3Fifo, S3FifoParams, replay,
 };
 use kvroute_trace::TraceRequest;
 use proptest::prelude::*;
@@ -484,28 +484,47 @@ fn trace() -> impl Strategy<Value = Vec<TraceRequest>> {
     prop::collection::vec(request, 0..40)
 }
 
-fn hit_tokens(kind: PolicyKind, capacity: usize, trace: &[TraceRequest]) -> u64 {
-    let future = kvroute_cache::replay::flatten(trace);
+fn hit_tokens(kind: PolicyKind, capacity: usize, trace: &PreparedTrace) -> u64 {
     let mut cache = kind
-        .build(capacity, S3FifoParams::default(), &future)
+        .build(capacity, S3FifoParams::default(), trace.accesses())
         .unwrap();
     replay(cache.as_mut(), trace, BLOCK_SIZE, || {}).total_hit_tokens
+}
+
+/// The replay rules applied straight to the trace's own ids: per request the
+/// hit tokens, then the evictions and the final size.
+fn naive_replay(cache: &mut dyn BlockCache, trace: &[TraceRequest]) -> (Vec<u64>, u64, usize) {
+    let mut hits = Vec::new();
+    let mut evicted = Vec::new();
+    for request in trace {
+        let mut k = 0;
+        while k < request.hash_ids.len() && cache.contains(request.hash_ids[k]) {
+            k += 1;
+        }
+        hits.push((k as u64 * BLOCK_SIZE).min(request.input_length));
+        for &block in &request.hash_ids {
+            cache.access(block, &mut evicted);
+        }
+    }
+    (hits, evicted.len() as u64, cache.len())
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn replay_totals_bounds_and_capacity(trace in trace(), capacity in 2usize..12) {
+    fn replay_totals_bounds_and_capacity(raw in trace(), capacity in 2usize..12) {
+        let trace = PreparedTrace::new(&raw);
         let infinite = hit_tokens(PolicyKind::Infinite, capacity, &trace);
-        let distinct: HashSet<u64> = trace.iter().flat_map(|r| r.hash_ids.iter().copied()).collect();
+        let distinct: HashSet<u64> = raw.iter().flat_map(|r| r.hash_ids.iter().copied()).collect();
         for kind in PolicyKind::ALL {
-            let future = kvroute_cache::replay::flatten(&trace);
-            let mut cache = kind.build(capacity, S3FifoParams::default(), &future).unwrap();
+            let mut cache = kind.build(capacity, S3FifoParams::default(), trace.accesses()).unwrap();
             let mut calls = 0;
             let report = replay(cache.as_mut(), &trace, BLOCK_SIZE, || calls += 1);
-            prop_assert_eq!(calls, trace.len());
-            prop_assert_eq!(report.total_requests, trace.len());
+            prop_assert_eq!(calls, raw.len());
+            prop_assert_eq!(report.total_requests, raw.len());
+            let prompt_in_trace: u64 = raw.iter().map(|r| r.input_length).sum();
+            prop_assert_eq!(report.total_prompt_tokens, prompt_in_trace);
             let prompt: u64 = report.per_request.iter().map(|r| r.prompt_tokens).sum();
             let hits: u64 = report.per_request.iter().map(|r| r.hit_tokens).sum();
             prop_assert_eq!(prompt, report.total_prompt_tokens);
@@ -525,7 +544,34 @@ proptest! {
     }
 
     #[test]
-    fn lru_hits_never_fall_as_capacity_grows(trace in trace(), capacity in 1usize..12) {
+    fn replay_of_relabelled_ids_matches_a_direct_replay(raw in trace(), capacity in 2usize..12) {
+        // Scatter the ids so that dense relabelling really changes them.
+        let scattered: Vec<TraceRequest> = raw
+            .iter()
+            .map(|r| TraceRequest {
+                hash_ids: r.hash_ids.iter().map(|id| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd).collect(),
+                ..r.clone()
+            })
+            .collect();
+        let trace = PreparedTrace::new(&scattered);
+        // Belady's future is given in each replay's own ids.
+        let direct_future: Vec<u64> = scattered.iter().flat_map(|r| r.hash_ids.clone()).collect();
+        for kind in PolicyKind::ALL {
+            let params = S3FifoParams::default();
+            let mut cache = kind.build(capacity, params, trace.accesses()).unwrap();
+            let report = replay(cache.as_mut(), &trace, BLOCK_SIZE, || {});
+            let mut direct = kind.build(capacity, params, &direct_future).unwrap();
+            let (hits, evictions, final_blocks) = naive_replay(direct.as_mut(), &scattered);
+            let got: Vec<u64> = report.per_request.iter().map(|r| r.hit_tokens).collect();
+            prop_assert_eq!(got, hits, "{}", kind);
+            prop_assert_eq!(report.evictions, evictions, "{}", kind);
+            prop_assert_eq!(report.final_cache_blocks, final_blocks, "{}", kind);
+        }
+    }
+
+    #[test]
+    fn lru_hits_never_fall_as_capacity_grows(raw in trace(), capacity in 1usize..12) {
+        let trace = PreparedTrace::new(&raw);
         prop_assert!(
             hit_tokens(PolicyKind::Lru, capacity, &trace)
                 <= hit_tokens(PolicyKind::Lru, capacity + 1, &trace)
