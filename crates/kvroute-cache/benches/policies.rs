@@ -18,7 +18,7 @@ use std::time::Duration;
 use criterion::measurement::{Measurement, ValueFormatter, WallTime};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_cache::{PolicyKind, PreparedTrace, S3FifoParams, replay};
-use kvroute_trace::read_trace;
+use kvroute_trace::{TraceRequest, read_trace};
 
 const CAPACITIES: [usize; 3] = [1024, 4096, 16384];
 
@@ -63,17 +63,18 @@ impl Measurement for ThreadCpuTime {
     }
 }
 
-fn trace(name: &str) -> PreparedTrace {
+fn trace(name: &str) -> Vec<TraceRequest> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/data/traces")
         .join(name);
-    PreparedTrace::new(&read_trace(&path, None).expect("the bundled traces parse"))
+    read_trace(&path, None).expect("the bundled traces parse")
 }
 
 fn access(c: &mut Criterion<ThreadCpuTime>) {
+    // The trace's own block ids, as a worker would see them.
     let once = trace("conversation_trace.jsonl");
     let sequence: Vec<u64> = (0..10)
-        .flat_map(|_| once.accesses().iter().copied())
+        .flat_map(|_| once.iter().flat_map(|r| r.hash_ids.iter().copied()))
         .collect();
     let mut group = c.benchmark_group("access");
     group.throughput(Throughput::Elements(sequence.len() as u64));
@@ -111,8 +112,8 @@ fn access(c: &mut Criterion<ThreadCpuTime>) {
 
 fn compare_grid(c: &mut Criterion<ThreadCpuTime>) {
     let traces = [
-        trace("conversation_trace.jsonl"),
-        trace("synthetic_trace.jsonl"),
+        PreparedTrace::new(&trace("conversation_trace.jsonl")),
+        PreparedTrace::new(&trace("synthetic_trace.jsonl")),
     ];
     let mut group = c.benchmark_group("compare_grid");
     group.sample_size(10);
