@@ -37,7 +37,7 @@ pub struct ArcCache {
 impl ArcCache {
     pub fn new(capacity: usize) -> Result<Self, CacheError> {
         check_capacity(capacity)?;
-        let reserve = (2 * capacity).min(1 << 21) + 1;
+        let reserve = capacity.saturating_mul(2).min(1 << 21) + 1;
         Ok(ArcCache {
             capacity,
             p: 0.0,
@@ -148,7 +148,7 @@ impl BlockCache for ArcCache {
                         evicted.push(victim);
                     }
                 } else if total >= self.capacity {
-                    if total >= 2 * self.capacity {
+                    if total >= self.capacity.saturating_mul(2) {
                         self.delete_lru(B2);
                     }
                     self.replace_if_full(false, evicted);

@@ -168,7 +168,10 @@ pub fn replay<C: BlockCache + ?Sized>(
                 latency.saturating_record(started.elapsed().as_nanos() as u64);
                 for victim in evicted.drain(..) {
                     report.evictions += 1;
-                    if trace.last_use[victim as usize] > position {
+                    // Ids outside the trace can only come from a cache that
+                    // was filled before the replay; they are not re-requested.
+                    let last_use = trace.last_use.get(victim as usize);
+                    if last_use.is_some_and(|&last| last > position) {
                         report.re_prefilled_evictions += 1;
                     }
                 }

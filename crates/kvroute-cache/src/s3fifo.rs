@@ -67,7 +67,7 @@ impl S3Fifo {
             });
         }
         let main_cap = capacity - small_cap;
-        let reserve = (capacity + main_cap).min(1 << 21) + 1;
+        let reserve = capacity.saturating_add(main_cap).min(1 << 21) + 1;
         Ok(S3Fifo {
             small_cap,
             main_cap,
