@@ -178,6 +178,8 @@ fn compare_prints_a_table_and_writes_csv_and_charts() {
     assert!(table.contains("belady (bound)"), "{table}");
     assert!(table.contains("best policy"), "{table}");
     assert!(table.lines().any(|l| l.starts_with("lru")), "{table}");
+    let details = table.lines().filter(|l| l.ends_with('%')).count();
+    assert_eq!(details, 3 * 2, "a details line per run: {table}");
 
     let csv = std::fs::read_to_string(&csv).unwrap();
     let rows: Vec<&str> = csv.lines().collect();

@@ -218,6 +218,7 @@ fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &PreparedTrace) -> an
         capacities,
         &runs,
     );
+    print_run_details(&runs);
     if let Some(path) = &args.csv {
         write_csv(path, &runs)?;
     }
@@ -304,6 +305,33 @@ fn print_table(
         print!("{best:>10}");
     }
     println!();
+}
+
+/// What each run cost besides its hits: evictions, how many of them the trace
+/// paid for again, how long evicting accesses took and how full the cache was.
+fn print_run_details(runs: &[Run]) {
+    let show = |value: Option<u64>| value.map_or_else(|| "-".to_owned(), |v| v.to_string());
+    println!();
+    println!(
+        "{:<18}{:>10}{:>12}{:>12}{:>10}{:>10}{:>13}",
+        "policy", "blocks", "evictions", "re-prefill", "p50 ns", "p99 ns", "utilisation"
+    );
+    for run in runs {
+        let r = &run.report;
+        let utilisation = r
+            .mean_utilisation
+            .map_or_else(|| "-".to_owned(), |u| format!("{:.1}%", 100.0 * u));
+        println!(
+            "{:<18}{:>10}{:>12}{:>11.1}%{:>10}{:>10}{:>13}",
+            label(run.policy),
+            run.capacity,
+            r.evictions,
+            100.0 * r.re_prefill_rate(),
+            show(r.eviction_latency_p50_ns),
+            show(r.eviction_latency_p99_ns),
+            utilisation,
+        );
+    }
 }
 
 fn write_csv(path: &Path, runs: &[Run]) -> anyhow::Result<()> {
