@@ -6,7 +6,7 @@
 //! be reused. This crate gives every policy the same interface, [`BlockCache`],
 //! so a policy behaves identically in the two places kvroute uses it:
 //!
-//! - **The cache-policy lab** ([`replay`]): every block of every request is
+//! - **The cache-policy lab** ([`mod@replay`]): every block of every request is
 //!   [`BlockCache::access`]ed in trace order. A resident block is a hit and
 //!   updates the policy's recency/frequency state; any other block is admitted,
 //!   and whatever the policy evicts to make room is reported back.
@@ -21,6 +21,11 @@
 //!     of the evictable set (it is active again), forgetting its policy state;
 //!   - the engine needs a free block and has none: [`BlockCache::evict_one`]
 //!     asks the policy for a victim.
+//!
+//!   Because `remove` forgets a block's count and queue, a block reused while
+//!   cached comes back as a fresh admission: in a pool, LRU behaves exactly like
+//!   vLLM's free-block queue, while frequency (LFU) and promotion (S3FIFO, ARC)
+//!   only see the uses made between a block's release and its next reuse.
 //!
 //! The policies ([`PolicyKind`]) are [`Lru`], [`Fifo`], [`Lfu`], [`S3Fifo`] and
 //! [`ArcCache`], plus two labelled bounds that are not real policies: [`Infinite`]
