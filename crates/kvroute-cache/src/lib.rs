@@ -24,8 +24,9 @@
 //!
 //!   Because `remove` forgets a block's count and queue, a block reused while
 //!   cached comes back as a fresh admission: in a pool, LRU behaves exactly like
-//!   vLLM's free-block queue, while frequency (LFU) and promotion (S3FIFO, ARC)
-//!   only see the uses made between a block's release and its next reuse.
+//!   vLLM's free-block queue, while LFU counts, S3FIFO promotion and ARC's T2
+//!   see no reuse history: a pinned/unpinned pair that keeps policy state would
+//!   be needed for those to differ from FIFO-like behaviour in a pool.
 //!
 //! The policies ([`PolicyKind`]) are [`Lru`], [`Fifo`], [`Lfu`], [`S3Fifo`] and
 //! [`ArcCache`], plus two labelled bounds that are not real policies: [`Infinite`]
