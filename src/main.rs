@@ -4,6 +4,7 @@
 //! subcommand lives in its own module under `cmd/`.
 
 mod cmd;
+mod plot;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,8 @@ enum Command {
     Bridge(cmd::bridge::BridgeArgs),
     /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
     Serve(cmd::serve::ServeArgs),
+    /// Replay a Mooncake trace through KV-cache eviction policies.
+    Replay(cmd::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +42,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => cmd::hash::run(args),
         Command::Bridge(args) => cmd::bridge::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Replay(args) => cmd::replay::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

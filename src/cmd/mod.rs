@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod bridge;
 pub mod hash;
+pub mod replay;
 pub mod serve;

@@ -24,7 +24,8 @@ pub struct TraceRequest {
 /// Why a trace could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("cannot read trace {path}: {source}")]
+    /// The reason is the error's `source`, which `{:#}` and error reporters print.
+    #[error("cannot read trace {path}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -181,5 +182,12 @@ mod tests {
     fn missing_file_is_an_io_error_naming_the_path() {
         let err = read_trace(Path::new("/nonexistent/trace.jsonl"), None).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/trace.jsonl"));
+        let reason = std::error::Error::source(&err).map(ToString::to_string);
+        assert!(
+            reason
+                .as_deref()
+                .is_some_and(|r| r.contains("No such file")),
+            "{reason:?}"
+        );
     }
 }

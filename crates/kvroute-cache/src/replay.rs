@@ -1,0 +1,199 @@
+//! Exact prefix-cache replay of a Mooncake trace through a [`BlockCache`].
+//!
+//! For each request, in file order:
+//! 1. before the cache changes, `k` = the number of leading `hash_ids` that are
+//!    all resident, stopping at the first that is not;
+//! 2. `hit_tokens = min(k × block_size, input_length)`, `prompt_tokens =
+//!    input_length`;
+//! 3. every block of the request, hit or miss, is then accessed in order.
+//!
+//! Alongside the token counts it measures what an operator weighs when picking
+//! a policy: evictions, how long accesses that evicted took, how many evicted
+//! blocks the trace asks for again (each one is prefilled again), and how full
+//! the cache stays.
+
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use kvroute_trace::TraceRequest;
+use rustc_hash::FxHashMap;
+
+use crate::{BlockCache, BlockId};
+
+/// One request's result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestOutcome {
+    pub prompt_tokens: u64,
+    pub hit_tokens: u64,
+}
+
+/// The totals of one replay.
+#[derive(Clone, Debug)]
+pub struct ReplayReport {
+    pub total_requests: usize,
+    pub total_prompt_tokens: u64,
+    pub total_hit_tokens: u64,
+    /// Resident blocks at the end (never ghosts).
+    pub final_cache_blocks: usize,
+    pub block_accesses: u64,
+    /// Accesses that found their block resident (any position in the prompt).
+    pub block_hits: u64,
+    pub evictions: u64,
+    /// Evictions of a block that the trace requests again later.
+    pub re_prefilled_evictions: u64,
+    /// Mean over requests of resident / capacity after each request; `None`
+    /// for the unbounded cache.
+    pub mean_utilisation: Option<f64>,
+    /// Median and 99th percentile wall time of the accesses that evicted a
+    /// block (lookup, victim choice and admission); `None` without evictions.
+    pub eviction_latency_p50_ns: Option<u64>,
+    pub eviction_latency_p99_ns: Option<u64>,
+    pub per_request: Vec<RequestOutcome>,
+}
+
+impl ReplayReport {
+    /// Hit tokens over prompt tokens; 0 for an empty trace.
+    pub fn overall_hit_rate(&self) -> f64 {
+        ratio(self.total_hit_tokens, self.total_prompt_tokens)
+    }
+
+    /// The fraction of evicted blocks that are requested again later.
+    pub fn re_prefill_rate(&self) -> f64 {
+        ratio(self.re_prefilled_evictions, self.evictions)
+    }
+}
+
+fn ratio(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// A trace laid out for fast replays, built once and replayed many times.
+///
+/// Block ids are relabelled densely (0, 1, 2, ... in order of first use).
+/// Policies only compare ids for equality, so hits, evictions and sizes are
+/// unchanged, and per-block facts become plain array lookups: which evicted
+/// blocks are requested again later is one `Vec` read per eviction instead of
+/// a probe into a hash map of every block in the trace.
+#[derive(Clone, Debug)]
+pub struct PreparedTrace {
+    /// Every block access, in replay order, as dense ids.
+    accesses: Vec<BlockId>,
+    /// Per request: `input_length` and the end of its blocks in `accesses`.
+    requests: Vec<(u64, usize)>,
+    /// Per dense id: the position of its last access.
+    last_use: Vec<usize>,
+}
+
+impl PreparedTrace {
+    pub fn new(trace: &[TraceRequest]) -> Self {
+        let mut dense: FxHashMap<BlockId, BlockId> = FxHashMap::default();
+        let mut accesses = Vec::with_capacity(trace.iter().map(|r| r.hash_ids.len()).sum());
+        let mut last_use = Vec::new();
+        let mut requests = Vec::with_capacity(trace.len());
+        for request in trace {
+            for &block in &request.hash_ids {
+                let next_id = dense.len() as BlockId;
+                let id = *dense.entry(block).or_insert(next_id);
+                if id == next_id {
+                    last_use.push(0);
+                }
+                last_use[id as usize] = accesses.len();
+                accesses.push(id);
+            }
+            requests.push((request.input_length, accesses.len()));
+        }
+        PreparedTrace {
+            accesses,
+            requests,
+            last_use,
+        }
+    }
+
+    /// All block accesses in replay order, relabelled: the future that
+    /// [`crate::Belady`] must be given for a replay of this trace.
+    pub fn accesses(&self) -> &[BlockId] {
+        &self.accesses
+    }
+
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+/// Replays `trace` through `cache`, calling `after_request` once per request
+/// (for progress reporting).
+pub fn replay<C: BlockCache + ?Sized>(
+    cache: &mut C,
+    trace: &PreparedTrace,
+    block_size: u64,
+    mut after_request: impl FnMut(),
+) -> ReplayReport {
+    let capacity = cache.capacity().map(|c| c as f64);
+    let mut latency = Histogram::<u64>::new(3).expect("3 significant figures is a valid precision");
+    let mut evicted = Vec::new();
+    let mut report = ReplayReport {
+        total_requests: trace.requests(),
+        total_prompt_tokens: 0,
+        total_hit_tokens: 0,
+        final_cache_blocks: 0,
+        block_accesses: trace.accesses.len() as u64,
+        block_hits: 0,
+        evictions: 0,
+        re_prefilled_evictions: 0,
+        mean_utilisation: None,
+        eviction_latency_p50_ns: None,
+        eviction_latency_p99_ns: None,
+        per_request: Vec::with_capacity(trace.requests()),
+    };
+    let mut utilisation_sum = 0.0;
+    let mut start = 0;
+    for &(input_length, end) in &trace.requests {
+        let blocks = &trace.accesses[start..end];
+        let resident_prefix = blocks
+            .iter()
+            .take_while(|&&block| cache.contains(block))
+            .count() as u64;
+        let outcome = RequestOutcome {
+            prompt_tokens: input_length,
+            hit_tokens: resident_prefix.saturating_mul(block_size).min(input_length),
+        };
+        for (position, &block) in (start..).zip(blocks) {
+            let started = Instant::now();
+            let access = cache.access(block, &mut evicted);
+            if !evicted.is_empty() {
+                latency.saturating_record(started.elapsed().as_nanos() as u64);
+                for victim in evicted.drain(..) {
+                    report.evictions += 1;
+                    // Ids outside the trace can only come from a cache that
+                    // was filled before the replay; they are not re-requested.
+                    let last_use = trace.last_use.get(victim as usize);
+                    if last_use.is_some_and(|&last| last > position) {
+                        report.re_prefilled_evictions += 1;
+                    }
+                }
+            }
+            report.block_hits += u64::from(access == crate::Access::Hit);
+        }
+        start = end;
+        report.total_prompt_tokens += outcome.prompt_tokens;
+        report.total_hit_tokens += outcome.hit_tokens;
+        report.per_request.push(outcome);
+        if let Some(capacity) = capacity {
+            utilisation_sum += cache.len() as f64 / capacity;
+        }
+        after_request();
+    }
+    report.final_cache_blocks = cache.len();
+    if capacity.is_some() && !trace.requests.is_empty() {
+        report.mean_utilisation = Some(utilisation_sum / trace.requests.len() as f64);
+    }
+    if !latency.is_empty() {
+        report.eviction_latency_p50_ns = Some(latency.value_at_quantile(0.5));
+        report.eviction_latency_p99_ns = Some(latency.value_at_quantile(0.99));
+    }
+    report
+}

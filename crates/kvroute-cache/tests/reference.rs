@@ -1,0 +1,589 @@
+//! Each policy against a naive list-based implementation of the same rules, on
+//! random mixes of accesses and worker-pool operations; and sanity properties
+//! of the replay on random traces.
+
+use std::collections::{HashSet, VecDeque};
+
+use kvroute_cache::{
+    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, PreparedTrace,
+    S3Fifo, S3FifoParams, replay,
+};
+use kvroute_trace::TraceRequest;
+use proptest::prelude::*;
+
+/// A step of a random workload.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Access(u64),
+    Remove(u64),
+    EvictOne,
+}
+
+/// The naive models implement the same trait, so the same driver checks them.
+fn check_same(
+    real: &mut dyn BlockCache,
+    naive: &mut dyn BlockCache,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    for (i, &op) in ops.iter().enumerate() {
+        match op {
+            Op::Access(block) => {
+                let (mut real_out, mut naive_out) = (Vec::new(), Vec::new());
+                let got = real.access(block, &mut real_out);
+                let want = naive.access(block, &mut naive_out);
+                prop_assert_eq!(got, want, "op {} {:?}", i, op);
+                prop_assert_eq!(real_out, naive_out, "op {} {:?}", i, op);
+            }
+            Op::Remove(block) => {
+                prop_assert_eq!(real.remove(block), naive.remove(block), "op {} {:?}", i, op)
+            }
+            Op::EvictOne => prop_assert_eq!(real.evict_one(), naive.evict_one(), "op {}", i),
+        }
+        prop_assert_eq!(real.len(), naive.len(), "op {} {:?}", i, op);
+        for block in 0..BLOCKS {
+            prop_assert_eq!(
+                real.contains(block),
+                naive.contains(block),
+                "op {} block {}",
+                i,
+                block
+            );
+        }
+    }
+    Ok(())
+}
+
+const BLOCKS: u64 = 12;
+
+fn ops(pool_ops: bool) -> impl Strategy<Value = Vec<Op>> {
+    let op = if pool_ops {
+        prop_oneof![
+            8 => (0..BLOCKS).prop_map(Op::Access),
+            1 => (0..BLOCKS).prop_map(Op::Remove),
+            1 => Just(Op::EvictOne),
+        ]
+        .boxed()
+    } else {
+        (0..BLOCKS).prop_map(Op::Access).boxed()
+    };
+    prop::collection::vec(op, 0..200)
+}
+
+// ---------------------------------------------------------------- LRU, FIFO
+
+/// A Vec in recency (LRU) or insertion (FIFO) order, oldest first.
+struct NaiveQueue {
+    capacity: usize,
+    move_on_hit: bool,
+    blocks: Vec<u64>,
+}
+
+impl BlockCache for NaiveQueue {
+    fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
+        if let Some(at) = self.blocks.iter().position(|&b| b == block) {
+            if self.move_on_hit {
+                self.blocks.remove(at);
+                self.blocks.push(block);
+            }
+            return Access::Hit;
+        }
+        if self.blocks.len() >= self.capacity {
+            evicted.push(self.blocks.remove(0));
+        }
+        self.blocks.push(block);
+        Access::Miss
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.blocks.contains(&block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        let at = self.blocks.iter().position(|&b| b == block);
+        at.map(|at| self.blocks.remove(at)).is_some()
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        (!self.blocks.is_empty()).then(|| self.blocks.remove(0))
+    }
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.capacity)
+    }
+}
+
+// ---------------------------------------------------------------------- LFU
+
+/// (block, count, insertion number); the victim is the minimum (count, insertion).
+struct NaiveLfu {
+    capacity: usize,
+    next: u64,
+    blocks: Vec<(u64, u64, u64)>,
+}
+
+impl BlockCache for NaiveLfu {
+    fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
+        if let Some(entry) = self.blocks.iter_mut().find(|e| e.0 == block) {
+            entry.1 += 1;
+            return Access::Hit;
+        }
+        if self.blocks.len() >= self.capacity {
+            evicted.extend(self.evict_one());
+        }
+        self.blocks.push((block, 1, self.next));
+        self.next += 1;
+        Access::Miss
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.blocks.iter().any(|e| e.0 == block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        let before = self.blocks.len();
+        self.blocks.retain(|e| e.0 != block);
+        self.blocks.len() != before
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        let at = (0..self.blocks.len()).min_by_key(|&i| (self.blocks[i].1, self.blocks[i].2))?;
+        Some(self.blocks.remove(at).0)
+    }
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.capacity)
+    }
+}
+
+// ------------------------------------------------------------------- S3FIFO
+
+/// The S3FIFO rules, written out with VecDeques.
+struct NaiveS3Fifo {
+    small_cap: usize,
+    main_cap: usize,
+    ghost_cap: usize,
+    max_freq: u8,
+    small: VecDeque<(u64, u8)>,
+    main: VecDeque<(u64, u8)>,
+    ghost: VecDeque<u64>,
+}
+
+impl NaiveS3Fifo {
+    fn new(capacity: usize, small_ratio: f64, max_freq: u8) -> Self {
+        let small_cap = ((capacity as f64 * small_ratio).round_ties_even() as usize).max(1);
+        let main_cap = capacity - small_cap;
+        NaiveS3Fifo {
+            small_cap,
+            main_cap,
+            ghost_cap: main_cap,
+            max_freq,
+            small: VecDeque::new(),
+            main: VecDeque::new(),
+            ghost: VecDeque::new(),
+        }
+    }
+
+    fn insert_ghost(&mut self, block: u64) {
+        if let Some(at) = self.ghost.iter().position(|&b| b == block) {
+            self.ghost.remove(at);
+        } else if self.ghost.len() >= self.ghost_cap {
+            self.ghost.pop_front();
+        }
+        self.ghost.push_back(block);
+    }
+
+    /// Second chance over M until one block goes to G.
+    fn evict_main(&mut self) -> Option<u64> {
+        while let Some((block, count)) = self.main.pop_front() {
+            if count >= 1 {
+                self.main.push_back((block, count - 1));
+            } else {
+                self.insert_ghost(block);
+                return Some(block);
+            }
+        }
+        None
+    }
+
+    fn admit_main(&mut self, entry: (u64, u8), evicted: &mut Vec<u64>) {
+        // "While |M| ≥ main_cap" ends after exactly one real eviction.
+        if self.main.len() >= self.main_cap {
+            evicted.extend(self.evict_main());
+        }
+        self.main.push_back(entry);
+    }
+}
+
+impl BlockCache for NaiveS3Fifo {
+    fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
+        let max = self.max_freq;
+        for queue in [&mut self.small, &mut self.main] {
+            if let Some(entry) = queue.iter_mut().find(|e| e.0 == block) {
+                entry.1 = (entry.1 + 1).min(max);
+                return Access::Hit;
+            }
+        }
+        if let Some(at) = self.ghost.iter().position(|&b| b == block) {
+            self.ghost.remove(at);
+            self.admit_main((block, 0), evicted);
+            return Access::Miss;
+        }
+        while self.small.len() >= self.small_cap {
+            let (head, count) = self.small.pop_front().unwrap();
+            if count >= 1 {
+                self.admit_main((head, count), evicted);
+            } else {
+                self.insert_ghost(head);
+                evicted.push(head);
+            }
+        }
+        self.small.push_back((block, 0));
+        Access::Miss
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.small.iter().chain(&self.main).any(|e| e.0 == block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        let before = self.len();
+        self.small.retain(|e| e.0 != block);
+        self.main.retain(|e| e.0 != block);
+        self.len() != before
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        loop {
+            if !self.small.is_empty()
+                && (self.small.len() >= self.small_cap || self.main.is_empty())
+            {
+                let (head, count) = self.small.pop_front().unwrap();
+                if count == 0 {
+                    self.insert_ghost(head);
+                    return Some(head);
+                }
+                let mut evicted = Vec::new();
+                self.admit_main((head, count), &mut evicted);
+                if let Some(victim) = evicted.pop() {
+                    return Some(victim);
+                }
+            } else {
+                return self.evict_main();
+            }
+        }
+    }
+    fn len(&self) -> usize {
+        self.small.len() + self.main.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.small_cap + self.main_cap)
+    }
+}
+
+// ---------------------------------------------------------------------- ARC
+
+/// The paper's ARC with Vecs (LRU first), with the same two pool-use guards as
+/// the real one: REPLACE only on a full cache, and from the other list when
+/// the chosen one is empty.
+struct NaiveArc {
+    c: usize,
+    p: f64,
+    t1: Vec<u64>,
+    t2: Vec<u64>,
+    b1: Vec<u64>,
+    b2: Vec<u64>,
+}
+
+fn take(list: &mut Vec<u64>, block: u64) -> bool {
+    let at = list.iter().position(|&b| b == block);
+    at.map(|at| list.remove(at)).is_some()
+}
+
+impl NaiveArc {
+    fn replace(&mut self, x_in_b2: bool) -> Option<u64> {
+        let t1 = self.t1.len() as f64;
+        let prefer_t1 = t1 >= 1.0 && ((x_in_b2 && t1 == self.p) || t1 > self.p);
+        if (prefer_t1 || self.t2.is_empty()) && !self.t1.is_empty() {
+            let victim = self.t1.remove(0);
+            self.b1.push(victim);
+            Some(victim)
+        } else if !self.t2.is_empty() {
+            let victim = self.t2.remove(0);
+            self.b2.push(victim);
+            Some(victim)
+        } else {
+            None
+        }
+    }
+
+    fn replace_if_full(&mut self, x_in_b2: bool, evicted: &mut Vec<u64>) {
+        if self.t1.len() + self.t2.len() >= self.c {
+            evicted.extend(self.replace(x_in_b2));
+        }
+    }
+}
+
+impl BlockCache for NaiveArc {
+    fn access(&mut self, x: u64, evicted: &mut Vec<u64>) -> Access {
+        let c = self.c as f64;
+        if take(&mut self.t1, x) || take(&mut self.t2, x) {
+            self.t2.push(x);
+            return Access::Hit;
+        }
+        if self.b1.contains(&x) {
+            let (b1, b2) = (self.b1.len() as f64, self.b2.len() as f64);
+            self.p = (self.p + if b1 >= b2 { 1.0 } else { b2 / b1 }).min(c);
+            self.replace_if_full(false, evicted);
+            take(&mut self.b1, x);
+            self.t2.push(x);
+        } else if self.b2.contains(&x) {
+            let (b1, b2) = (self.b1.len() as f64, self.b2.len() as f64);
+            self.p = (self.p - if b2 >= b1 { 1.0 } else { b1 / b2 }).max(0.0);
+            self.replace_if_full(true, evicted);
+            take(&mut self.b2, x);
+            self.t2.push(x);
+        } else {
+            let l1 = self.t1.len() + self.b1.len();
+            let total = l1 + self.t2.len() + self.b2.len();
+            if l1 == self.c {
+                if self.t1.len() < self.c {
+                    self.b1.remove(0);
+                    self.replace_if_full(false, evicted);
+                } else {
+                    evicted.push(self.t1.remove(0));
+                }
+            } else if total >= self.c {
+                if total == 2 * self.c {
+                    self.b2.remove(0);
+                }
+                self.replace_if_full(false, evicted);
+            }
+            self.t1.push(x);
+        }
+        Access::Miss
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.t1.contains(&block) || self.t2.contains(&block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        take(&mut self.t1, block) || take(&mut self.t2, block)
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        self.replace(false)
+    }
+    fn len(&self) -> usize {
+        self.t1.len() + self.t2.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.c)
+    }
+}
+
+// ------------------------------------------------------------------- Belady
+
+/// MIN by scanning the rest of the sequence for every resident block.
+fn naive_belady(capacity: usize, sequence: &[u64]) -> Vec<(Access, Vec<u64>)> {
+    let mut resident: Vec<u64> = Vec::new();
+    let mut out = Vec::new();
+    for (i, &block) in sequence.iter().enumerate() {
+        if resident.contains(&block) {
+            out.push((Access::Hit, vec![]));
+            continue;
+        }
+        let mut evicted = vec![];
+        if resident.len() >= capacity {
+            let next_use = |b: u64| {
+                let later = sequence[i..].iter().position(|&s| s == b);
+                later.map_or(u64::MAX, |d| (i + d) as u64)
+            };
+            let at = (0..resident.len())
+                .max_by_key(|&j| (next_use(resident[j]), resident[j]))
+                .unwrap();
+            evicted.push(resident.remove(at));
+        }
+        resident.push(block);
+        out.push((Access::Miss, evicted));
+    }
+    out
+}
+
+fn config() -> ProptestConfig {
+    ProptestConfig::with_cases(128)
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn lru_matches_naive(capacity in 1usize..6, ops in ops(true)) {
+        let mut naive = NaiveQueue { capacity, move_on_hit: true, blocks: vec![] };
+        check_same(&mut Lru::new(capacity).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn fifo_matches_naive(capacity in 1usize..6, ops in ops(true)) {
+        let mut naive = NaiveQueue { capacity, move_on_hit: false, blocks: vec![] };
+        check_same(&mut Fifo::new(capacity).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn lfu_matches_naive(capacity in 1usize..6, ops in ops(true)) {
+        let mut naive = NaiveLfu { capacity, next: 0, blocks: vec![] };
+        check_same(&mut Lfu::new(capacity).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn s3fifo_matches_naive(
+        capacity in 2usize..9,
+        small_ratio in prop::sample::select(vec![0.1, 0.25, 0.4]),
+        max_freq in 0u8..4,
+        ops in ops(true),
+    ) {
+        let params = S3FifoParams { small_ratio, max_freq };
+        let mut naive = NaiveS3Fifo::new(capacity, small_ratio, max_freq);
+        check_same(&mut S3Fifo::new(capacity, params).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn arc_matches_naive(capacity in 1usize..6, pool_ops in any::<bool>(), seed_ops in ops(true)) {
+        // Pure access streams keep the paper's invariants; mixed ones test the guards.
+        let ops: Vec<Op> = if pool_ops {
+            seed_ops
+        } else {
+            seed_ops.into_iter().filter(|op| matches!(op, Op::Access(_))).collect()
+        };
+        let mut naive = NaiveArc { c: capacity, p: 0.0, t1: vec![], t2: vec![], b1: vec![], b2: vec![] };
+        check_same(&mut ArcCache::new(capacity).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn belady_matches_naive(capacity in 1usize..6, sequence in prop::collection::vec(0..BLOCKS, 0..150)) {
+        let mut cache = Belady::new(capacity, &sequence).unwrap();
+        let got: Vec<(Access, Vec<u64>)> = sequence
+            .iter()
+            .map(|&block| {
+                let mut evicted = vec![];
+                (cache.access(block, &mut evicted), evicted)
+            })
+            .collect();
+        prop_assert_eq!(got, naive_belady(capacity, &sequence));
+    }
+}
+
+// ------------------------------------------------------ replay sanity checks
+
+const BLOCK_SIZE: u64 = 4;
+
+/// Requests whose blocks come from a small id space, so prefixes repeat; the
+/// input length may end inside the last block, or be shorter than the blocks.
+fn trace() -> impl Strategy<Value = Vec<TraceRequest>> {
+    let request = (prop::collection::vec(0u64..24, 0..8), 0u64..4).prop_map(|(ids, short)| {
+        let input_length = (ids.len() as u64 * BLOCK_SIZE).saturating_sub(short);
+        TraceRequest {
+            timestamp_ms: 0,
+            input_length,
+            output_length: 1,
+            hash_ids: ids,
+        }
+    });
+    prop::collection::vec(request, 0..40)
+}
+
+fn hit_tokens(kind: PolicyKind, capacity: usize, trace: &PreparedTrace) -> u64 {
+    let mut cache = kind
+        .build(capacity, S3FifoParams::default(), trace.accesses())
+        .unwrap();
+    replay(cache.as_mut(), trace, BLOCK_SIZE, || {}).total_hit_tokens
+}
+
+/// The replay rules applied straight to the trace's own ids: per request the
+/// hit tokens, then the evictions and the final size.
+fn naive_replay(cache: &mut dyn BlockCache, trace: &[TraceRequest]) -> (Vec<u64>, u64, usize) {
+    let mut hits = Vec::new();
+    let mut evicted = Vec::new();
+    for request in trace {
+        let mut k = 0;
+        while k < request.hash_ids.len() && cache.contains(request.hash_ids[k]) {
+            k += 1;
+        }
+        hits.push((k as u64 * BLOCK_SIZE).min(request.input_length));
+        for &block in &request.hash_ids {
+            cache.access(block, &mut evicted);
+        }
+    }
+    (hits, evicted.len() as u64, cache.len())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn replay_totals_bounds_and_capacity(raw in trace(), capacity in 2usize..12) {
+        let trace = PreparedTrace::new(&raw);
+        let infinite = hit_tokens(PolicyKind::Infinite, capacity, &trace);
+        let distinct: HashSet<u64> = raw.iter().flat_map(|r| r.hash_ids.iter().copied()).collect();
+        for kind in PolicyKind::ALL {
+            let mut cache = kind.build(capacity, S3FifoParams::default(), trace.accesses()).unwrap();
+            let mut calls = 0;
+            let report = replay(cache.as_mut(), &trace, BLOCK_SIZE, || calls += 1);
+            prop_assert_eq!(calls, raw.len());
+            prop_assert_eq!(report.total_requests, raw.len());
+            let prompt_in_trace: u64 = raw.iter().map(|r| r.input_length).sum();
+            prop_assert_eq!(report.total_prompt_tokens, prompt_in_trace);
+            let prompt: u64 = report.per_request.iter().map(|r| r.prompt_tokens).sum();
+            let hits: u64 = report.per_request.iter().map(|r| r.hit_tokens).sum();
+            prop_assert_eq!(prompt, report.total_prompt_tokens);
+            prop_assert_eq!(hits, report.total_hit_tokens);
+            prop_assert!(report.per_request.iter().all(|r| r.hit_tokens <= r.prompt_tokens));
+            prop_assert!(report.total_hit_tokens <= infinite, "{} beats the infinite bound", kind);
+            prop_assert_eq!(report.final_cache_blocks, cache.len());
+            if kind == PolicyKind::Infinite {
+                prop_assert_eq!(report.final_cache_blocks, distinct.len());
+            } else {
+                prop_assert!(report.final_cache_blocks <= capacity, "{}", kind);
+                prop_assert!(report.re_prefilled_evictions <= report.evictions);
+                let mean = report.mean_utilisation.unwrap_or(0.0);
+                prop_assert!((0.0..=1.0).contains(&mean), "{}: {}", kind, mean);
+            }
+        }
+    }
+
+    #[test]
+    fn replay_of_relabelled_ids_matches_a_direct_replay(raw in trace(), capacity in 2usize..12) {
+        // Scatter the ids so that dense relabelling really changes them.
+        let scattered: Vec<TraceRequest> = raw
+            .iter()
+            .map(|r| TraceRequest {
+                hash_ids: r.hash_ids.iter().map(|id| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd).collect(),
+                ..r.clone()
+            })
+            .collect();
+        let trace = PreparedTrace::new(&scattered);
+        // Belady's future is given in each replay's own ids.
+        let direct_future: Vec<u64> = scattered.iter().flat_map(|r| r.hash_ids.clone()).collect();
+        for kind in PolicyKind::ALL {
+            let params = S3FifoParams::default();
+            let mut cache = kind.build(capacity, params, trace.accesses()).unwrap();
+            let report = replay(cache.as_mut(), &trace, BLOCK_SIZE, || {});
+            let mut direct = kind.build(capacity, params, &direct_future).unwrap();
+            let (hits, evictions, final_blocks) = naive_replay(direct.as_mut(), &scattered);
+            let got: Vec<u64> = report.per_request.iter().map(|r| r.hit_tokens).collect();
+            prop_assert_eq!(got, hits, "{}", kind);
+            prop_assert_eq!(report.evictions, evictions, "{}", kind);
+            prop_assert_eq!(report.final_cache_blocks, final_blocks, "{}", kind);
+        }
+    }
+
+    #[test]
+    fn lru_hits_never_fall_as_capacity_grows(raw in trace(), capacity in 1usize..12) {
+        let trace = PreparedTrace::new(&raw);
+        prop_assert!(
+            hit_tokens(PolicyKind::Lru, capacity, &trace)
+                <= hit_tokens(PolicyKind::Lru, capacity + 1, &trace)
+        );
+    }
+}
+
+#[test]
+fn infinite_reports_every_block_once_seen() {
+    let mut cache = Infinite::default();
+    let mut evicted = vec![];
+    assert_eq!(cache.access(7, &mut evicted), Access::Miss);
+    assert_eq!(cache.access(7, &mut evicted), Access::Hit);
+    assert!(cache.remove(7) && !cache.contains(7) && evicted.is_empty());
+}
