@@ -177,9 +177,11 @@ impl Shard {
     /// Removes `worker` from the block, dropping the block when nobody holds it.
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
-        let Some(entry) = self.entries.get_mut(&seq) else {
+        // One probe for the lookup and the removal.
+        let hash_map::Entry::Occupied(mut occupied) = self.entries.entry(seq) else {
             return (false, false);
         };
+        let entry = occupied.get_mut();
         let held = if worker < 64 {
             let bit = 1 << worker;
             let held = entry.workers & bit != 0;
@@ -200,7 +202,7 @@ impl Shard {
         };
         let empty = entry.workers == 0 && (self.wide.is_empty() || !self.wide.contains_key(&seq));
         if empty {
-            self.entries.remove(&seq);
+            occupied.remove();
             shrink_sparse(&mut self.entries);
         }
         (held, empty)
