@@ -123,11 +123,27 @@ impl Counters {
 struct WorkerSlot {
     key: WorkerKey,
     idx: u32,
-    /// Blocks whose bit is set for this worker (its memberships).
+    /// Blocks whose bit is set for this worker (its memberships). Read without
+    /// locks; written only through [`WorkerSlot::add_held`].
     held: AtomicU64,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
     state: Mutex<WorkerState>,
+}
+
+impl WorkerSlot {
+    /// Adds `delta` to `held` with a plain load and store, not a locked
+    /// read-modify-write (one per block op was a large share of ingest cost):
+    /// writers of `held` are serialised. Without a limit only the worker's own
+    /// event writer (holding its mutex) changes it; with a limit every writer,
+    /// the evictor included, holds the eviction mutex.
+    fn add_held(&self, delta: i64) {
+        if delta != 0 {
+            let held = self.held.load(Ordering::Relaxed);
+            self.held
+                .store(held.wrapping_add_signed(delta), Ordering::Relaxed);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -336,17 +352,16 @@ impl KvIndex {
             return Vec::new();
         }
         let indices = self.indices.read().unwrap();
-        depths
-            .into_iter()
-            .filter_map(|(idx, depth)| {
-                let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
-                Some(WorkerMatch {
-                    worker: slot.key,
-                    depth,
-                    total_blocks: slot.held.load(Ordering::Relaxed),
-                })
+        let mut matches = Vec::with_capacity(depths.len());
+        matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
+            let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
+            Some(WorkerMatch {
+                worker: slot.key,
+                depth,
+                total_blocks: slot.held.load(Ordering::Relaxed),
             })
-            .collect()
+        }));
+        matches
     }
 
     /// Protects the blocks of a request's path from eviction until the guard is
@@ -414,22 +429,34 @@ impl KvIndex {
     }
 
     /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the keys of the path as deep as it was walked: they are
-    /// computed lazily, as most long requests match only a short prefix.
+    /// and the keys of the path as deep as it was walked: they are computed
+    /// lazily, as most long requests match only a short prefix, and kept only
+    /// when needed (for the LRU, or for a second group of 64 workers).
     fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
+        let groups = self.groups.load(Ordering::Acquire);
+        let keep_path = groups > 1 || self.eviction.is_some();
         let mut depths = Vec::new();
-        let mut path: Vec<BlockRef> = Vec::with_capacity(local_hashes.len().min(32));
+        let mut path: Vec<BlockRef> = Vec::new();
         let mut reader = ShardReader::new(&self.table);
-        for group in 0..self.groups.load(Ordering::Acquire) {
+        for group in 0..groups {
             let base = 64 * group as u32;
             let mut active = 0;
+            let mut parent = None;
             for (depth, &local) in local_hashes.iter().enumerate() {
-                if depth == path.len() {
-                    path.push(BlockRef::child_of(path.last().copied(), local));
-                }
-                let r = path[depth];
+                let r = match path.get(depth) {
+                    Some(&r) => r,
+                    None => {
+                        let r = BlockRef::child_of(parent, local);
+                        if keep_path {
+                            path.push(r);
+                        }
+                        r
+                    }
+                };
+                parent = Some(r);
                 let holders = reader.shard(r.shard()).workers(r.key(), group);
                 let still = if depth == 0 {
+                    depths.reserve(holders.count_ones() as usize);
                     holders
                 } else {
                     active & holders
@@ -518,6 +545,7 @@ impl KvIndex {
     ) -> ApplyOutcome {
         let mut rejected_blocks = 0;
         let mut unknown_removals = 0;
+        let mut held_delta = 0;
         let mut writer = ShardWriter::new(&self.table);
         match kind {
             EventKind::Stored {
@@ -539,7 +567,7 @@ impl KvIndex {
                             if let Some(old) = state.blocks.insert(block.block_hash, r)
                                 && old.key() != seq
                             {
-                                self.unhold(&mut writer, slot, old, eviction);
+                                held_delta -= self.unhold(&mut writer, slot, old, eviction);
                             }
                             let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
                             let (added, created) = writer.shard(r.shard()).insert(
@@ -548,9 +576,7 @@ impl KvIndex {
                                 parent_seq,
                                 slot.idx,
                             );
-                            if added {
-                                slot.held.fetch_add(1, Ordering::Relaxed);
-                            }
+                            held_delta += i64::from(added);
                             if let Some(eviction) = eviction.as_deref_mut() {
                                 eviction.memberships += added as u64;
                                 if created {
@@ -572,7 +598,7 @@ impl KvIndex {
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
                     match state.blocks.remove(hash) {
-                        Some(r) => self.unhold(&mut writer, slot, r, eviction),
+                        Some(r) => held_delta -= self.unhold(&mut writer, slot, r, eviction),
                         None => unknown_removals += 1,
                     }
                 }
@@ -583,6 +609,7 @@ impl KvIndex {
                 self.clear(slot, state, eviction);
             }
         }
+        slot.add_held(held_delta);
         ApplyOutcome::Applied {
             rejected_blocks,
             unknown_removals,
@@ -599,31 +626,32 @@ impl KvIndex {
         let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
         refs.sort_unstable_by_key(|r| r.shard());
         let mut writer = ShardWriter::new(&self.table);
+        let mut released = 0;
         for r in refs {
-            self.unhold(&mut writer, slot, r, eviction);
+            released += self.unhold(&mut writer, slot, r, eviction);
         }
+        slot.add_held(-released);
         state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }
 
-    /// Takes the worker's membership of one block away.
+    /// Takes the worker's membership of one block away; returns 1 if the worker
+    /// held it (for the caller to subtract from `held`), else 0.
     fn unhold(
         &self,
         writer: &mut ShardWriter<'_>,
         slot: &WorkerSlot,
         r: BlockRef,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
-    ) {
+    ) -> i64 {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
-        if held {
-            slot.held.fetch_sub(1, Ordering::Relaxed);
-        }
         if let Some(eviction) = eviction.as_deref_mut() {
             eviction.memberships -= held as u64;
             if gone {
                 eviction.lru.remove(r.key());
             }
         }
+        i64::from(held)
     }
 
     /// Evicts least-recently-used unpinned leaves until the limit holds, in
@@ -658,7 +686,7 @@ impl KvIndex {
         let indices = self.indices.read().unwrap();
         for idx in holders {
             if let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) {
-                slot.held.fetch_sub(1, Ordering::Relaxed);
+                slot.add_held(-1);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
             }
         }
