@@ -27,6 +27,8 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// Replay a Mooncake trace through KV-cache eviction policies.
     Replay(cmd::replay::ReplayArgs),
+    /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(args),
         Command::Replay(args) => cmd::replay::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

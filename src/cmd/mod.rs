@@ -2,3 +2,4 @@
 
 pub mod hash;
 pub mod replay;
+pub mod serve;

@@ -1,0 +1,457 @@
+//! The HTTP API: OpenAI-compatible endpoints that route and proxy, the dry run,
+//! admin endpoints over the registry, health and metrics.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde_json::{Value, json};
+
+use crate::error::RouterError;
+use crate::metrics;
+use crate::state::{AppState, RouteInput, Routed};
+use crate::tokenize::{Prompt, completion_prompt};
+use crate::upstream::{Failure, TrackedBody, strip_hop_by_hop};
+
+/// Request and response header naming the worker (pins a request; tells the choice).
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let admin = Router::new()
+        .route("/workers", get(list_workers))
+        .route("/workers/{id}", get(get_worker).delete(delete_worker))
+        .route("/workers/{id}/drain", post(drain_worker))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_token,
+        ));
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/route", post(dry_run))
+        .route(
+            "/healthz",
+            get(|| async { axum::Json(json!({"status": "ok"})) }),
+        )
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(render_metrics))
+        .merge(admin)
+        .fallback(|| async {
+            RouterError::BadRequest("no such endpoint".into()).with_status(StatusCode::NOT_FOUND)
+        })
+        .layer(middleware::from_fn(count_responses))
+        .with_state(state)
+}
+
+impl RouterError {
+    fn with_status(self, status: StatusCode) -> Response {
+        let mut response = self.into_response();
+        *response.status_mut() = status;
+        response
+    }
+}
+
+async fn count_responses(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => response.status().as_u16().to_string())
+        .increment(1);
+    response
+}
+
+async fn require_token(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if crate::auth::bearer_ok(
+        &state.config.auth_token,
+        request.headers().get(header::AUTHORIZATION),
+    ) {
+        next.run(request).await
+    } else {
+        RouterError::Unauthorized.into_response()
+    }
+}
+
+/// Which OpenAI endpoint a body is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// A parsed request: what to route, and the body to forward unchanged.
+struct Parsed {
+    model: String,
+    tokens: Vec<u32>,
+    pin: Option<u64>,
+    body: Bytes,
+}
+
+async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Bytes), RouterError> {
+    let (parts, body) = request.into_parts();
+    let limit = state.config.body_limit_bytes;
+    let bytes = Limited::new(body, limit)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.downcast_ref::<LengthLimitError>().is_some() {
+                RouterError::PayloadTooLarge(limit)
+            } else {
+                RouterError::BadRequest(format!("cannot read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    Ok((parts.headers, bytes))
+}
+
+/// Parses the JSON body and turns its prompt into tokens. `endpoint` None: either kind (dry run).
+fn parse(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Bytes,
+    endpoint: Option<Endpoint>,
+) -> Result<Parsed, RouterError> {
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|e| RouterError::BadRequest(format!("the body is not valid JSON: {e}")))?;
+    let object = json
+        .as_object()
+        .ok_or_else(|| RouterError::BadRequest("the body must be a JSON object".into()))?;
+    let model = object
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?
+        .to_string();
+    let endpoint = match endpoint {
+        Some(e) => e,
+        None if object.contains_key("messages") => Endpoint::Chat,
+        None => Endpoint::Completions,
+    };
+    let started = Instant::now();
+    let tokens = match endpoint {
+        Endpoint::Completions => {
+            let prompt = object
+                .get("prompt")
+                .ok_or_else(|| RouterError::BadRequest("missing field `prompt`".into()))?;
+            match completion_prompt(prompt)? {
+                Prompt::Tokens(tokens) => tokens,
+                Prompt::Text(text) => match &state.tokenizer {
+                    Some(t) => t.encode(&text)?,
+                    None => Vec::new(),
+                },
+            }
+        }
+        Endpoint::Chat => {
+            let messages = object
+                .get("messages")
+                .filter(|m| m.is_array())
+                .ok_or_else(|| {
+                    RouterError::BadRequest("missing field `messages` (an array)".into())
+                })?;
+            match &state.tokenizer {
+                Some(t) => t.encode_chat(messages)?,
+                None => Vec::new(),
+            }
+        }
+    };
+    metrics::observe_phase("tokenize", started);
+    let pin = match headers.get(WORKER_HEADER) {
+        None => None,
+        Some(value) => Some(
+            value
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    RouterError::BadRequest(format!("{WORKER_HEADER} must be a worker id"))
+                })?,
+        ),
+    };
+    if let Some(id) = pin
+        && !state.registry.contains(id)
+    {
+        return Err(RouterError::UnknownWorker(id.to_string()));
+    }
+    Ok(Parsed {
+        model,
+        tokens,
+        pin,
+        body,
+    })
+}
+
+async fn completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    proxy(state, request, Endpoint::Completions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    proxy(state, request, Endpoint::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Routes and forwards one request; retries a connect error or a 5xx on the
+/// next-best worker, never once the response has started.
+async fn proxy(
+    state: Arc<AppState>,
+    request: Request,
+    endpoint: Endpoint,
+) -> Result<Response, RouterError> {
+    let received = Instant::now();
+    let (headers, body) = read_body(&state, request).await?;
+    let parsed = parse(&state, &headers, body, Some(endpoint))?;
+    let retries = state.config.upstream.retries;
+    let mut tried: Vec<u64> = Vec::new();
+    let mut last_error = None;
+    for _attempt in 0..=retries {
+        let routed = match state
+            .route(
+                &parsed.model,
+                RouteInput::Tokens(&parsed.tokens),
+                parsed.pin,
+                &tried,
+            )
+            .await
+        {
+            Ok(routed) => routed,
+            // Out of workers to retry on: report what went wrong upstream.
+            Err(e) => return Err(last_error.unwrap_or(e)),
+        };
+        let Routed {
+            decision,
+            local_hashes,
+            ..
+        } = routed;
+        let worker = decision.worker;
+        state
+            .predicted
+            .record(worker, &local_hashes, Instant::now());
+        let booking =
+            state
+                .registry
+                .book(worker, decision.new_prefill_tokens, decision.request_blocks);
+        if decision.request_blocks > 0 {
+            ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
+                .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
+        }
+        if tried.is_empty() {
+            metrics::observe_phase("total", received);
+        }
+        let sent = Instant::now();
+        let result = state
+            .upstream
+            .post(
+                &decision.base_url,
+                endpoint.path(),
+                &headers,
+                parsed.body.clone(),
+            )
+            .await;
+        let reason = match result {
+            Ok(response) if !response.status().is_server_error() => {
+                state.registry.record_outcome(worker.worker_id, true);
+                let (mut parts, incoming) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                parts
+                    .headers
+                    .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
+                let body = TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout());
+                return Ok(Response::from_parts(parts, Body::new(body)));
+            }
+            Ok(response) => {
+                last_error = Some(RouterError::Upstream(format!(
+                    "worker {} answered {}",
+                    worker.worker_id,
+                    response.status()
+                )));
+                "status"
+            }
+            Err(Failure::Connect(e)) => {
+                last_error = Some(RouterError::Upstream(format!(
+                    "cannot connect to worker {}: {e}",
+                    worker.worker_id
+                )));
+                "connect"
+            }
+            Err(Failure::Timeout) => {
+                state.registry.record_outcome(worker.worker_id, false);
+                return Err(RouterError::UpstreamTimeout(format!(
+                    "worker {} sent no response within {} ms",
+                    worker.worker_id, state.config.upstream.first_byte_timeout_ms
+                )));
+            }
+            Err(Failure::Other(e)) => {
+                state.registry.record_outcome(worker.worker_id, false);
+                return Err(RouterError::Upstream(format!(
+                    "worker {} failed: {e}",
+                    worker.worker_id
+                )));
+            }
+        };
+        state.registry.record_outcome(worker.worker_id, false);
+        tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
+        drop(booking);
+        tried.push(worker.worker_id);
+        if parsed.pin.is_some() {
+            break;
+        }
+        ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
+    }
+    Err(last_error.expect("the loop ran at least once and failed"))
+}
+
+/// `POST /v1/route`: what would happen to this request, without proxying it.
+async fn dry_run(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+) -> Result<axum::Json<Value>, RouterError> {
+    let (headers, body) = read_body(&state, request).await?;
+    let parsed = parse(&state, &headers, body, None)?;
+    let routed = state
+        .route_now(
+            &parsed.model,
+            RouteInput::Tokens(&parsed.tokens),
+            parsed.pin,
+            &[],
+        )?
+        .map_err(|e| RouterError::Unavailable {
+            message: format!(
+                "no worker can take a request for `{}` now: {e:?}",
+                parsed.model
+            ),
+            retry_after_s: 1,
+        })?;
+    let d = routed.decision;
+    let ratio = if d.request_blocks > 0 {
+        d.overlap_blocks as f64 / d.request_blocks as f64
+    } else {
+        0.0
+    };
+    Ok(axum::Json(json!({
+        "worker_id": d.worker.worker_id,
+        "dp_rank": d.worker.dp_rank,
+        "base_url": &*d.base_url,
+        "policy": state.config.scheduler.policy.as_str(),
+        "prompt_tokens": routed.prompt_tokens,
+        "request_blocks": d.request_blocks,
+        "overlap_blocks": d.overlap_blocks,
+        "predicted_hit_ratio": ratio,
+        "scores": d.scores,
+    })))
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
+    let data: Vec<Value> = state
+        .registry
+        .served_names()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "owned_by": "kvroute"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data}))
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    if state.registry.any_routable() {
+        axum::Json(json!({"status": "ready"})).into_response()
+    } else {
+        RouterError::Unavailable {
+            message: "no routable worker".into(),
+            retry_after_s: 1,
+        }
+        .into_response()
+    }
+}
+
+async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.render_metrics(),
+    )
+        .into_response()
+}
+
+fn worker_id(id: &str) -> Result<u64, RouterError> {
+    id.parse()
+        .map_err(|_| RouterError::UnknownWorker(id.to_string()))
+}
+
+async fn list_workers(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
+    axum::Json(json!({"workers": state.registry.worker_info(None)}))
+}
+
+async fn get_worker(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Value>, RouterError> {
+    let id = worker_id(&id)?;
+    let info = state.registry.worker_info(Some(id));
+    let worker = info
+        .into_iter()
+        .next()
+        .ok_or_else(|| RouterError::UnknownWorker(id.to_string()))?;
+    let blocks: Vec<Value> = worker
+        .ranks
+        .iter()
+        .map(|r| {
+            let key = kvroute_index::WorkerKey::new(id, r.dp_rank);
+            json!({
+                "dp_rank": r.dp_rank,
+                "indexed_blocks": state.index.worker_blocks(key),
+                "last_event_id": state.index.last_event_id(key),
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({"worker": worker, "index": blocks})))
+}
+
+async fn drain_worker(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Value>, RouterError> {
+    let id = worker_id(&id)?;
+    if !state.registry.drain(id) {
+        return Err(RouterError::UnknownWorker(id.to_string()));
+    }
+    tracing::info!(worker = id, "draining");
+    Ok(axum::Json(json!({"id": id, "state": "draining"})))
+}
+
+async fn delete_worker(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, RouterError> {
+    let id = worker_id(&id)?;
+    let keys = state
+        .registry
+        .remove(id)
+        .ok_or_else(|| RouterError::UnknownWorker(id.to_string()))?;
+    for key in keys {
+        state.index.remove_worker(key);
+        state.predicted.remove_worker(key);
+    }
+    tracing::info!(worker = id, "removed by an operator");
+    Ok(StatusCode::NO_CONTENT)
+}

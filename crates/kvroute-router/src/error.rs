@@ -1,0 +1,80 @@
+//! The crate's one error type, and how each error looks to an HTTP client.
+//!
+//! HTTP errors follow OpenAI's shape, `{"error": {"message", "type", "code"}}`,
+//! so clients written against OpenAI's API report them sensibly.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("request body is larger than the limit of {0} bytes")]
+    PayloadTooLarge(usize),
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("the model `{0}` does not exist")]
+    UnknownModel(String),
+    #[error("no worker with id {0}")]
+    UnknownWorker(String),
+    #[error("{message}")]
+    Unavailable { message: String, retry_after_s: u64 },
+    #[error("{0}")]
+    Upstream(String),
+    #[error("{0}")]
+    UpstreamTimeout(String),
+    #[error("{0}")]
+    Tokenize(String),
+}
+
+impl RouterError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RouterError::Config(_) | RouterError::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            RouterError::BadRequest(_) | RouterError::Tokenize(_) => StatusCode::BAD_REQUEST,
+            RouterError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
+            RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
+            RouterError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            RouterError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// OpenAI's `type` and `code` for this error.
+    fn kind(&self) -> (&'static str, &'static str) {
+        match self {
+            RouterError::Config(_) | RouterError::Io(_) => ("server_error", "internal_error"),
+            RouterError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
+            RouterError::Tokenize(_) => ("invalid_request_error", "tokenization_failed"),
+            RouterError::PayloadTooLarge(_) => ("invalid_request_error", "request_too_large"),
+            RouterError::Unauthorized => ("authentication_error", "invalid_api_key"),
+            RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
+            RouterError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
+            RouterError::Unavailable { .. } => ("server_error", "no_worker_available"),
+            RouterError::Upstream(_) => ("server_error", "upstream_error"),
+            RouterError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
+        }
+    }
+}
+
+impl IntoResponse for RouterError {
+    fn into_response(self) -> Response {
+        let (kind, code) = self.kind();
+        let body = serde_json::json!({
+            "error": { "message": self.to_string(), "type": kind, "code": code }
+        });
+        let mut response = (self.status(), axum::Json(body)).into_response();
+        if let RouterError::Unavailable { retry_after_s, .. } = self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+        }
+        response
+    }
+}

@@ -1,0 +1,428 @@
+//! gRPC ingest: workers' event streams, and the unary `Route` RPC.
+//!
+//! Per stream, a reader task takes messages off the wire and an applier task
+//! applies event batches to the index in order. Between them is a bounded queue:
+//! when the index falls behind, the reader drops the batch, counts it and asks
+//! the worker to resend from the first dropped id, so a slow index neither
+//! stalls anything else nor silently loses an event. The HTTP path never waits on
+//! this queue; it only reads the index.
+//!
+//! Per dp rank the applier keeps the id it last asked to be resent from, so that
+//! a burst of out-of-order events after a gap asks once, not once per event.
+//! Ids that start over (the next id at or below 1 while the index is further on)
+//! mean the worker restarted: its rank is cleared and the event applied afresh.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_index::{EventKind, KvEvent, StoredBlock, WorkerKey};
+use kvroute_proto::kv_router_server::KvRouter;
+use kvroute_proto::{
+    Ack, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
+    RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
+    route_request, router_message, worker_message,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::RouterError;
+use crate::metrics;
+use crate::registry::{Registration, ReportedLoad, Source, worker_label};
+use crate::state::{AppState, RouteInput};
+
+pub struct Ingest {
+    state: Arc<AppState>,
+}
+
+impl Ingest {
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self { state }
+    }
+}
+
+/// Ranks awaiting a resync: dp rank → the event id asked for.
+type Pending = Arc<Mutex<HashMap<u32, u64>>>;
+
+enum Work {
+    Events(EventBatch),
+    Dump(Dump),
+}
+
+/// One registered stream's context, shared by its reader and applier.
+#[derive(Clone)]
+struct Stream {
+    state: Arc<AppState>,
+    worker_id: u64,
+    dp_ranks: Vec<u32>,
+    out: mpsc::Sender<Result<RouterMessage, Status>>,
+    pending: Pending,
+}
+
+fn message(body: router_message::Body) -> Result<RouterMessage, Status> {
+    Ok(RouterMessage { body: Some(body) })
+}
+
+#[tonic::async_trait]
+impl KvRouter for Ingest {
+    type StreamStream = ReceiverStream<Result<RouterMessage, Status>>;
+
+    async fn stream(
+        &self,
+        request: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        let mut inbound = request.into_inner();
+        let first = inbound
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the stream ended before Register"))?;
+        let Some(worker_message::Body::Register(register)) = first.body else {
+            return Err(Status::invalid_argument(
+                "the first message of a stream must be Register",
+            ));
+        };
+        let state = Arc::clone(&self.state);
+        let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
+        tracing::info!(worker = worker_id, generation, "worker registered");
+
+        let (out, out_rx) = mpsc::channel(256);
+        let (work_tx, work_rx) = mpsc::channel(state.config.ingest.event_queue_batches);
+        let stream = Stream {
+            state,
+            worker_id,
+            dp_ranks,
+            out,
+            pending: Pending::default(),
+        };
+        tokio::spawn(stream.clone().apply_loop(work_rx));
+        tokio::spawn(async move {
+            let result = stream.read_loop(&mut inbound, work_tx).await;
+            if let Err(status) = result {
+                tracing::warn!(worker = stream.worker_id, %status, "worker stream failed");
+            }
+            stream.disconnected(generation);
+        });
+        Ok(Response::new(ReceiverStream::new(out_rx)))
+    }
+
+    async fn route(
+        &self,
+        request: Request<RouteRequest>,
+    ) -> Result<Response<RouteResponse>, Status> {
+        let request = request.into_inner();
+        let name = if request.lora_name.is_empty() {
+            request.model.as_str()
+        } else {
+            request.lora_name.as_str()
+        };
+        let input = match &request.input {
+            Some(route_request::Input::TokenIds(t)) => RouteInput::Tokens(&t.ids),
+            Some(route_request::Input::LocalHashes(h)) => RouteInput::LocalHashes(&h.hashes),
+            None => RouteInput::Tokens(&[]),
+        };
+        let routed = self
+            .state
+            .route(name, input, None, &[])
+            .await
+            .map_err(|e| match e {
+                RouterError::UnknownModel(_) => Status::not_found(e.to_string()),
+                _ => Status::unavailable(e.to_string()),
+            })?;
+        let d = &routed.decision;
+        // The caller will send the request there: remember it like a proxied one.
+        self.state
+            .predicted
+            .record(d.worker, &routed.local_hashes, std::time::Instant::now());
+        Ok(Response::new(RouteResponse {
+            worker_id: d.worker.worker_id,
+            dp_rank: d.worker.dp_rank,
+            scores: d
+                .scores
+                .iter()
+                .map(|s| WorkerScore {
+                    worker_id: s.worker_id,
+                    dp_rank: s.dp_rank,
+                    overlap_blocks: s.overlap_blocks,
+                    cost: s.cost,
+                })
+                .collect(),
+        }))
+    }
+}
+
+fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {
+    let router_block_size = state.config.block_size;
+    if register.block_size != router_block_size {
+        return Err(Status::failed_precondition(format!(
+            "block size {} does not match the router's {router_block_size}",
+            register.block_size
+        )));
+    }
+    let dp_ranks = if register.dp_ranks.is_empty() {
+        vec![0]
+    } else {
+        register.dp_ranks.clone()
+    };
+    let generation = state
+        .registry
+        .register(
+            Registration {
+                worker_id: register.worker_id,
+                dp_ranks: dp_ranks.clone(),
+                models: register.models,
+                lora_names: register.lora_names,
+                base_url: register.base_url,
+                total_kv_blocks: register.total_kv_blocks,
+            },
+            Source::Stream,
+        )
+        .map_err(Status::invalid_argument)?;
+    Ok((register.worker_id, generation, dp_ranks))
+}
+
+impl Stream {
+    async fn read_loop(
+        &self,
+        inbound: &mut Streaming<WorkerMessage>,
+        work: mpsc::Sender<Work>,
+    ) -> Result<(), Status> {
+        while let Some(message) = inbound.message().await? {
+            match message.body {
+                Some(worker_message::Body::Events(batch)) => {
+                    let first_id = batch.events.first().map(|e| e.event_id);
+                    let rank = batch.dp_rank;
+                    if let Err(mpsc::error::TrySendError::Full(_)) =
+                        work.try_send(Work::Events(batch))
+                    {
+                        ::metrics::counter!(metrics::DROPPED_BATCHES, "worker" => self.worker_id.to_string())
+                            .increment(1);
+                        if let Some(from) = first_id {
+                            self.request_resync(rank, from).await;
+                        }
+                    }
+                }
+                // A dump replaces state wholesale; it must not be dropped, so wait for room.
+                Some(worker_message::Body::Dump(dump)) => {
+                    if work.send(Work::Dump(dump)).await.is_err() {
+                        break;
+                    }
+                }
+                Some(worker_message::Body::Load(load)) => self.report_load(load),
+                Some(worker_message::Body::Register(_)) => {
+                    self.send_error("Register is only valid as the first message".into())
+                        .await;
+                }
+                None => self.send_error("empty message".into()).await,
+            }
+        }
+        Ok(())
+    }
+
+    async fn apply_loop(self, mut work: mpsc::Receiver<Work>) {
+        while let Some(item) = work.recv().await {
+            match item {
+                Work::Events(batch) => self.apply_batch(batch).await,
+                Work::Dump(dump) => self.apply_dump(dump).await,
+            }
+        }
+    }
+
+    fn key(&self, dp_rank: u32) -> Option<WorkerKey> {
+        self.dp_ranks
+            .contains(&dp_rank)
+            .then(|| WorkerKey::new(self.worker_id, dp_rank))
+    }
+
+    async fn apply_batch(&self, batch: EventBatch) {
+        let Some(key) = self.key(batch.dp_rank) else {
+            self.send_error(format!("dp rank {} was not registered", batch.dp_rank))
+                .await;
+            return;
+        };
+        let index = &self.state.index;
+        let label = worker_label(key);
+        for event in batch.events {
+            let Some(event) = convert_event(event) else {
+                self.send_error("an event without a kind was skipped".into())
+                    .await;
+                continue;
+            };
+            let mut outcome = index.apply(key, &event);
+            if let kvroute_index::ApplyOutcome::Stale { last_applied } = outcome
+                && event.event_id < last_applied
+                && event.event_id <= 1
+            {
+                tracing::info!(worker = %label, last_applied, got = event.event_id, "event ids started over: clearing");
+                ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => label.clone())
+                    .increment(1);
+                index.remove_worker(key);
+                self.pending.lock().unwrap().remove(&key.dp_rank);
+                outcome = index.apply(key, &event);
+            }
+            count_outcome(&label, &event, outcome);
+            match outcome {
+                kvroute_index::ApplyOutcome::Gap { expected, got } => {
+                    ::metrics::counter!(metrics::EVENT_GAPS, "worker" => label.clone())
+                        .increment(1);
+                    tracing::debug!(worker = %label, expected, got, "event gap");
+                    self.request_resync(key.dp_rank, expected).await;
+                }
+                kvroute_index::ApplyOutcome::Applied { .. } => {
+                    let mut pending = self.pending.lock().unwrap();
+                    if pending
+                        .get(&key.dp_rank)
+                        .is_some_and(|&p| event.event_id >= p)
+                    {
+                        pending.remove(&key.dp_rank);
+                    }
+                }
+                kvroute_index::ApplyOutcome::Stale { .. } => {}
+            }
+        }
+        self.ack(key);
+    }
+
+    async fn apply_dump(&self, dump: Dump) {
+        let Some(key) = self.key(dump.dp_rank) else {
+            self.send_error(format!("dp rank {} was not registered", dump.dp_rank))
+                .await;
+            return;
+        };
+        let events: Vec<EventKind> = dump.chains.into_iter().map(convert_stored).collect();
+        self.state
+            .index
+            .replace_worker(key, dump.last_event_id, &events);
+        self.pending.lock().unwrap().remove(&key.dp_rank);
+        ::metrics::counter!(metrics::DUMPS, "worker" => worker_label(key)).increment(1);
+        tracing::info!(worker = %worker_label(key), blocks = self.state.index.worker_blocks(key), "dump applied");
+        self.ack(key);
+    }
+
+    /// Asks for events from `from` on, unless that exact request is already out.
+    async fn request_resync(&self, dp_rank: u32, from: u64) {
+        {
+            let mut pending = self.pending.lock().unwrap();
+            if pending.get(&dp_rank) == Some(&from) {
+                return;
+            }
+            pending.insert(dp_rank, from);
+        }
+        ::metrics::counter!(metrics::RESYNCS, "worker" => self.worker_id.to_string()).increment(1);
+        let body = router_message::Body::Resync(ResyncRequest {
+            dp_rank,
+            from_event_id: from,
+        });
+        // Must arrive: wait for room rather than drop it.
+        let _ = self.out.send(message(body)).await;
+    }
+
+    fn ack(&self, key: WorkerKey) {
+        if let Some(last_event_id) = self.state.index.last_event_id(key) {
+            // Acks are advisory; a later one supersedes a dropped one.
+            let _ = self.out.try_send(message(router_message::Body::Ack(Ack {
+                dp_rank: key.dp_rank,
+                last_event_id,
+            })));
+        }
+    }
+
+    async fn send_error(&self, text: String) {
+        tracing::warn!(worker = self.worker_id, "{text}");
+        let _ = self
+            .out
+            .send(message(router_message::Body::Error(ErrorMessage {
+                message: text,
+            })))
+            .await;
+    }
+
+    fn report_load(&self, load: LoadReport) {
+        if let Some(key) = self.key(load.dp_rank) {
+            self.state.registry.report_load(
+                key,
+                ReportedLoad {
+                    running_requests: load.running_requests,
+                    queued_requests: load.queued_requests,
+                    kv_blocks_used: load.kv_blocks_used,
+                    kv_blocks_total: load.kv_blocks_total,
+                    prefill_tokens: load.prefill_tokens_in_flight,
+                },
+            );
+        }
+    }
+
+    /// The stream closed: out of routing now, purged after the grace period
+    /// unless the worker registers again first.
+    fn disconnected(&self, generation: u64) {
+        if !self.state.registry.disconnect(self.worker_id, generation) {
+            return;
+        }
+        tracing::info!(worker = self.worker_id, "worker disconnected");
+        let state = Arc::clone(&self.state);
+        let worker_id = self.worker_id;
+        let grace = Duration::from_millis(state.config.ingest.grace_period_ms);
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            if let Some(keys) = state.registry.purge(worker_id, generation) {
+                for key in keys {
+                    state.index.remove_worker(key);
+                    state.predicted.remove_worker(key);
+                }
+                tracing::info!(worker = worker_id, "worker purged after the grace period");
+            }
+        });
+    }
+}
+
+fn count_outcome(label: &str, event: &KvEvent, outcome: kvroute_index::ApplyOutcome) {
+    ::metrics::counter!(
+        metrics::EVENTS,
+        "worker" => label.to_string(),
+        "type" => event.kind.type_name().as_str(),
+        "status" => outcome.status().as_str()
+    )
+    .increment(1);
+    if let kvroute_index::ApplyOutcome::Applied {
+        rejected_blocks,
+        unknown_removals,
+    } = outcome
+    {
+        if rejected_blocks > 0 {
+            ::metrics::counter!(metrics::REJECTED_BLOCKS, "worker" => label.to_string())
+                .increment(rejected_blocks);
+        }
+        if unknown_removals > 0 {
+            ::metrics::counter!(metrics::UNKNOWN_REMOVALS, "worker" => label.to_string())
+                .increment(unknown_removals);
+        }
+    }
+}
+
+fn convert_stored(stored: kvroute_proto::Stored) -> EventKind {
+    EventKind::Stored {
+        parent_hash: stored.parent_hash,
+        blocks: stored
+            .blocks
+            .into_iter()
+            .map(|b| StoredBlock {
+                block_hash: b.block_hash,
+                tokens_hash: b.tokens_hash,
+            })
+            .collect(),
+    }
+}
+
+fn convert_event(event: kvroute_proto::KvEvent) -> Option<KvEvent> {
+    let kind = match event.kind? {
+        kv_event::Kind::Stored(stored) => convert_stored(stored),
+        kv_event::Kind::Removed(removed) => EventKind::Removed {
+            block_hashes: removed.block_hashes,
+        },
+        kv_event::Kind::Cleared(_) => EventKind::Cleared,
+    };
+    Some(KvEvent {
+        event_id: event.event_id,
+        kind,
+    })
+}

@@ -1,0 +1,163 @@
+//! Every Prometheus series the router exports, named in one place.
+//!
+//! Conventions: prefix `kvroute_`, base units (seconds, tokens, blocks), `_total`
+//! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
+//! Histograms carry no worker label, to keep the series count flat in the fleet size.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub const EVENTS: &str = "kvroute_events_total";
+pub const REJECTED_BLOCKS: &str = "kvroute_rejected_blocks_total";
+pub const UNKNOWN_REMOVALS: &str = "kvroute_unknown_removals_total";
+pub const EVENT_GAPS: &str = "kvroute_event_gaps_total";
+pub const RESYNCS: &str = "kvroute_resyncs_total";
+pub const DUMPS: &str = "kvroute_dumps_applied_total";
+pub const DROPPED_BATCHES: &str = "kvroute_event_batches_dropped_total";
+pub const WORKER_RESTARTS: &str = "kvroute_worker_restarts_total";
+pub const INDEXED_BLOCKS: &str = "kvroute_indexed_blocks";
+pub const INDEX_MEMBERSHIPS: &str = "kvroute_index_memberships";
+pub const PREDICTED_ENTRIES: &str = "kvroute_predicted_entries";
+pub const WORKERS: &str = "kvroute_workers";
+pub const OVERHEAD: &str = "kvroute_overhead_seconds";
+pub const ROUTED: &str = "kvroute_routed_requests_total";
+pub const PREDICTED_OVERLAP: &str = "kvroute_predicted_overlap_ratio";
+pub const TTFT: &str = "kvroute_upstream_ttft_seconds";
+pub const INTER_TOKEN: &str = "kvroute_upstream_inter_token_seconds";
+pub const E2E: &str = "kvroute_upstream_e2e_seconds";
+pub const WORKER_INFLIGHT: &str = "kvroute_worker_inflight_requests";
+pub const WORKER_PREFILL: &str = "kvroute_worker_prefill_tokens";
+pub const RETRIES: &str = "kvroute_retries_total";
+pub const BREAKER_STATE: &str = "kvroute_breaker_state";
+pub const HEALTH_CHECKS: &str = "kvroute_health_checks_total";
+pub const HTTP_RESPONSES: &str = "kvroute_http_responses_total";
+pub const QUEUED: &str = "kvroute_queued_requests";
+pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
+
+/// (name, help) of every family.
+pub const FAMILIES: &[(&str, &str)] = &[
+    (
+        EVENTS,
+        "KV events offered to the index, by worker, type and status",
+    ),
+    (
+        REJECTED_BLOCKS,
+        "Stored blocks dropped because their parent was unknown",
+    ),
+    (
+        UNKNOWN_REMOVALS,
+        "Removed block hashes the worker did not hold",
+    ),
+    (EVENT_GAPS, "Event id gaps detected, by worker"),
+    (RESYNCS, "Resync requests sent to workers"),
+    (DUMPS, "Full dumps that replaced a worker's index state"),
+    (
+        DROPPED_BATCHES,
+        "Event batches dropped on a full queue (the worker is resynced)",
+    ),
+    (
+        WORKER_RESTARTS,
+        "Event ids that started over, treated as Cleared",
+    ),
+    (
+        INDEXED_BLOCKS,
+        "Distinct blocks held by at least one worker",
+    ),
+    (INDEX_MEMBERSHIPS, "(worker, block) pairs in the index"),
+    (PREDICTED_ENTRIES, "Predicted (worker, block) entries"),
+    (WORKERS, "Registered workers (dp ranks) by state"),
+    (
+        OVERHEAD,
+        "Router overhead per request, by phase (tokenize, hash, find_matches, schedule, total)",
+    ),
+    (ROUTED, "Requests routed, by worker and policy"),
+    (
+        PREDICTED_OVERLAP,
+        "Share of a request's blocks the chosen worker was expected to hold",
+    ),
+    (
+        TTFT,
+        "Time from sending upstream to the first response byte",
+    ),
+    (INTER_TOKEN, "Time between response chunks of a stream"),
+    (E2E, "Time from sending upstream to the end of the response"),
+    (WORKER_INFLIGHT, "Requests in flight per worker"),
+    (WORKER_PREFILL, "Prefill tokens in flight per worker"),
+    (
+        RETRIES,
+        "Upstream attempts retried on another worker, by reason",
+    ),
+    (
+        BREAKER_STATE,
+        "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
+    ),
+    (HEALTH_CHECKS, "Health checks of quiet workers, by result"),
+    (HTTP_RESPONSES, "HTTP responses, by status code"),
+    (QUEUED, "Requests waiting for a non-busy worker"),
+    (
+        CANCELLED,
+        "Proxied responses the client abandoned before the end",
+    ),
+];
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const RATIO_BUCKETS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+
+/// The process's recorder, installed (and every family described) on first use.
+pub fn handle() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE.get_or_init(install).clone()
+}
+
+fn install() -> PrometheusHandle {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
+        .expect("bucket lists are non-empty")
+        .install_recorder()
+        .expect("the metrics recorder is installed once per process");
+    for &(name, help) in FAMILIES {
+        if name.ends_with("_total") {
+            metrics::describe_counter!(name, help);
+        } else if name.ends_with("_seconds") || name.ends_with("_ratio") {
+            metrics::describe_histogram!(name, help);
+        } else {
+            metrics::describe_gauge!(name, help);
+        }
+    }
+    // Families without worker labels exist from the start, so dashboards and
+    // alerts see zeros instead of "no data".
+    for phase in ["tokenize", "hash", "find_matches", "schedule", "total"] {
+        let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
+    }
+    for reason in ["connect", "status"] {
+        let _ = metrics::counter!(RETRIES, "reason" => reason);
+    }
+    for name in [
+        PREDICTED_OVERLAP,
+        TTFT,
+        INTER_TOKEN,
+        E2E,
+        INDEXED_BLOCKS,
+        INDEX_MEMBERSHIPS,
+        PREDICTED_ENTRIES,
+        QUEUED,
+        CANCELLED,
+    ] {
+        if name.ends_with("_seconds") || name.ends_with("_ratio") {
+            let _ = metrics::histogram!(name);
+        } else if name.ends_with("_total") {
+            let _ = metrics::counter!(name);
+        } else {
+            let _ = metrics::gauge!(name);
+        }
+    }
+    handle
+}
+
+/// Records the time since `started` as one phase of the routing overhead.
+pub fn observe_phase(phase: &'static str, started: std::time::Instant) {
+    metrics::histogram!(OVERHEAD, "phase" => phase).record(started.elapsed().as_secs_f64());
+}

@@ -1,0 +1,848 @@
+//! The worker registry: who can take requests, how loaded each one is, and the
+//! load-ordered structure that keeps scheduling independent of the fleet size.
+//!
+//! A *worker* is one HTTP endpoint (a worker id and a base URL) with one or more
+//! data-parallel *ranks*; a rank (a [`WorkerKey`]) is what holds a KV cache and
+//! what the scheduler picks. Every name a worker serves (its models and its LoRA
+//! adapters) has a [`Group`] of the routable ranks that serve it.
+//!
+//! Invariants kept under the one lock:
+//! - a rank is in the groups of its worker's names iff the worker is routable
+//!   (connected or static, and not draining), with its current load key;
+//! - a rank's load key is a pure function of its booked and reported load, and
+//!   is updated (removed and reinserted) whenever either changes.
+//!
+//! So the request path touches only matched ranks and the first few entries of
+//! one group's load order: O(matches + log workers), never O(workers).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvroute_index::WorkerKey;
+use serde::Serialize;
+
+use crate::config::{Config, Policy};
+use crate::metrics;
+
+/// What a worker tells about itself, over gRPC or in the config file.
+#[derive(Clone, Debug)]
+pub struct Registration {
+    pub worker_id: u64,
+    pub dp_ranks: Vec<u32>,
+    pub models: Vec<String>,
+    pub lora_names: Vec<String>,
+    pub base_url: String,
+    pub total_kv_blocks: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// Registered over a gRPC stream; publishes events.
+    Stream,
+    /// Listed in the config; routed on predicted entries alone.
+    Static,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Connection {
+    Connected,
+    Disconnected { since: Instant },
+}
+
+/// Load a rank reported itself, for blending with the router's own bookings.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct ReportedLoad {
+    pub running_requests: u32,
+    pub queued_requests: u32,
+    pub kv_blocks_used: u64,
+    pub kv_blocks_total: u64,
+    pub prefill_tokens: u64,
+}
+
+/// Per-worker circuit breaker: open after consecutive failures; after a
+/// cool-down one probe request (or health check) may close it again.
+#[derive(Clone, Copy, Debug)]
+pub enum Breaker {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { since: Instant },
+}
+
+impl Breaker {
+    fn available(&self, now: Instant, cooldown: Duration) -> bool {
+        match *self {
+            Breaker::Closed { .. } => true,
+            Breaker::Open { until } => now >= until,
+            // A probe that never reported back must not block the worker forever.
+            Breaker::HalfOpen { since } => now >= since + cooldown,
+        }
+    }
+
+    fn gauge_value(&self) -> f64 {
+        match self {
+            Breaker::Closed { .. } => 0.0,
+            Breaker::HalfOpen { .. } => 1.0,
+            Breaker::Open { .. } => 2.0,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Breaker::Closed { .. } => "closed",
+            Breaker::HalfOpen { .. } => "half_open",
+            Breaker::Open { .. } => "open",
+        }
+    }
+}
+
+pub struct Worker {
+    pub id: u64,
+    pub base_url: Arc<str>,
+    pub models: Vec<String>,
+    pub lora_names: Vec<String>,
+    pub dp_ranks: Vec<u32>,
+    pub total_kv_blocks: u64,
+    pub source: Source,
+    pub connection: Connection,
+    pub draining: bool,
+    /// Bumped by every registration, so a stale stream's end cannot disconnect a newer one.
+    pub generation: u64,
+    pub breaker: Breaker,
+    pub last_request: Instant,
+    breaker_gauge: ::metrics::Gauge,
+}
+
+impl Worker {
+    pub fn routable(&self) -> bool {
+        self.connection == Connection::Connected && !self.draining
+    }
+
+    fn names(&self) -> impl Iterator<Item = &String> {
+        self.models.iter().chain(&self.lora_names)
+    }
+
+    pub fn state_name(&self) -> &'static str {
+        match (self.connection, self.draining, self.source) {
+            (Connection::Disconnected { .. }, _, _) => "disconnected",
+            (_, true, _) => "draining",
+            _ if matches!(self.breaker, Breaker::Open { .. }) => "breaker_open",
+            (_, _, Source::Static) => "static",
+            (_, _, Source::Stream) => "connected",
+        }
+    }
+}
+
+pub struct Rank {
+    pub booked_requests: u32,
+    pub booked_prefill_tokens: u64,
+    pub booked_blocks: u64,
+    pub reported: ReportedLoad,
+    /// The rank's position in its groups' load order.
+    pub load_key: u64,
+    inflight_gauge: ::metrics::Gauge,
+    prefill_gauge: ::metrics::Gauge,
+    pub routed: ::metrics::Counter,
+}
+
+impl Rank {
+    /// Requests in flight: the router's bookings, or the worker's own count if higher
+    /// (other router replicas send it requests too).
+    pub fn inflight(&self) -> u64 {
+        let reported = self.reported.running_requests as u64 + self.reported.queued_requests as u64;
+        (self.booked_requests as u64).max(reported)
+    }
+
+    pub fn prefill_tokens(&self) -> u64 {
+        self.booked_prefill_tokens.max(self.reported.prefill_tokens)
+    }
+
+    pub fn active_blocks(&self) -> u64 {
+        self.booked_blocks.max(self.reported.kv_blocks_used)
+    }
+}
+
+/// The routable ranks serving one model or adapter name.
+#[derive(Default)]
+pub struct Group {
+    /// (load key, rank), cheapest first.
+    pub by_load: BTreeSet<(u64, WorkerKey)>,
+    /// Sorted, for round robin and random picks.
+    pub members: Vec<WorkerKey>,
+    /// Round-robin position.
+    pub next: std::sync::atomic::AtomicUsize,
+}
+
+/// What a name is served as, over all registered workers in any state.
+#[derive(Default, Clone, Copy)]
+struct NameUse {
+    models: usize,
+    loras: usize,
+}
+
+pub struct Fleet {
+    pub workers: HashMap<u64, Worker>,
+    pub ranks: HashMap<WorkerKey, Rank>,
+    pub groups: HashMap<String, Group>,
+    names: HashMap<String, NameUse>,
+}
+
+/// Tunables the registry needs from the config.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub block_size: u32,
+    pub overlap_weight: f64,
+    pub busy_max_inflight: u32,
+    pub busy_kv_ratio: f64,
+    pub breaker_failures: u32,
+    pub breaker_cooldown: Duration,
+    pub policy: Policy,
+}
+
+impl Limits {
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            block_size: config.block_size,
+            overlap_weight: config.scheduler.overlap_weight,
+            busy_max_inflight: config.scheduler.busy_max_inflight,
+            busy_kv_ratio: config.scheduler.busy_kv_ratio,
+            breaker_failures: config.upstream.breaker_failures,
+            breaker_cooldown: Duration::from_millis(config.upstream.breaker_cooldown_ms),
+            policy: config.scheduler.policy,
+        }
+    }
+}
+
+pub struct Registry {
+    pub limits: Limits,
+    fleet: Mutex<Fleet>,
+    /// Signalled whenever load is released, to wake requests queued on busy workers.
+    pub released: tokio::sync::Notify,
+}
+
+/// A worker as `/workers` shows it.
+#[derive(Serialize)]
+pub struct WorkerInfo {
+    pub id: u64,
+    pub base_url: String,
+    pub models: Vec<String>,
+    pub lora_names: Vec<String>,
+    pub source: Source,
+    pub state: &'static str,
+    pub breaker: &'static str,
+    pub total_kv_blocks: u64,
+    pub ranks: Vec<RankInfo>,
+}
+
+#[derive(Serialize)]
+pub struct RankInfo {
+    pub dp_rank: u32,
+    pub inflight_requests: u64,
+    pub prefill_tokens: u64,
+    pub active_blocks: u64,
+    pub reported: ReportedLoad,
+}
+
+/// Checks that a base URL is an absolute http URL; returns it without a trailing slash.
+pub fn parse_base_url(url: &str) -> Result<String, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("base_url {url:?} is not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err(format!("base_url {url:?} must be an absolute http:// URL"));
+    }
+    Ok(url.trim_end_matches('/').to_string())
+}
+
+pub fn worker_label(key: WorkerKey) -> String {
+    if key.dp_rank == 0 {
+        key.worker_id.to_string()
+    } else {
+        format!("{}:{}", key.worker_id, key.dp_rank)
+    }
+}
+
+impl Registry {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            limits,
+            fleet: Mutex::new(Fleet {
+                workers: HashMap::new(),
+                ranks: HashMap::new(),
+                groups: HashMap::new(),
+                names: HashMap::new(),
+            }),
+            released: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds or replaces a worker; returns the registration's generation. A worker
+    /// that registers again keeps its ranks' bookings (its requests are still in flight).
+    pub fn register(&self, reg: Registration, source: Source) -> Result<u64, String> {
+        let base_url = parse_base_url(&reg.base_url)?;
+        if reg.models.is_empty() {
+            return Err("a worker must serve at least one model".into());
+        }
+        let dp_ranks = if reg.dp_ranks.is_empty() {
+            vec![0]
+        } else {
+            reg.dp_ranks
+        };
+        let mut fleet = self.lock();
+        let generation = fleet
+            .remove_worker_entry(reg.worker_id, false)
+            .map_or(1, |g| g + 1);
+        let worker = Worker {
+            id: reg.worker_id,
+            base_url: base_url.into(),
+            models: reg.models,
+            lora_names: reg.lora_names,
+            dp_ranks,
+            total_kv_blocks: reg.total_kv_blocks,
+            source,
+            connection: Connection::Connected,
+            draining: false,
+            generation,
+            breaker: Breaker::Closed { failures: 0 },
+            last_request: Instant::now(),
+            breaker_gauge: ::metrics::gauge!(metrics::BREAKER_STATE, "worker" => reg.worker_id.to_string()),
+        };
+        worker.breaker_gauge.set(0.0);
+        for &dp_rank in &worker.dp_ranks {
+            let key = WorkerKey::new(worker.id, dp_rank);
+            fleet
+                .ranks
+                .entry(key)
+                .or_insert_with(|| new_rank(key, self.limits.policy));
+        }
+        for name in worker.names() {
+            let usage = fleet.names.entry(name.clone()).or_default();
+            if worker.models.contains(name) {
+                usage.models += 1;
+            } else {
+                usage.loras += 1;
+            }
+        }
+        fleet.workers.insert(worker.id, worker);
+        fleet.refresh_membership(reg.worker_id, &self.limits);
+        Ok(generation)
+    }
+
+    /// A stream ended: out of routing at once. False if a newer registration owns the worker.
+    pub fn disconnect(&self, worker_id: u64, generation: u64) -> bool {
+        let mut fleet = self.lock();
+        let Some(worker) = fleet.workers.get_mut(&worker_id) else {
+            return false;
+        };
+        if worker.generation != generation {
+            return false;
+        }
+        worker.connection = Connection::Disconnected {
+            since: Instant::now(),
+        };
+        fleet.refresh_membership(worker_id, &self.limits);
+        true
+    }
+
+    /// After the grace period: forgets the worker if it is still the same disconnected
+    /// registration. Returns its ranks, for purging the indexes.
+    pub fn purge(&self, worker_id: u64, generation: u64) -> Option<Vec<WorkerKey>> {
+        self.remove_if(worker_id, |w| {
+            w.generation == generation && w.connection != Connection::Connected
+        })
+    }
+
+    /// Admin removal; returns the worker's ranks, for purging the indexes.
+    pub fn remove(&self, worker_id: u64) -> Option<Vec<WorkerKey>> {
+        self.remove_if(worker_id, |_| true)
+    }
+
+    fn remove_if(
+        &self,
+        worker_id: u64,
+        condition: impl Fn(&Worker) -> bool,
+    ) -> Option<Vec<WorkerKey>> {
+        let mut fleet = self.lock();
+        let worker = fleet.workers.get(&worker_id).filter(|w| condition(w))?;
+        let keys = worker
+            .dp_ranks
+            .iter()
+            .map(|&r| WorkerKey::new(worker_id, r))
+            .collect();
+        fleet.remove_worker_entry(worker_id, true);
+        Some(keys)
+    }
+
+    /// No new requests; in-flight ones finish.
+    pub fn drain(&self, worker_id: u64) -> bool {
+        let mut fleet = self.lock();
+        let Some(worker) = fleet.workers.get_mut(&worker_id) else {
+            return false;
+        };
+        worker.draining = true;
+        fleet.refresh_membership(worker_id, &self.limits);
+        true
+    }
+
+    pub fn report_load(&self, key: WorkerKey, load: ReportedLoad) {
+        let mut fleet = self.lock();
+        if let Some(rank) = fleet.ranks.get_mut(&key) {
+            rank.reported = load;
+            fleet.rekey(key, &self.limits);
+        }
+        drop(fleet);
+        self.released.notify_waiters();
+    }
+
+    /// Books a routed request on `key`: its new prefill tokens and its blocks.
+    pub fn book(self: &Arc<Self>, key: WorkerKey, prefill_tokens: u64, blocks: u64) -> Booking {
+        let mut fleet = self.lock();
+        if let Some(rank) = fleet.ranks.get_mut(&key) {
+            rank.booked_requests += 1;
+            rank.booked_prefill_tokens += prefill_tokens;
+            rank.booked_blocks += blocks;
+            rank.routed.increment(1);
+            fleet.rekey(key, &self.limits);
+        }
+        if let Some(worker) = fleet.workers.get_mut(&key.worker_id) {
+            worker.last_request = Instant::now();
+            if worker
+                .breaker
+                .available(Instant::now(), self.limits.breaker_cooldown)
+                && matches!(worker.breaker, Breaker::Open { .. })
+            {
+                // The cool-down is over and this request is the probe.
+                worker.breaker = Breaker::HalfOpen {
+                    since: Instant::now(),
+                };
+                worker.breaker_gauge.set(1.0);
+            }
+        }
+        Booking {
+            registry: Arc::clone(self),
+            key,
+            prefill_tokens,
+            blocks,
+        }
+    }
+
+    fn unbook(&self, key: WorkerKey, prefill_tokens: u64, blocks: u64, request: bool) {
+        let mut fleet = self.lock();
+        if let Some(rank) = fleet.ranks.get_mut(&key) {
+            rank.booked_prefill_tokens = rank.booked_prefill_tokens.saturating_sub(prefill_tokens);
+            rank.booked_blocks = rank.booked_blocks.saturating_sub(blocks);
+            if request {
+                rank.booked_requests = rank.booked_requests.saturating_sub(1);
+            }
+            fleet.rekey(key, &self.limits);
+        }
+        drop(fleet);
+        self.released.notify_waiters();
+    }
+
+    /// Feeds a request's or health check's outcome into the worker's breaker.
+    pub fn record_outcome(&self, worker_id: u64, ok: bool) {
+        let mut fleet = self.lock();
+        let Some(worker) = fleet.workers.get_mut(&worker_id) else {
+            return;
+        };
+        let now = Instant::now();
+        worker.breaker = match (ok, worker.breaker) {
+            (true, _) => Breaker::Closed { failures: 0 },
+            (false, Breaker::Closed { failures })
+                if failures + 1 < self.limits.breaker_failures =>
+            {
+                Breaker::Closed {
+                    failures: failures + 1,
+                }
+            }
+            (false, _) => Breaker::Open {
+                until: now + self.limits.breaker_cooldown,
+            },
+        };
+        worker.breaker_gauge.set(worker.breaker.gauge_value());
+    }
+
+    /// Workers with no request for `quiet`, for health checks: (id, base URL).
+    pub fn quiet_workers(&self, quiet: Duration) -> Vec<(u64, Arc<str>)> {
+        let now = Instant::now();
+        self.lock()
+            .workers
+            .values()
+            .filter(|w| w.connection == Connection::Connected)
+            .filter(|w| now.duration_since(w.last_request) >= quiet)
+            .map(|w| (w.id, Arc::clone(&w.base_url)))
+            .collect()
+    }
+
+    /// Whether `name` is a LoRA adapter (hashed with its seed) rather than a base
+    /// model; `None` if no registered worker serves it at all.
+    pub fn name_kind(&self, name: &str) -> Option<NameKind> {
+        let fleet = self.lock();
+        let usage = fleet.names.get(name)?;
+        Some(if usage.models > 0 {
+            NameKind::Model
+        } else {
+            NameKind::Lora
+        })
+    }
+
+    /// Names served by routable workers, sorted.
+    pub fn served_names(&self) -> Vec<String> {
+        let fleet = self.lock();
+        let mut names: Vec<String> = fleet
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.members.is_empty())
+            .map(|(n, _)| n.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    pub fn contains(&self, worker_id: u64) -> bool {
+        self.lock().workers.contains_key(&worker_id)
+    }
+
+    pub fn any_routable(&self) -> bool {
+        self.lock().groups.values().any(|g| !g.members.is_empty())
+    }
+
+    pub fn worker_info(&self, worker_id: Option<u64>) -> Vec<WorkerInfo> {
+        let fleet = self.lock();
+        let mut infos: Vec<WorkerInfo> = fleet
+            .workers
+            .values()
+            .filter(|w| worker_id.is_none_or(|id| id == w.id))
+            .map(|w| WorkerInfo {
+                id: w.id,
+                base_url: w.base_url.to_string(),
+                models: w.models.clone(),
+                lora_names: w.lora_names.clone(),
+                source: w.source,
+                state: w.state_name(),
+                breaker: w.breaker.name(),
+                total_kv_blocks: w.total_kv_blocks,
+                ranks: w
+                    .dp_ranks
+                    .iter()
+                    .filter_map(|&r| {
+                        let rank = fleet.ranks.get(&WorkerKey::new(w.id, r))?;
+                        Some(RankInfo {
+                            dp_rank: r,
+                            inflight_requests: rank.inflight(),
+                            prefill_tokens: rank.prefill_tokens(),
+                            active_blocks: rank.active_blocks(),
+                            reported: rank.reported,
+                        })
+                    })
+                    .collect(),
+            })
+            .collect();
+        infos.sort_by_key(|w| w.id);
+        infos
+    }
+
+    /// Ranks per worker state, for the `kvroute_workers` gauge.
+    pub fn state_counts(&self) -> HashMap<&'static str, u64> {
+        let fleet = self.lock();
+        let mut counts: HashMap<&'static str, u64> = [
+            "connected",
+            "static",
+            "disconnected",
+            "draining",
+            "breaker_open",
+        ]
+        .into_iter()
+        .map(|s| (s, 0))
+        .collect();
+        for w in fleet.workers.values() {
+            *counts.entry(w.state_name()).or_default() += w.dp_ranks.len() as u64;
+        }
+        counts
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NameKind {
+    Model,
+    Lora,
+}
+
+fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
+    let label = worker_label(key);
+    Rank {
+        booked_requests: 0,
+        booked_prefill_tokens: 0,
+        booked_blocks: 0,
+        reported: ReportedLoad::default(),
+        load_key: 0,
+        inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
+        prefill_gauge: ::metrics::gauge!(metrics::WORKER_PREFILL, "worker" => label.clone()),
+        routed: ::metrics::counter!(metrics::ROUTED, "worker" => label, "policy" => policy.as_str()),
+    }
+}
+
+impl Fleet {
+    /// Whether `key` can take a new request now: its worker is routable, its
+    /// breaker lets a request through and it is under its busy thresholds.
+    pub fn available(&self, key: WorkerKey, limits: &Limits, now: Instant) -> bool {
+        let (Some(worker), Some(rank)) = (self.workers.get(&key.worker_id), self.ranks.get(&key))
+        else {
+            return false;
+        };
+        worker.routable()
+            && worker.breaker.available(now, limits.breaker_cooldown)
+            && !is_busy(worker, rank, limits)
+    }
+
+    /// The part of the `kv` cost that depends on the rank alone, scaled to an integer
+    /// so that it orders ranks in a BTreeSet.
+    fn load_key(rank: &Rank, limits: &Limits) -> u64 {
+        let cost = limits.overlap_weight * rank.prefill_tokens() as f64 / limits.block_size as f64
+            + rank.active_blocks() as f64;
+        (cost * 16.0) as u64
+    }
+
+    fn rekey(&mut self, key: WorkerKey, limits: &Limits) {
+        let Some(rank) = self.ranks.get_mut(&key) else {
+            return;
+        };
+        rank.inflight_gauge.set(rank.inflight() as f64);
+        rank.prefill_gauge.set(rank.prefill_tokens() as f64);
+        let new_key = Self::load_key(rank, limits);
+        let old_key = std::mem::replace(&mut rank.load_key, new_key);
+        if old_key == new_key {
+            return;
+        }
+        let Some(worker) = self.workers.get(&key.worker_id) else {
+            return;
+        };
+        if !worker.routable() {
+            return;
+        }
+        for name in worker.models.iter().chain(&worker.lora_names) {
+            if let Some(group) = self.groups.get_mut(name) {
+                group.by_load.remove(&(old_key, key));
+                group.by_load.insert((new_key, key));
+            }
+        }
+    }
+
+    /// Puts the worker's ranks into its groups if routable, takes them out if not.
+    fn refresh_membership(&mut self, worker_id: u64, limits: &Limits) {
+        let Some(worker) = self.workers.get(&worker_id) else {
+            return;
+        };
+        let routable = worker.routable();
+        for name in worker.models.iter().chain(&worker.lora_names) {
+            let group = self.groups.entry(name.clone()).or_default();
+            for &dp_rank in &worker.dp_ranks {
+                let key = WorkerKey::new(worker_id, dp_rank);
+                let Some(rank) = self.ranks.get_mut(&key) else {
+                    continue;
+                };
+                rank.load_key = Self::load_key(rank, limits);
+                group.by_load.retain(|&(_, k)| k != key);
+                let pos = group.members.binary_search(&key);
+                match (routable, pos) {
+                    (true, Err(at)) => group.members.insert(at, key),
+                    (false, Ok(at)) => {
+                        group.members.remove(at);
+                    }
+                    _ => {}
+                }
+                if routable {
+                    group.by_load.insert((rank.load_key, key));
+                }
+            }
+        }
+    }
+
+    /// Takes a worker out entirely; `drop_ranks` also forgets its ranks' load.
+    /// Returns the removed registration's generation.
+    fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) -> Option<u64> {
+        let worker = self.workers.remove(&worker_id)?;
+        for name in worker.names() {
+            if let Some(group) = self.groups.get_mut(name) {
+                group.by_load.retain(|&(_, k)| k.worker_id != worker_id);
+                group.members.retain(|k| k.worker_id != worker_id);
+                if group.members.is_empty() {
+                    self.groups.remove(name);
+                }
+            }
+            if let Some(usage) = self.names.get_mut(name) {
+                if worker.models.contains(name) {
+                    usage.models -= 1;
+                } else {
+                    usage.loras -= 1;
+                }
+                if usage.models + usage.loras == 0 {
+                    self.names.remove(name);
+                }
+            }
+        }
+        if drop_ranks {
+            for &dp_rank in &worker.dp_ranks {
+                if let Some(rank) = self.ranks.remove(&WorkerKey::new(worker_id, dp_rank)) {
+                    rank.inflight_gauge.set(0.0);
+                    rank.prefill_gauge.set(0.0);
+                }
+            }
+        }
+        Some(worker.generation)
+    }
+}
+
+fn is_busy(worker: &Worker, rank: &Rank, limits: &Limits) -> bool {
+    if limits.busy_max_inflight > 0 && rank.inflight() >= limits.busy_max_inflight as u64 {
+        return true;
+    }
+    let total = if rank.reported.kv_blocks_total > 0 {
+        rank.reported.kv_blocks_total
+    } else {
+        worker.total_kv_blocks
+    };
+    limits.busy_kv_ratio < 1.0
+        && total > 0
+        && rank.active_blocks() as f64 >= limits.busy_kv_ratio * total as f64
+}
+
+/// A request's load on a rank; dropping it releases whatever is still booked.
+pub struct Booking {
+    registry: Arc<Registry>,
+    key: WorkerKey,
+    prefill_tokens: u64,
+    blocks: u64,
+}
+
+impl Booking {
+    pub fn key(&self) -> WorkerKey {
+        self.key
+    }
+
+    /// The first token arrived: the prompt is no longer waiting for prefill.
+    pub fn release_prefill(&mut self) {
+        let tokens = std::mem::take(&mut self.prefill_tokens);
+        if tokens > 0 {
+            self.registry.unbook(self.key, tokens, 0, false);
+        }
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.registry
+            .unbook(self.key, self.prefill_tokens, self.blocks, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits::from_config(&Config::default())
+    }
+
+    fn reg(id: u64, models: &[&str]) -> Registration {
+        Registration {
+            worker_id: id,
+            dp_ranks: vec![0],
+            models: models.iter().map(|m| m.to_string()).collect(),
+            lora_names: vec!["adapter".into()],
+            base_url: format!("http://127.0.0.1:{}", 9000 + id),
+            total_kv_blocks: 100,
+        }
+    }
+
+    /// The invariant: group members are exactly the routable ranks, each in the
+    /// load order under its current key.
+    fn check_invariant(registry: &Registry) {
+        let fleet = registry.lock();
+        for (name, group) in &fleet.groups {
+            assert_eq!(group.members.len(), group.by_load.len(), "{name}");
+            for &(load_key, key) in &group.by_load {
+                assert_eq!(fleet.ranks[&key].load_key, load_key);
+                assert!(fleet.workers[&key.worker_id].routable());
+            }
+        }
+    }
+
+    #[test]
+    fn bookings_reorder_and_release_restores() {
+        let registry = Arc::new(Registry::new(limits()));
+        for id in 1..=3 {
+            registry.register(reg(id, &["m"]), Source::Stream).unwrap();
+        }
+        let mut booking = registry.book(WorkerKey::new(1, 0), 64, 4);
+        check_invariant(&registry);
+        {
+            let fleet = registry.lock();
+            let last = fleet.groups["m"].by_load.iter().last().unwrap().1;
+            assert_eq!(last, WorkerKey::new(1, 0));
+        }
+        booking.release_prefill();
+        check_invariant(&registry);
+        drop(booking);
+        check_invariant(&registry);
+        assert_eq!(registry.lock().ranks[&WorkerKey::new(1, 0)].load_key, 0);
+    }
+
+    #[test]
+    fn disconnect_drain_and_purge_keep_groups_consistent() {
+        let registry = Arc::new(Registry::new(limits()));
+        let g1 = registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        registry
+            .register(reg(2, &["m", "n"]), Source::Stream)
+            .unwrap();
+        assert_eq!(registry.name_kind("adapter"), Some(NameKind::Lora));
+        assert!(registry.disconnect(1, g1));
+        check_invariant(&registry);
+        assert_eq!(registry.lock().groups["m"].members.len(), 1);
+        // A reconnect takes over; the old stream's purge must not remove it.
+        let g2 = registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        assert!(registry.purge(1, g1).is_none());
+        assert!(!registry.disconnect(1, g1));
+        assert!(registry.drain(2));
+        check_invariant(&registry);
+        assert_eq!(registry.served_names(), vec!["adapter", "m"]);
+        assert!(registry.disconnect(1, g2));
+        assert_eq!(registry.purge(1, g2), Some(vec![WorkerKey::new(1, 0)]));
+        check_invariant(&registry);
+        assert!(!registry.any_routable());
+        assert_eq!(registry.name_kind("m"), Some(NameKind::Model));
+        registry.remove(2);
+        assert_eq!(registry.name_kind("m"), None);
+    }
+
+    #[test]
+    fn breaker_opens_after_consecutive_failures_and_closes_on_success() {
+        let registry = Arc::new(Registry::new(limits()));
+        registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        let key = WorkerKey::new(1, 0);
+        let now = Instant::now();
+        for _ in 0..registry.limits.breaker_failures {
+            assert!(registry.lock().available(key, &registry.limits, now));
+            registry.record_outcome(1, false);
+        }
+        assert!(
+            !registry
+                .lock()
+                .available(key, &registry.limits, Instant::now())
+        );
+        registry.record_outcome(1, true);
+        assert!(
+            registry
+                .lock()
+                .available(key, &registry.limits, Instant::now())
+        );
+    }
+}

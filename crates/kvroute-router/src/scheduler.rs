@@ -1,0 +1,320 @@
+//! Choosing a worker rank for a request.
+//!
+//! The default policy `kv` is Dynamo's cost, lowest wins:
+//!
+//! ```text
+//! cost           = overlap_weight × prefill_blocks + decode_blocks
+//! prefill_blocks = (rank's prefill tokens in flight + prompt tokens not covered by its overlap) / block size
+//! decode_blocks  = rank's active blocks + this request's blocks
+//! ```
+//!
+//! where the overlap is max(event-fed depth, predicted depth) and the load is the
+//! router's own bookings blended (max) with what the rank reports. Ties go to the
+//! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
+//! softmax over costs normalised by the largest.
+//!
+//! Only ranks that matched the prompt and the first few ranks of the group's load
+//! order are costed: an unmatched rank's cost differs from another unmatched
+//! rank's only by its load, so the cheapest unmatched ranks are the least loaded
+//! ones (see [`crate::registry`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_index::{KvIndex, PredictedIndex, WorkerKey};
+use serde::Serialize;
+
+use crate::config::Policy;
+use crate::metrics;
+use crate::registry::{Fleet, Registry};
+
+/// Unmatched ranks costed per decision (more if they tie on load).
+const UNMATCHED_CANDIDATES: usize = 8;
+/// Most tied unmatched ranks considered, so that a fleet of idle ranks is not walked whole.
+const MAX_TIED: usize = 32;
+
+pub struct RouteQuery<'a> {
+    /// The model or adapter name the request asks for.
+    pub name: &'a str,
+    pub prompt_tokens: usize,
+    pub local_hashes: &'a [u64],
+    /// Only this worker's ranks (the `x-kvroute-worker` header).
+    pub pin: Option<u64>,
+    /// Worker ids already tried for this request.
+    pub exclude: &'a [u64],
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Score {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub overlap_blocks: u32,
+    pub event_overlap_blocks: u32,
+    pub predicted_overlap_blocks: u32,
+    pub prefill_blocks: f64,
+    pub decode_blocks: f64,
+    pub cost: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Decision {
+    pub worker: WorkerKey,
+    pub base_url: Arc<str>,
+    pub overlap_blocks: u32,
+    pub request_blocks: u64,
+    /// Prompt tokens the chosen rank must prefill.
+    pub new_prefill_tokens: u64,
+    /// The ranks costed, cheapest first.
+    pub scores: Vec<Score>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum NoWorker {
+    /// Every routable rank for the name is over its busy thresholds or has its breaker open.
+    AllBusy,
+    /// No rank serving the name is routable (or the pinned worker is not).
+    NoneRoutable,
+}
+
+pub struct Scheduler {
+    pub registry: Arc<Registry>,
+    pub index: Arc<KvIndex>,
+    pub predicted: Arc<PredictedIndex>,
+    pub policy: Policy,
+    pub temperature: f64,
+}
+
+/// Overlap found for one rank: (event-fed depth, predicted depth, indexed blocks).
+type Overlaps = HashMap<WorkerKey, (u32, u32, u64)>;
+
+impl Scheduler {
+    /// Chooses a rank; books nothing and records nothing.
+    pub fn choose(&self, query: &RouteQuery<'_>) -> Result<Decision, NoWorker> {
+        let now = Instant::now();
+        let started = Instant::now();
+        let overlaps = self.overlaps(query.local_hashes, now);
+        metrics::observe_phase("find_matches", started);
+
+        let started = Instant::now();
+        let fleet = self.registry.lock();
+        let decision = self.choose_locked(&fleet, query, &overlaps, now);
+        drop(fleet);
+        metrics::observe_phase("schedule", started);
+        decision
+    }
+
+    fn overlaps(&self, local_hashes: &[u64], now: Instant) -> Overlaps {
+        let mut overlaps = Overlaps::new();
+        if local_hashes.is_empty() {
+            return overlaps;
+        }
+        let uses_events = matches!(self.policy, Policy::Kv);
+        let uses_predictions = matches!(self.policy, Policy::Kv | Policy::Approx);
+        if uses_events {
+            for m in self.index.find_matches(local_hashes) {
+                overlaps.insert(m.worker, (m.depth, 0, m.total_blocks));
+            }
+        }
+        if uses_predictions {
+            for m in self.predicted.find_matches(local_hashes, now) {
+                let entry = overlaps.entry(m.worker).or_insert((0, 0, m.total_blocks));
+                entry.1 = m.depth;
+            }
+        }
+        overlaps
+    }
+
+    fn choose_locked(
+        &self,
+        fleet: &Fleet,
+        query: &RouteQuery<'_>,
+        overlaps: &Overlaps,
+        now: Instant,
+    ) -> Result<Decision, NoWorker> {
+        let limits = &self.registry.limits;
+        let group = fleet
+            .groups
+            .get(query.name)
+            .filter(|g| !g.members.is_empty())
+            .ok_or(NoWorker::NoneRoutable)?;
+        let usable = |key: WorkerKey| {
+            !query.exclude.contains(&key.worker_id) && fleet.available(key, limits, now)
+        };
+
+        let candidates: Vec<WorkerKey> = if let Some(pin) = query.pin {
+            // A pinned request skips busy and breaker checks: the caller asked for it.
+            let pinned: Vec<WorkerKey> = group
+                .members
+                .iter()
+                .copied()
+                .filter(|k| k.worker_id == pin)
+                .collect();
+            if pinned.is_empty() {
+                return Err(NoWorker::NoneRoutable);
+            }
+            pinned
+        } else {
+            match self.policy {
+                Policy::Kv | Policy::Approx => {
+                    let mut keys: Vec<WorkerKey> = overlaps
+                        .keys()
+                        .copied()
+                        .filter(|&k| group.members.binary_search(&k).is_ok() && usable(k))
+                        .collect();
+                    let mut taken = 0;
+                    let mut last_load = None;
+                    for &(load, key) in &group.by_load {
+                        if taken >= MAX_TIED
+                            || (taken >= UNMATCHED_CANDIDATES && last_load != Some(load))
+                        {
+                            break;
+                        }
+                        if overlaps.contains_key(&key) || !usable(key) {
+                            continue;
+                        }
+                        keys.push(key);
+                        taken += 1;
+                        last_load = Some(load);
+                    }
+                    keys
+                }
+                Policy::LeastLoaded => group
+                    .by_load
+                    .iter()
+                    .map(|&(_, k)| k)
+                    .find(|&k| usable(k))
+                    .into_iter()
+                    .collect(),
+                Policy::RoundRobin => {
+                    let start = group.next_round_robin();
+                    first_usable(&group.members, start, usable)
+                        .into_iter()
+                        .collect()
+                }
+                Policy::Random => {
+                    let start = rand::random_range(0..group.members.len());
+                    first_usable(&group.members, start, usable)
+                        .into_iter()
+                        .collect()
+                }
+                Policy::PowerOfTwo => {
+                    let n = group.members.len();
+                    let a = first_usable(&group.members, rand::random_range(0..n), usable);
+                    let b = first_usable(&group.members, rand::random_range(0..n), usable);
+                    match (a, b) {
+                        (Some(a), Some(b)) => {
+                            let load = |k: &WorkerKey| fleet.ranks.get(k).map_or(0, |r| r.load_key);
+                            vec![if load(&b) < load(&a) { b } else { a }]
+                        }
+                        (a, b) => a.or(b).into_iter().collect(),
+                    }
+                }
+            }
+        };
+        if candidates.is_empty() {
+            return Err(NoWorker::AllBusy);
+        }
+
+        let block_size = limits.block_size as u64;
+        let request_blocks = (query.prompt_tokens as u64).div_ceil(block_size);
+        let mut scores: Vec<Score> = candidates
+            .iter()
+            .filter_map(|&key| {
+                let rank = fleet.ranks.get(&key)?;
+                let (event, predicted, _) = overlaps.get(&key).copied().unwrap_or_default();
+                let overlap = event.max(predicted).min(request_blocks as u32);
+                let new_tokens =
+                    (query.prompt_tokens as u64).saturating_sub(overlap as u64 * block_size);
+                let prefill_blocks =
+                    (rank.prefill_tokens() + new_tokens) as f64 / block_size as f64;
+                let decode_blocks = (rank.active_blocks() + request_blocks) as f64;
+                Some(Score {
+                    worker_id: key.worker_id,
+                    dp_rank: key.dp_rank,
+                    overlap_blocks: overlap,
+                    event_overlap_blocks: event,
+                    predicted_overlap_blocks: predicted,
+                    prefill_blocks,
+                    decode_blocks,
+                    cost: limits.overlap_weight * prefill_blocks + decode_blocks,
+                })
+            })
+            .collect();
+        scores.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+        let chosen = self.pick(&scores, overlaps);
+        let score = &scores[chosen];
+        let worker = WorkerKey::new(score.worker_id, score.dp_rank);
+        let base_url = Arc::clone(&fleet.workers[&worker.worker_id].base_url);
+        Ok(Decision {
+            worker,
+            base_url,
+            overlap_blocks: score.overlap_blocks,
+            request_blocks,
+            new_prefill_tokens: (query.prompt_tokens as u64)
+                .saturating_sub(score.overlap_blocks as u64 * block_size),
+            scores,
+        })
+    }
+
+    /// Index into `scores` (sorted by cost) of the rank to use.
+    fn pick(&self, scores: &[Score], overlaps: &Overlaps) -> usize {
+        if scores.len() == 1 {
+            return 0;
+        }
+        if self.temperature > 0.0 {
+            let max = scores.iter().map(|s| s.cost).fold(0.0, f64::max);
+            let norm = if max > 0.0 { max } else { 1.0 };
+            let weights: Vec<f64> = scores
+                .iter()
+                .map(|s| (-(s.cost / norm) / self.temperature).exp())
+                .collect();
+            let mut target = rand::random::<f64>() * weights.iter().sum::<f64>();
+            for (i, w) in weights.iter().enumerate() {
+                target -= w;
+                if target <= 0.0 {
+                    return i;
+                }
+            }
+            return scores.len() - 1;
+        }
+        let best = scores[0].cost;
+        let tied = scores
+            .iter()
+            .take_while(|s| s.cost - best <= 1e-9 * best.abs().max(1.0))
+            .count();
+        if tied == 1 {
+            return 0;
+        }
+        let indexed = |s: &Score| {
+            let key = WorkerKey::new(s.worker_id, s.dp_rank);
+            match overlaps.get(&key) {
+                Some(&(_, _, blocks)) => blocks,
+                None => self.index.worker_blocks(key),
+            }
+        };
+        let sizes: Vec<u64> = scores[..tied].iter().map(indexed).collect();
+        let fewest = *sizes.iter().min().expect("at least one tied score");
+        let smallest: Vec<usize> = (0..tied).filter(|&i| sizes[i] == fewest).collect();
+        smallest[rand::random_range(0..smallest.len())]
+    }
+}
+
+fn first_usable(
+    members: &[WorkerKey],
+    start: usize,
+    usable: impl Fn(WorkerKey) -> bool,
+) -> Option<WorkerKey> {
+    let n = members.len();
+    (0..n)
+        .map(|i| members[(start + i) % n])
+        .find(|&k| usable(k))
+}
+
+impl crate::registry::Group {
+    /// The round-robin position for the next request. Interior mutability keeps
+    /// `choose` on a shared borrow of the fleet.
+    fn next_round_robin(&self) -> usize {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+}

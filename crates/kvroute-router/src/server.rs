@@ -1,0 +1,151 @@
+//! Starting and stopping the service: listeners, background tasks, graceful shutdown.
+//!
+//! On shutdown both listeners stop accepting at once; responses already
+//! streaming get up to `upstream.shutdown_grace_ms` to finish, then the process
+//! ends regardless.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_proto::kv_router_server::KvRouterServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::config::{Config, LogConfig, LogFormat};
+use crate::error::RouterError;
+use crate::ingest::Ingest;
+use crate::metrics;
+use crate::state::AppState;
+use crate::tokenize::Tokenizer;
+
+/// A started router.
+pub struct Running {
+    pub http_addr: SocketAddr,
+    pub grpc_addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// Installs the tracing subscriber; text or JSON lines on stderr.
+pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&log.level)
+        .map_err(|e| RouterError::Config(format!("log.level {:?}: {e}", log.level)))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let result = match log.format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+    result.map_err(|e| RouterError::Config(format!("cannot install the logger: {e}")))
+}
+
+/// Binds both listeners and starts serving.
+pub async fn start(config: Config) -> Result<Running, RouterError> {
+    let tokenizer = Tokenizer::load(&config.tokenizer)?;
+    let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
+        RouterError::Config(format!(
+            "cannot listen on http_addr {}: {e}",
+            config.http_addr
+        ))
+    })?;
+    let grpc = TcpListener::bind(config.grpc_addr).await.map_err(|e| {
+        RouterError::Config(format!(
+            "cannot listen on grpc_addr {}: {e}",
+            config.grpc_addr
+        ))
+    })?;
+    let http_addr = http.local_addr()?;
+    let grpc_addr = grpc.local_addr()?;
+    let state = AppState::new(config, tokenizer, Some(metrics::handle()))?;
+    let (stop, stopped) = watch::channel(false);
+
+    let mut tasks = Vec::new();
+    let app = crate::api::router(Arc::clone(&state));
+    let mut http_stop = stopped.clone();
+    tasks.push(tokio::spawn(async move {
+        let serve = axum::serve(http, app).with_graceful_shutdown(async move {
+            let _ = http_stop.wait_for(|&s| s).await;
+        });
+        if let Err(e) = serve.await {
+            tracing::error!("http server failed: {e}");
+        }
+    }));
+
+    let ingest = KvRouterServer::with_interceptor(
+        Ingest::new(Arc::clone(&state)),
+        crate::auth::grpc_interceptor(state.config.auth_token.clone()),
+    );
+    let mut grpc_stop = stopped.clone();
+    tasks.push(tokio::spawn(async move {
+        let result = tonic::transport::Server::builder()
+            .add_service(ingest)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
+                let _ = grpc_stop.wait_for(|&s| s).await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!("grpc server failed: {e}");
+        }
+    }));
+    tasks.push(tokio::spawn(health_checks(Arc::clone(&state), stopped)));
+    Ok(Running {
+        http_addr,
+        grpc_addr,
+        state,
+        stop,
+        tasks,
+    })
+}
+
+impl Running {
+    /// Stops accepting and waits for in-flight responses, up to the shutdown grace.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let grace = Duration::from_millis(self.state.config.upstream.shutdown_grace_ms);
+        let all = futures_util::future::join_all(self.tasks);
+        if tokio::time::timeout(grace, all).await.is_err() {
+            tracing::warn!(
+                "in-flight requests did not finish within {} ms; stopping anyway",
+                grace.as_millis()
+            );
+        }
+    }
+}
+
+/// Checks `/health` of workers that had no request for a health interval, feeding
+/// the result into their breakers (a recovered worker closes its breaker this way).
+async fn health_checks(state: Arc<AppState>, mut stopped: watch::Receiver<bool>) {
+    let interval = Duration::from_millis(state.config.upstream.health_interval_ms);
+    if interval.is_zero() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stopped.wait_for(|&s| s) => return,
+        }
+        let checks = state
+            .registry
+            .quiet_workers(interval)
+            .into_iter()
+            .map(|(id, url)| {
+                let state = Arc::clone(&state);
+                async move {
+                    let ok = state.upstream.healthy(&url).await;
+                    let result = if ok { "ok" } else { "failed" };
+                    ::metrics::counter!(metrics::HEALTH_CHECKS, "result" => result).increment(1);
+                    if !ok {
+                        tracing::warn!(worker = id, "health check failed");
+                    }
+                    state.registry.record_outcome(id, ok);
+                }
+            });
+        futures_util::future::join_all(checks).await;
+    }
+}

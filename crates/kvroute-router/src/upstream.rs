@@ -1,0 +1,237 @@
+//! Talking to workers' HTTP servers: the pooled client with its timeouts, and the
+//! response body wrapper that measures a response and releases its booking.
+//!
+//! The worker's body is handed to the client frame by frame as it arrives, so a
+//! slow client slows the worker's stream down (backpressure) instead of the
+//! router buffering it, and a client that goes away drops the body, which closes
+//! the upstream connection: the worker sees the cancel.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, header};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::UpstreamConfig;
+use crate::metrics;
+use crate::registry::Booking;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pub struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+    first_byte_timeout: Duration,
+    idle_timeout: Duration,
+    health_timeout: Duration,
+}
+
+/// Why an upstream attempt failed before a response started.
+#[derive(Debug)]
+pub enum Failure {
+    /// The connection could not be made: nothing reached the worker, safe to retry.
+    Connect(String),
+    /// No response headers within the first-byte timeout.
+    Timeout,
+    /// Anything else (the worker may have seen the request).
+    Other(String),
+}
+
+/// Request headers not forwarded: hop-by-hop ones, and the router's own.
+const DROPPED_REQUEST_HEADERS: [&str; 6] = [
+    "host",
+    "content-length",
+    "connection",
+    "transfer-encoding",
+    "keep-alive",
+    "x-kvroute-worker",
+];
+
+impl Upstream {
+    pub fn new(config: &UpstreamConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        Self {
+            client,
+            first_byte_timeout: Duration::from_millis(config.first_byte_timeout_ms),
+            idle_timeout: Duration::from_millis(config.idle_timeout_ms),
+            health_timeout: Duration::from_millis(config.health_timeout_ms),
+        }
+    }
+
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    /// POSTs `body` to `base_url` + `path` and waits for the response headers.
+    pub async fn post(
+        &self,
+        base_url: &str,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, Failure> {
+        let mut request = Request::post(format!("{base_url}{path}"))
+            .body(Full::new(body))
+            .map_err(|e| Failure::Other(e.to_string()))?;
+        for (name, value) in headers {
+            if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
+                request.headers_mut().append(name, value.clone());
+            }
+        }
+        match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
+            Err(_) => Err(Failure::Timeout),
+            Ok(Err(e)) if e.is_connect() => Err(Failure::Connect(format!("{e:?}"))),
+            Ok(Err(e)) => Err(Failure::Other(format!("{e:?}"))),
+            Ok(Ok(response)) => Ok(response),
+        }
+    }
+
+    /// Whether the worker's `/health` answers 2xx within the health timeout.
+    pub async fn healthy(&self, base_url: &str) -> bool {
+        let Ok(request) = Request::get(format!("{base_url}/health")).body(Full::new(Bytes::new()))
+        else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(self.health_timeout, self.client.request(request)).await,
+            Ok(Ok(response)) if response.status().is_success()
+        )
+    }
+}
+
+/// Response headers that describe the worker's connection, not the response.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+}
+
+/// The request's booking and whether its response finished; dropping it early is a cancel.
+struct Flight {
+    booking: Option<Booking>,
+    finished: bool,
+}
+
+impl Flight {
+    fn finish(&mut self) {
+        self.finished = true;
+        self.booking = None;
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if !self.finished {
+            ::metrics::counter!(metrics::CANCELLED).increment(1);
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A worker's response body on its way to the client. It releases the
+    /// booking's prefill at the first byte and the rest at the end or when
+    /// dropped, records TTFT, inter-chunk and end-to-end latency, and ends the
+    /// response with an error after the idle timeout.
+    pub struct TrackedBody {
+        #[pin]
+        inner: Incoming,
+        #[pin]
+        idle: tokio::time::Sleep,
+        idle_timeout: Duration,
+        flight: Flight,
+        sent: Instant,
+        last_frame: Option<Instant>,
+    }
+}
+
+impl TrackedBody {
+    pub fn new(inner: Incoming, booking: Booking, sent: Instant, idle_timeout: Duration) -> Self {
+        Self {
+            inner,
+            idle: tokio::time::sleep(idle_timeout),
+            idle_timeout,
+            flight: Flight {
+                booking: Some(booking),
+                finished: false,
+            },
+            sent,
+            last_frame: None,
+        }
+    }
+}
+
+impl Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data() {
+                    let now = Instant::now();
+                    match *this.last_frame {
+                        None => {
+                            ::metrics::histogram!(metrics::TTFT)
+                                .record(now.duration_since(*this.sent).as_secs_f64());
+                            if let Some(booking) = this.flight.booking.as_mut() {
+                                booking.release_prefill();
+                            }
+                        }
+                        Some(previous) => ::metrics::histogram!(metrics::INTER_TOKEN)
+                            .record(now.duration_since(previous).as_secs_f64()),
+                    }
+                    *this.last_frame = Some(now);
+                    let deadline = tokio::time::Instant::now() + *this.idle_timeout;
+                    this.idle.as_mut().reset(deadline);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.flight.finish();
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                if !this.flight.finished {
+                    ::metrics::histogram!(metrics::E2E).record(this.sent.elapsed().as_secs_f64());
+                }
+                this.flight.finish();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.idle.poll(cx).is_ready() {
+                    this.flight.finish();
+                    return Poll::Ready(Some(Err(format!(
+                        "the worker sent nothing for {} ms",
+                        this.idle_timeout.as_millis()
+                    )
+                    .into())));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

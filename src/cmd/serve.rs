@@ -1,0 +1,85 @@
+//! `kvroute serve`: the router service (see `crates/kvroute-router`).
+//!
+//! Configuration comes from defaults, then `--config FILE`, then `KVROUTE_...`
+//! variables, then these flags. Once both listeners are bound it prints one line,
+//! `listening http=ADDR grpc=ADDR`, on stdout (tests and scripts read the real
+//! ports from it when started on port 0), and serves until SIGINT or SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_router::config::{LogFormat, Policy};
+use kvroute_router::{Config, server};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// TOML configuration file (see config/router.toml).
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address of the OpenAI-compatible API, admin endpoints and /metrics.
+    #[arg(long)]
+    http_addr: Option<SocketAddr>,
+    /// Address of the gRPC ingest.
+    #[arg(long)]
+    grpc_addr: Option<SocketAddr>,
+    /// Tokens per KV block; must match every worker's.
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, approx.
+    #[arg(long)]
+    policy: Option<Policy>,
+    /// How long a disconnected worker's index entries are kept, in milliseconds.
+    #[arg(long)]
+    grace_period_ms: Option<u64>,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = Config::load(args.config.as_deref(), std::env::vars())?;
+    if let Some(addr) = args.http_addr {
+        config.http_addr = addr;
+    }
+    if let Some(addr) = args.grpc_addr {
+        config.grpc_addr = addr;
+    }
+    if let Some(block_size) = args.block_size {
+        config.block_size = block_size;
+    }
+    if let Some(policy) = args.policy {
+        config.scheduler.policy = policy;
+    }
+    if let Some(ms) = args.grace_period_ms {
+        config.ingest.grace_period_ms = ms;
+    }
+    if args.log_json {
+        config.log.format = LogFormat::Json;
+    }
+    config.validate()?;
+    server::init_logging(&config.log)?;
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let running = server::start(config).await?;
+        println!(
+            "listening http={} grpc={}",
+            running.http_addr, running.grpc_addr
+        );
+        tracing::info!(http = %running.http_addr, grpc = %running.grpc_addr, "kvroute serving");
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining in-flight requests");
+        running.shutdown().await;
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler installs");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}
