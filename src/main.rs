@@ -4,6 +4,7 @@
 //! subcommand lives in its own module under `cmd/`.
 
 mod cmd;
+mod e2e;
 mod plot;
 
 use std::process::ExitCode;
@@ -29,6 +30,13 @@ enum Command {
     Replay(cmd::replay::ReplayArgs),
     /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
     Serve(cmd::serve::ServeArgs),
+    /// Run simulated inference engines that publish KV events to a router.
+    Sim(cmd::sim::SimArgs),
+    /// Start a router and a simulated fleet, compare kv and round_robin routing, keep serving.
+    Demo(cmd::demo::DemoArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +45,9 @@ fn main() -> ExitCode {
         Command::Hash(args) => cmd::hash::run(args),
         Command::Replay(args) => cmd::replay::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Sim(args) => cmd::sim::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
+        Command::Bench(command) => cmd::bench::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -24,6 +24,7 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures_util::StreamExt;
 use kvroute_tokenize::{ChatMessage, Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -351,30 +352,37 @@ fn stream_response(
     include_usage: bool,
 ) -> Response {
     let state = (rx, guard, meta, false);
-    let events =
+    let chunks =
         futures_util::stream::unfold(state, move |(mut rx, mut guard, meta, ended)| async move {
             if ended {
                 return None;
             }
-            let Some(emitted) = rx.recv().await else {
-                // The engine dropped the request: end the stream without [DONE].
-                return None;
-            };
+            // None: the engine dropped the request; the stream ends without [DONE].
+            let emitted = rx.recv().await?;
             let finish = emitted.finished.then_some("length");
             let choice = meta.choice(filler(emitted.generated - 1), finish, true);
-            let mut data = meta.body(vec![choice], None, true).to_string();
+            let mut events = vec![meta.body(vec![choice], None, true).to_string()];
             if emitted.finished {
                 guard.done = true;
                 if include_usage {
-                    let usage_chunk = meta.body(Vec::new(), Some(usage(&emitted)), true);
-                    data.push_str("\n\ndata: ");
-                    data.push_str(&usage_chunk.to_string());
+                    events.push(
+                        meta.body(Vec::new(), Some(usage(&emitted)), true)
+                            .to_string(),
+                    );
                 }
-                data.push_str("\n\ndata: [DONE]");
+                events.push("[DONE]".to_string());
             }
-            let event: Result<Event, Infallible> = Ok(Event::default().data(data));
-            Some((event, (rx, guard, meta, emitted.finished)))
+            Some((events, (rx, guard, meta, emitted.finished)))
         });
+    let events = chunks
+        .map(|events| {
+            futures_util::stream::iter(
+                events
+                    .into_iter()
+                    .map(|data| Ok::<_, Infallible>(Event::default().data(data))),
+            )
+        })
+        .flatten();
     Sse::new(events).into_response()
 }
 

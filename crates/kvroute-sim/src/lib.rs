@@ -26,7 +26,7 @@ pub mod worker;
 
 pub use cost::CostModel;
 pub use engine::{Engine, EngineConfig};
-pub use worker::{Worker, WorkerConfig};
+pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 
 /// Everything that can go wrong in the simulator.
 #[derive(Debug, thiserror::Error)]

@@ -266,8 +266,13 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
 }
 
 /// The iteration loop: step, let the step's time pass, deliver.
+///
+/// Steps are paced against a running deadline rather than by sleeping each
+/// step's duration: the timer's millisecond granularity (and a busy machine)
+/// then only delays a step, without making simulated time fall behind.
 async fn iterate(shared: Arc<Shared>) {
     let mut stopped = shared.stop.subscribe();
+    let mut deadline = tokio::time::Instant::now();
     loop {
         let step = {
             let mut core = shared.core();
@@ -279,13 +284,17 @@ async fn iterate(shared: Arc<Shared>) {
         };
         let Some(step) = step else {
             tokio::select! {
-                _ = shared.wake.notified() => continue,
-                _ = crate::worker::until_stopped(&mut stopped) => return,
+                _ = shared.wake.notified() => {
+                    deadline = tokio::time::Instant::now();
+                    continue;
+                }
+                _ = until_stopped(&mut stopped) => return,
             }
         };
+        deadline += step.duration;
         tokio::select! {
-            _ = tokio::time::sleep(step.duration) => {}
-            _ = crate::worker::until_stopped(&mut stopped) => return,
+            _ = tokio::time::sleep_until(deadline) => {}
+            _ = until_stopped(&mut stopped) => return,
         }
         let mut core = shared.core();
         shared.log_events(&mut core);
@@ -308,4 +317,28 @@ async fn iterate(shared: Arc<Shared>) {
 /// not `Send`, so it must not live across the caller's awaits).
 pub(crate) async fn until_stopped(stopped: &mut watch::Receiver<bool>) {
     let _ = stopped.wait_for(|&s| s).await;
+}
+
+/// Starts `count` workers from `template`: worker `i` gets id
+/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`.
+pub async fn start_fleet(
+    template: &WorkerConfig,
+    count: usize,
+    base_port: u16,
+) -> Result<Vec<Worker>, SimError> {
+    let mut workers = Vec::with_capacity(count);
+    for i in 0..count {
+        let mut config = template.clone();
+        config.worker_id = template.worker_id + i as u64;
+        if base_port != 0 {
+            let port = u16::try_from(base_port as usize + i).map_err(|_| {
+                SimError::Config(format!(
+                    "--base-port {base_port} + {count} workers passes port 65535"
+                ))
+            })?;
+            config.http_addr.set_port(port);
+        }
+        workers.push(Worker::start(config).await?);
+    }
+    Ok(workers)
 }
