@@ -21,7 +21,7 @@ use kvroute_sim::trace::trace_tokens;
 use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
 use kvroute_trace::TraceRequest;
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 pub const MODEL: &str = "sim-model";
 
@@ -186,11 +186,7 @@ pub async fn run(
         let client = client.clone();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
-            let tokens = trace_tokens(&hash_ids, input_length);
-            let body = json!({
-                "model": MODEL, "prompt": tokens, "max_tokens": max_tokens, "stream": true,
-                "stream_options": {"include_usage": true},
-            });
+            let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens);
             send(&client, url, body).await.unwrap_or_default()
         }));
     }
@@ -212,14 +208,34 @@ pub async fn run(
     ))
 }
 
+/// The streaming request body, written directly: a `serde_json::Value` of
+/// tens of thousands of numbers would cost the client more than the router.
+fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
+    use std::fmt::Write as _;
+    let mut body = String::with_capacity(tokens.len() * 6 + 160);
+    let _ = write!(
+        body,
+        r#"{{"model":"{MODEL}","max_tokens":{max_tokens},"stream":true,"#
+    );
+    body.push_str(r#""stream_options":{"include_usage":true},"prompt":["#);
+    for (i, token) in tokens.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        let _ = write!(body, "{token}");
+    }
+    body.push_str("]}");
+    body
+}
+
 async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     url: hyper::Uri,
-    body: Value,
+    body: String,
 ) -> Option<Outcome> {
     let request = hyper::Request::post(url)
         .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
+        .body(Full::new(Bytes::from(body)))
         .ok()?;
     let sent = Instant::now();
     let response = client.request(request).await.ok()?;
@@ -436,4 +452,24 @@ pub fn table(reports: &[PolicyReport]) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hand_written_body_is_the_json_it_means() {
+        let body: Value = serde_json::from_str(&completion_body(&[7, 0, 42], 5)).unwrap();
+        assert_eq!(body["prompt"], serde_json::json!([7, 0, 42]));
+        assert_eq!(body["max_tokens"], 5);
+        assert_eq!(body["model"], MODEL);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+    }
+
+    #[test]
+    fn jain_is_one_when_even_and_one_over_n_when_one_takes_all() {
+        assert_eq!(jain(&[3.0, 3.0, 3.0]), 1.0);
+        assert!((jain(&[8.0, 0.0, 0.0, 0.0]) - 0.25).abs() < 1e-12);
+    }
 }

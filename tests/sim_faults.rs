@@ -159,3 +159,25 @@ fn the_worker_http_api_speaks_openai_and_refuses_bad_input() {
     let metrics = get(&addr, "/metrics").body;
     assert_eq!(metric(&metrics, "kvroute_sim_requests_total"), 2.0);
 }
+
+#[test]
+fn workers_connect_with_backoff_and_resend_their_state_when_the_router_comes_back() {
+    let grpc = format!("127.0.0.1:{}", free_port());
+    // The workers start first and retry until the router listens.
+    let (_sim, workers) = sim(&grpc, 1);
+    let (router_proc, router, _) = router_on(&grpc, &[]);
+    wait_registered(&router, 1);
+    let id = workers[0].0;
+    assert_eq!(complete(&router, &prompt(3), None).status, 200);
+    wait_for(10, "4 blocks indexed", || {
+        (indexed(&router, id).0 == 4).then_some(())
+    });
+
+    // A new router knows nothing; the reconnecting worker's dump restores it.
+    drop(router_proc);
+    let (_router_proc, router, _) = router_on(&grpc, &[]);
+    wait_registered(&router, 1);
+    wait_for(10, "the dump to be applied", || {
+        (indexed(&router, id) == (4, 5)).then_some(())
+    });
+}

@@ -51,12 +51,17 @@ pub fn spawn(args: &[&str], ready: impl Fn(&[String]) -> bool) -> Proc {
 
 /// A router on free ports: (process, http address, grpc address).
 pub fn router(extra: &[&str]) -> (Proc, String, String) {
+    router_on("127.0.0.1:0", extra)
+}
+
+/// A router whose gRPC ingest listens on `grpc` (HTTP on a free port).
+pub fn router_on(grpc: &str, extra: &[&str]) -> (Proc, String, String) {
     let mut args = vec![
         "serve",
         "--http-addr",
         "127.0.0.1:0",
         "--grpc-addr",
-        "127.0.0.1:0",
+        grpc,
         "--block-size",
         "16",
     ];
@@ -80,6 +85,15 @@ pub fn router(extra: &[&str]) -> (Proc, String, String) {
         .to_string();
     let grpc = line.split("grpc=").nth(1).unwrap().trim().to_string();
     (proc, http, grpc)
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// `n` simulated workers registered with the router at `grpc`: (process, [(id, http address)]).
