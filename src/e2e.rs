@@ -426,7 +426,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
         }),
         ("TTFT p50", &|r| format!("{:.0} ms", r.ttft_ms.p50)),
         ("TTFT p99", &|r| format!("{:.0} ms", r.ttft_ms.p99)),
-        ("ITL p50", &|r| format!("{:.1} ms", r.itl_ms.p50)),
+        ("ITL p50", &|r| format!("{:.2} ms", r.itl_ms.p50)),
         ("e2e p50", &|r| format!("{:.0} ms", r.e2e_ms.p50)),
         ("throughput", &|r| format!("{:.1} req/s", r.throughput_rps)),
         ("output tokens/s", &|r| {
