@@ -4,6 +4,7 @@
 //! subcommand lives in its own module under `cmd/`.
 
 mod cmd;
+mod e2e;
 mod plot;
 
 use std::process::ExitCode;
@@ -29,10 +30,14 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// Turn a vLLM / SGLang engine's ZeroMQ KV events into kvroute's worker stream.
     Bridge(cmd::bridge::BridgeArgs),
-    /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
-    Serve(cmd::serve::ServeArgs),
+    /// Start a router and a simulated fleet, compare kv and round_robin routing, keep serving.
+    Demo(cmd::demo::DemoArgs),
     /// Replay a Mooncake trace through KV-cache eviction policies.
     Replay(cmd::replay::ReplayArgs),
+    /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
+    Serve(cmd::serve::ServeArgs),
+    /// Run simulated inference engines that publish KV events to a router.
+    Sim(cmd::sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,8 +46,10 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Hash(args) => cmd::hash::run(args),
         Command::Bridge(args) => cmd::bridge::run(args),
-        Command::Serve(args) => cmd::serve::run(args),
+        Command::Demo(args) => cmd::demo::run(args),
         Command::Replay(args) => cmd::replay::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
+        Command::Sim(args) => cmd::sim::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

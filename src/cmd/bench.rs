@@ -1,6 +1,7 @@
-//! `kvroute bench ...`: workloads that measure kvroute's parts, each printing one
-//! JSON line of results. Speed and memory goals live here, not in timed tests.
+//! `kvroute bench ...`: workloads that measure kvroute's parts, each printing its
+//! results as JSON. Speed and memory goals live here, not in timed tests.
 
+mod e2e;
 mod index;
 
 use clap::{Args, Subcommand};
@@ -15,10 +16,13 @@ pub struct BenchArgs {
 enum BenchTarget {
     /// Replay a trace-derived timeline of KV events and lookups against the index.
     Index(index::IndexBenchArgs),
+    /// Replay a trace through the router and a simulated fleet under several policies.
+    E2e(e2e::E2eArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.target {
         BenchTarget::Index(args) => index::run(args),
+        BenchTarget::E2e(args) => e2e::run(args),
     }
 }

@@ -2,6 +2,8 @@
 
 pub mod bench;
 pub mod bridge;
+pub mod demo;
 pub mod hash;
 pub mod replay;
 pub mod serve;
+pub mod sim;

@@ -75,7 +75,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler installs");
     tokio::select! {

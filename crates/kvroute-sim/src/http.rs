@@ -1,0 +1,558 @@
+//! The worker's OpenAI-compatible HTTP server, its metrics, and its admin
+//! endpoint for faults.
+//!
+//! Prompts are tokenized with `kvroute-tokenize`, the crate the router uses,
+//! so a text prompt hashes to the same blocks on both sides. The generated
+//! text is filler, one word per token, but token counts, cached-token counts
+//! and timing are the engine's.
+//!
+//! - `POST /v1/completions`, `POST /v1/chat/completions`: `stream: true` for
+//!   SSE (a final usage chunk when `stream_options.include_usage` is set);
+//!   `usage.prompt_tokens_details.cached_tokens` reports the prefix hit.
+//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//! - `POST /admin/fault` with `{"fault": "stop_events" | "resume_events" |
+//!   "drop_events" | "restart" | "die", "count": N}` (count for drop_events).
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use kvroute_tokenize::{ChatMessage, Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::SimError;
+use crate::engine::{Emitted, SeqId};
+use crate::worker::{Fault, Shared, inject};
+
+/// The tokenizer, loaded on the first text prompt (token-id traffic never pays for it).
+pub(crate) struct SharedTokenizer {
+    spec: TokenizerSpec,
+    loaded: OnceLock<Result<Tokenizer, String>>,
+}
+
+impl SharedTokenizer {
+    pub fn new(spec: TokenizerSpec) -> Self {
+        SharedTokenizer {
+            spec,
+            loaded: OnceLock::new(),
+        }
+    }
+
+    fn get(&self) -> Result<&Tokenizer, ApiError> {
+        self.loaded
+            .get_or_init(|| Tokenizer::load(&self.spec).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| ApiError::server(format!("tokenizer {}: {e}", self.spec)))
+    }
+}
+
+pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
+    let app = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .route("/admin/fault", post(fault))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .with_state(Arc::clone(&shared));
+    let mut stopped = shared.stop.subscribe();
+    // On `die` the server future is dropped, which closes the listener and
+    // every open connection at once, as a crashed process would.
+    tokio::select! {
+        result = axum::serve(listener, app) => {
+            if let Err(e) = result {
+                tracing::error!("worker http server failed: {e}");
+            }
+        }
+        _ = crate::worker::until_stopped(&mut stopped) => {}
+    }
+}
+
+/// An OpenAI-style error response.
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn server(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+}
+
+impl From<SimError> for ApiError {
+    fn from(e: SimError) -> Self {
+        match e {
+            SimError::BadRequest(_) | SimError::Tokenize(_) => Self::bad(e.to_string()),
+            SimError::Stopped => Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            _ => Self::server(e.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        let body =
+            json!({"error": {"message": self.message, "type": kind, "code": self.status.as_u16()}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// What a request asks for, once its prompt is tokens.
+struct Parsed {
+    model: String,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
+    let json: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let model = json
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("missing field `model` (a string)"))?;
+    if model != shared.config.model {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "model `{model}` is not served here (serving `{}`)",
+                shared.config.model
+            ),
+        ));
+    }
+    let tokens = match kind {
+        Kind::Completion => {
+            let prompt = json
+                .get("prompt")
+                .ok_or_else(|| ApiError::bad("missing field `prompt`"))?;
+            match parse_completion_prompt(prompt).map_err(|e| ApiError::bad(e.to_string()))? {
+                Prompt::Tokens(tokens) => tokens,
+                Prompt::Text(text) => shared
+                    .tokenizer
+                    .get()?
+                    .encode(&text)
+                    .map_err(|e| ApiError::bad(e.to_string()))?,
+            }
+        }
+        Kind::Chat => {
+            let messages: Vec<ChatMessage> = json
+                .get("messages")
+                .filter(|m| m.is_array())
+                .ok_or_else(|| ApiError::bad("missing field `messages` (an array)"))
+                .and_then(|m| {
+                    serde_json::from_value(m.clone())
+                        .map_err(|e| ApiError::bad(format!("invalid `messages`: {e}")))
+                })?;
+            shared
+                .tokenizer
+                .get()?
+                .encode_chat(&messages, true)
+                .map_err(|e| ApiError::bad(e.to_string()))?
+        }
+    };
+    let max_tokens = match json
+        .get("max_completion_tokens")
+        .or_else(|| json.get("max_tokens"))
+    {
+        None | Some(Value::Null) => 16,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| ApiError::bad("max_tokens must be a positive integer"))?,
+    };
+    Ok(Parsed {
+        model: model.to_string(),
+        tokens,
+        max_tokens,
+        stream: json.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: json
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    })
+}
+
+async fn completions(State(shared): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    generate(shared, &body, Kind::Completion)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(shared): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    generate(shared, &body, Kind::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Aborts the request in the engine if the response is dropped before it finished.
+struct AbortGuard {
+    shared: Arc<Shared>,
+    id: SeqId,
+    done: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.shared.abort(self.id);
+        }
+    }
+}
+
+const FILLER: [&str; 8] = [
+    " the", " quick", " brown", " fox", " jumps", " over", " a", " dog",
+];
+
+fn filler(index: u32) -> &'static str {
+    FILLER[index as usize % FILLER.len()]
+}
+
+fn usage(last: &Emitted) -> Value {
+    json!({
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.generated,
+        "total_tokens": last.prompt_tokens + last.generated,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+    })
+}
+
+async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Response, ApiError> {
+    let parsed = parse(&shared, body, kind)?;
+    let (id, rx) = shared.submit(&parsed.tokens, parsed.max_tokens)?;
+    let guard = AbortGuard {
+        shared: Arc::clone(&shared),
+        id,
+        done: false,
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let prefix = if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    let meta = Meta {
+        id: format!("{prefix}-{}-{id}", shared.config.worker_id),
+        created,
+        model: parsed.model,
+        kind,
+    };
+    if parsed.stream {
+        Ok(stream_response(meta, rx, guard, parsed.include_usage))
+    } else {
+        whole_response(meta, rx, guard).await
+    }
+}
+
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Meta {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn choice(&self, text: &str, finish: Option<&str>, chunk: bool) -> Value {
+        match self.kind {
+            Kind::Completion => json!({"index": 0, "text": text, "finish_reason": finish}),
+            Kind::Chat if chunk => {
+                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish})
+            }
+            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": finish}),
+        }
+    }
+
+    fn body(&self, choices: Vec<Value>, usage: Option<Value>, chunk: bool) -> Value {
+        let mut body = json!({
+            "id": self.id, "object": self.object(chunk), "created": self.created,
+            "model": self.model, "choices": choices,
+        });
+        if let Some(usage) = usage {
+            body["usage"] = usage;
+        }
+        body
+    }
+}
+
+fn ended_early() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the engine dropped the request (restarted or stopped)",
+    )
+}
+
+async fn whole_response(
+    meta: Meta,
+    mut rx: mpsc::UnboundedReceiver<Emitted>,
+    mut guard: AbortGuard,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    loop {
+        let emitted = rx.recv().await.ok_or_else(ended_early)?;
+        text.push_str(filler(emitted.generated - 1));
+        if emitted.finished {
+            guard.done = true;
+            let choice = meta.choice(&text, Some("length"), false);
+            return Ok(Json(meta.body(vec![choice], Some(usage(&emitted)), false)).into_response());
+        }
+    }
+}
+
+fn stream_response(
+    meta: Meta,
+    rx: mpsc::UnboundedReceiver<Emitted>,
+    guard: AbortGuard,
+    include_usage: bool,
+) -> Response {
+    let state = (rx, guard, meta, false);
+    let chunks =
+        futures_util::stream::unfold(state, move |(mut rx, mut guard, meta, ended)| async move {
+            if ended {
+                return None;
+            }
+            // None: the engine dropped the request; the stream ends without [DONE].
+            let emitted = rx.recv().await?;
+            let finish = emitted.finished.then_some("length");
+            let choice = meta.choice(filler(emitted.generated - 1), finish, true);
+            let mut events = vec![meta.body(vec![choice], None, true).to_string()];
+            if emitted.finished {
+                guard.done = true;
+                if include_usage {
+                    events.push(
+                        meta.body(Vec::new(), Some(usage(&emitted)), true)
+                            .to_string(),
+                    );
+                }
+                events.push("[DONE]".to_string());
+            }
+            Some((events, (rx, guard, meta, emitted.finished)))
+        });
+    let events = chunks
+        .map(|events| {
+            futures_util::stream::iter(
+                events
+                    .into_iter()
+                    .map(|data| Ok::<_, Infallible>(Event::default().data(data))),
+            )
+        })
+        .flatten();
+    Sse::new(events).into_response()
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [
+        {"id": shared.config.model, "object": "model", "owned_by": "kvroute-sim"}
+    ]}))
+}
+
+async fn fault(
+    State(shared): State<Arc<Shared>>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let name = json
+        .get("fault")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let fault = match name {
+        "stop_events" => Fault::StopEvents,
+        "resume_events" => Fault::ResumeEvents,
+        "drop_events" => Fault::DropEvents(
+            json.get("count")
+                .and_then(Value::as_u64)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| ApiError::bad("drop_events needs a positive `count`"))?,
+        ),
+        "restart" => Fault::Restart,
+        "die" => Fault::Die,
+        other => {
+            return Err(ApiError::bad(format!(
+                "unknown fault `{other}` (expected stop_events, resume_events, drop_events, restart or die)"
+            )));
+        }
+    };
+    inject(&shared, fault);
+    Ok(Json(
+        json!({"worker_id": shared.config.worker_id, "fault": name}),
+    ))
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let (stats, load, last_event_id, evictions) = {
+        let core = shared.core();
+        (
+            core.engine.stats(),
+            core.engine.load(),
+            core.log.last_id(),
+            core.engine.evictions(),
+        )
+    };
+    let hit_ratio = if stats.prompt_tokens == 0 {
+        0.0
+    } else {
+        stats.cached_tokens as f64 / stats.prompt_tokens as f64
+    };
+    let usage = load.kv_blocks_used as f64 / load.kv_blocks_total.max(1) as f64;
+    let worker = shared.config.worker_id;
+    let series: [(&str, &str, &str, f64); 16] = [
+        (
+            "kvroute_sim_requests_total",
+            "counter",
+            "Requests admitted",
+            stats.requests as f64,
+        ),
+        (
+            "kvroute_sim_finished_requests_total",
+            "counter",
+            "Requests finished",
+            stats.finished as f64,
+        ),
+        (
+            "kvroute_sim_aborted_requests_total",
+            "counter",
+            "Requests aborted by their client",
+            stats.aborted as f64,
+        ),
+        (
+            "kvroute_sim_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of admitted requests",
+            stats.prompt_tokens as f64,
+        ),
+        (
+            "kvroute_sim_cached_prompt_tokens_total",
+            "counter",
+            "Prompt tokens found in the prefix cache",
+            stats.cached_tokens as f64,
+        ),
+        (
+            "kvroute_sim_computed_prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled",
+            stats.computed_prompt_tokens as f64,
+        ),
+        (
+            "kvroute_sim_generated_tokens_total",
+            "counter",
+            "Output tokens generated",
+            stats.generated_tokens as f64,
+        ),
+        (
+            "kvroute_sim_preemptions_total",
+            "counter",
+            "Requests preempted for lack of KV blocks",
+            stats.preemptions as f64,
+        ),
+        (
+            "kvroute_sim_evictions_total",
+            "counter",
+            "Cached blocks evicted",
+            evictions as f64,
+        ),
+        (
+            "kvroute_sim_prefix_hit_ratio",
+            "gauge",
+            "Cached over all prompt tokens since start",
+            hit_ratio,
+        ),
+        (
+            "kvroute_sim_running_requests",
+            "gauge",
+            "Requests in the running batch",
+            load.running as f64,
+        ),
+        (
+            "kvroute_sim_waiting_requests",
+            "gauge",
+            "Requests queued",
+            load.waiting as f64,
+        ),
+        (
+            "kvroute_sim_kv_blocks_used",
+            "gauge",
+            "KV blocks referenced by requests",
+            load.kv_blocks_used as f64,
+        ),
+        (
+            "kvroute_sim_kv_blocks_cached",
+            "gauge",
+            "Inactive KV blocks kept for reuse",
+            load.kv_blocks_cached as f64,
+        ),
+        (
+            "kvroute_sim_kv_usage_ratio",
+            "gauge",
+            "Used over total KV blocks",
+            usage,
+        ),
+        (
+            "kvroute_sim_last_event_id",
+            "gauge",
+            "Id of the last KV event",
+            last_event_id as f64,
+        ),
+    ];
+    let mut text = String::new();
+    for (name, kind, help, value) in series {
+        let _ = writeln!(
+            text,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{worker=\"{worker}\"}} {value}"
+        );
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}

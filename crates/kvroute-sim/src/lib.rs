@@ -1,0 +1,49 @@
+//! kvroute-sim: simulated inference engines that behave like vLLM where it
+//! matters to a KV-aware router, so routing can be tried and compared without
+//! a GPU fleet.
+//!
+//! - [`pool`]: the paged KV block pool with prefix caching on kvroute's block
+//!   hashes, vLLM's active (reference-counted) and inactive (cached) blocks, the
+//!   inactive ones evicted by a `kvroute-cache` policy;
+//! - [`engine`]: continuous batching over the pool (max-num-seqs,
+//!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
+//!   [`Engine::step`], timed by the [`cost`] model and never by a clock;
+//! - [`events`]: the numbered event log a worker publishes, with a ring of
+//!   recent events to answer resync requests;
+//! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
+//!   stream to the router ([`publisher`]), the OpenAI-compatible HTTP server
+//!   ([`http`]) and the faults tests inject;
+//! - [`trace`]: Mooncake trace requests turned into token ids.
+
+pub mod cost;
+pub mod engine;
+pub mod events;
+pub mod http;
+pub mod pool;
+pub mod publisher;
+pub mod trace;
+pub mod worker;
+
+pub use cost::CostModel;
+pub use engine::{Engine, EngineConfig};
+pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
+
+/// Everything that can go wrong in the simulator.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error(transparent)]
+    Cache(#[from] kvroute_cache::CacheError),
+    #[error(transparent)]
+    Tokenize(#[from] kvroute_tokenize::TokenizeError),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
+    #[error("the engine is not running")]
+    Stopped,
+}

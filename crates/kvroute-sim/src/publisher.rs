@@ -1,0 +1,233 @@
+//! The worker's side of the router's gRPC stream.
+//!
+//! Each connection starts with `Register`, then a full `Dump` of the pool taken
+//! under the same lock as the event log's last id, so the router's view is
+//! exact whatever it knew before (it may have restarted, or purged this
+//! worker). Events after that id follow in batches as the engine produces them,
+//! load reports at a fixed interval. A `ResyncRequest` is answered from the
+//! ring of recent events, or with a dump when they have left it. A failed
+//! connection is retried with exponential backoff (50 ms doubling to 5 s).
+//!
+//! Faults act here: events can be held back (`StopEvents`) or skipped
+//! (`DropEvents`, which leaves a gap the router must detect), and a restart
+//! (ids start over, the first event is `Cleared`) is sent on the same stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_proto::kv_router_client::KvRouterClient;
+use kvroute_proto::{
+    Dump, EventBatch, KvEvent, LoadReport, Register, WorkerMessage, router_message, worker_message,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataValue;
+
+use crate::events::stored;
+use crate::pool::PoolEvent;
+use crate::worker::Shared;
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+pub(crate) async fn run(shared: Arc<Shared>, router: String) {
+    let mut stopped = shared.stop.subscribe();
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let session = Session::new(&shared);
+        tokio::select! {
+            result = session.run(&router) => match result {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(
+                    worker = shared.config.worker_id,
+                    "event stream to {router} failed: {e}; retrying in {backoff:?}"
+                ),
+            },
+            _ = crate::worker::until_stopped(&mut stopped) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = crate::worker::until_stopped(&mut stopped) => return,
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+struct Session<'a> {
+    shared: &'a Shared,
+    /// The last event id sent (or deliberately skipped).
+    sent_upto: u64,
+    epoch: u64,
+}
+
+fn message(body: worker_message::Body) -> WorkerMessage {
+    WorkerMessage { body: Some(body) }
+}
+
+impl<'a> Session<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        Session {
+            shared,
+            sent_upto: 0,
+            epoch: 0,
+        }
+    }
+
+    /// Serves one connection until it fails; `Ok` only when the worker stops.
+    async fn run(mut self, router: &str) -> Result<(), String> {
+        let shared = self.shared;
+        let config = &shared.config;
+        let mut client = KvRouterClient::connect(router.to_string())
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        let (tx, rx) = mpsc::channel::<WorkerMessage>(256);
+        let register = Register {
+            worker_id: config.worker_id,
+            dp_ranks: vec![0],
+            models: vec![config.model.clone()],
+            base_url: shared.base_url.clone(),
+            block_size: config.engine.block_size as u32,
+            total_kv_blocks: config.engine.kv_blocks as u64,
+            lora_names: Vec::new(),
+        };
+        let _ = tx.try_send(message(worker_message::Body::Register(register)));
+        let dump = self.dump();
+        let _ = tx.try_send(dump);
+        let mut request = tonic::Request::new(ReceiverStream::new(rx));
+        if let Some(token) = &config.auth_token {
+            let value = MetadataValue::try_from(format!("Bearer {token}"))
+                .map_err(|e| format!("the auth token is not a valid header value: {e}"))?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let mut inbound = client
+            .stream(request)
+            .await
+            .map_err(|status| format!("the router refused the stream: {}", status.message()))?
+            .into_inner();
+        tracing::info!(worker = config.worker_id, "registered with {router}");
+        let mut stopped = shared.stop.subscribe();
+        let mut load_tick = tokio::time::interval(config.load_report_interval);
+        loop {
+            tokio::select! {
+                _ = shared.events_ready.notified() => {
+                    if let Some(batch) = self.pending() {
+                        send(&tx, batch).await?;
+                    }
+                }
+                reply = inbound.message() => {
+                    let reply = reply.map_err(|status| format!("stream error: {}", status.message()))?
+                        .ok_or("the router closed the stream")?;
+                    match reply.body {
+                        Some(router_message::Body::Resync(resync)) => {
+                            tracing::debug!(worker = config.worker_id, from = resync.from_event_id, "resync requested");
+                            let answer = self.resync(resync.from_event_id);
+                            send(&tx, answer).await?;
+                        }
+                        Some(router_message::Body::Error(error)) => {
+                            tracing::warn!(worker = config.worker_id, "router error: {}", error.message);
+                        }
+                        Some(router_message::Body::Ack(_)) | None => {}
+                    }
+                }
+                _ = load_tick.tick() => {
+                    send(&tx, self.load_report()).await?;
+                }
+                _ = crate::worker::until_stopped(&mut stopped) => return Ok(()),
+            }
+        }
+    }
+
+    /// A dump of the pool and the id it is current to; later events follow it.
+    fn dump(&mut self) -> WorkerMessage {
+        let core = self.shared.core();
+        self.epoch = core.epoch;
+        self.sent_upto = core.log.last_id();
+        message(worker_message::Body::Dump(dump_of(
+            &core.engine.dump(),
+            core.log.last_id(),
+        )))
+    }
+
+    /// The events not yet sent, minus any the `DropEvents` fault swallows.
+    fn pending(&mut self) -> Option<WorkerMessage> {
+        let mut core = self.shared.core();
+        if core.epoch != self.epoch {
+            self.epoch = core.epoch;
+            self.sent_upto = 0;
+        }
+        if !core.publishing {
+            return None;
+        }
+        let Some(mut events) = core.log.since(self.sent_upto + 1) else {
+            drop(core);
+            return Some(self.dump());
+        };
+        self.sent_upto = core.log.last_id();
+        let dropped = (core.drop_next as usize).min(events.len());
+        if dropped > 0 {
+            core.drop_next -= dropped as u64;
+            // Keep the first event so the gap sits between sent events.
+            let start = usize::from(events.len() > dropped);
+            events.drain(start..start + dropped);
+        }
+        (!events.is_empty()).then(|| batch(events))
+    }
+
+    fn resync(&mut self, from: u64) -> WorkerMessage {
+        let core = self.shared.core();
+        match core.log.since(from) {
+            Some(events) => {
+                self.sent_upto = self.sent_upto.max(core.log.last_id());
+                batch(events)
+            }
+            None => {
+                drop(core);
+                self.dump()
+            }
+        }
+    }
+
+    fn load_report(&self) -> WorkerMessage {
+        let load = self.shared.core().engine.load();
+        message(worker_message::Body::Load(LoadReport {
+            dp_rank: 0,
+            running_requests: load.running,
+            queued_requests: load.waiting,
+            kv_blocks_used: load.kv_blocks_used,
+            kv_blocks_total: load.kv_blocks_total,
+            prefill_tokens_in_flight: load.prefill_tokens,
+        }))
+    }
+}
+
+async fn send(tx: &mpsc::Sender<WorkerMessage>, message: WorkerMessage) -> Result<(), String> {
+    tx.send(message)
+        .await
+        .map_err(|_| "the stream to the router closed".to_string())
+}
+
+fn batch(events: Vec<KvEvent>) -> WorkerMessage {
+    message(worker_message::Body::Events(EventBatch {
+        dp_rank: 0,
+        events,
+    }))
+}
+
+fn dump_of(blocks: &[PoolEvent], last_event_id: u64) -> Dump {
+    let chains = blocks
+        .iter()
+        .filter_map(|event| match *event {
+            PoolEvent::Stored {
+                parent,
+                hash,
+                local,
+            } => Some(stored(parent, hash, local)),
+            _ => None,
+        })
+        .collect();
+    Dump {
+        dp_rank: 0,
+        last_event_id,
+        chains,
+    }
+}

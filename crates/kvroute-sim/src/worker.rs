@@ -1,0 +1,344 @@
+//! One engine made live: its iteration loop on tokio, its HTTP server, its
+//! event stream to the router, and the faults tests inject.
+//!
+//! The [`Engine`] and its [`EventLog`] sit behind one mutex (`Core`), held only
+//! for short, non-async sections. The iteration loop takes a step, sleeps the
+//! step's cost-model time, then publishes the pool's events and hands each
+//! request its new tokens, so a block is announced once simulated time has
+//! passed over its computation. Requests whose client went away are aborted.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvroute_tokenize::TokenizerSpec;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::SimError;
+use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
+use crate::events::{DEFAULT_RING_EVENTS, EventLog};
+use crate::http::SharedTokenizer;
+
+/// How to run one simulated worker.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub worker_id: u64,
+    /// The model name served and registered.
+    pub model: String,
+    pub engine: EngineConfig,
+    /// Where the HTTP server listens (port 0: any free port).
+    pub http_addr: SocketAddr,
+    /// The router's gRPC URL; `None` runs without publishing events.
+    pub router: Option<String>,
+    /// Bearer token for the router's gRPC ingest, if it requires one.
+    pub auth_token: Option<String>,
+    /// How text prompts are tokenized: must be the router's tokenizer.
+    pub tokenizer: TokenizerSpec,
+    pub load_report_interval: Duration,
+    /// Recent events kept to answer resync requests.
+    pub ring_events: usize,
+}
+
+impl WorkerConfig {
+    pub fn new(worker_id: u64, engine: EngineConfig) -> Self {
+        WorkerConfig {
+            worker_id,
+            model: "sim-model".into(),
+            engine,
+            http_addr: ([127, 0, 0, 1], 0).into(),
+            router: None,
+            auth_token: None,
+            tokenizer: TokenizerSpec::Tiktoken {
+                encoding: "cl100k_base".into(),
+            },
+            load_report_interval: Duration::from_millis(100),
+            ring_events: DEFAULT_RING_EVENTS,
+        }
+    }
+}
+
+/// A fault to inject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Stop sending events (they keep accumulating in the log).
+    StopEvents,
+    /// Send everything held back since `StopEvents`.
+    ResumeEvents,
+    /// Never send the next `n` events: the router sees a gap.
+    DropEvents(u64),
+    /// Forget every request and cached block; event ids start over.
+    Restart,
+    /// Stop serving HTTP and close the event stream, as if the process died.
+    Die,
+}
+
+pub(crate) struct Core {
+    pub engine: Engine,
+    pub log: EventLog,
+    /// Bumped by every restart, so the publisher knows ids started over.
+    pub epoch: u64,
+    pub streams: HashMap<SeqId, mpsc::UnboundedSender<Emitted>>,
+    pub publishing: bool,
+    pub drop_next: u64,
+}
+
+pub(crate) struct Shared {
+    pub config: WorkerConfig,
+    pub base_url: String,
+    pub core: Mutex<Core>,
+    /// New work for the iteration loop.
+    pub wake: Notify,
+    /// New events for the publisher.
+    pub events_ready: Notify,
+    pub stop: watch::Sender<bool>,
+    pub tokenizer: SharedTokenizer,
+}
+
+impl Shared {
+    pub fn core(&self) -> MutexGuard<'_, Core> {
+        self.core
+            .lock()
+            .expect("no code panics while holding the core")
+    }
+
+    /// Queues a request; its tokens arrive on the returned channel.
+    pub fn submit(
+        &self,
+        tokens: &[u32],
+        max_tokens: u32,
+    ) -> Result<(SeqId, mpsc::UnboundedReceiver<Emitted>), SimError> {
+        if *self.stop.borrow() {
+            return Err(SimError::Stopped);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = {
+            let mut core = self.core();
+            let id = core.engine.submit(tokens, max_tokens)?;
+            core.streams.insert(id, tx);
+            id
+        };
+        self.wake.notify_one();
+        Ok((id, rx))
+    }
+
+    pub fn abort(&self, id: SeqId) {
+        let mut core = self.core();
+        if core.streams.remove(&id).is_some() {
+            core.engine.abort(id);
+        }
+    }
+
+    /// Moves the pool's new events into the log; wakes the publisher.
+    fn log_events(&self, core: &mut Core) {
+        let events = core.engine.take_events();
+        if !events.is_empty() {
+            for event in events {
+                core.log.append(event);
+            }
+            self.events_ready.notify_one();
+        }
+    }
+}
+
+/// A running simulated worker.
+pub struct Worker {
+    shared: Arc<Shared>,
+    http_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Binds the HTTP listener, starts the engine, and connects to the router.
+    pub async fn start(config: WorkerConfig) -> Result<Worker, SimError> {
+        let engine = Engine::new(config.engine.clone())?;
+        let listener = TcpListener::bind(config.http_addr)
+            .await
+            .map_err(|source| SimError::Io {
+                context: format!("cannot listen on {}", config.http_addr),
+                source,
+            })?;
+        let http_addr = listener.local_addr().map_err(|source| SimError::Io {
+            context: "cannot read the listener's address".into(),
+            source,
+        })?;
+        let (stop, _) = watch::channel(false);
+        let mut log = EventLog::new(config.ring_events);
+        let mut engine = engine;
+        for event in engine.take_events() {
+            log.append(event);
+        }
+        let shared = Arc::new(Shared {
+            base_url: format!("http://{http_addr}"),
+            tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
+            config,
+            core: Mutex::new(Core {
+                engine,
+                log,
+                epoch: 0,
+                streams: HashMap::new(),
+                publishing: true,
+                drop_next: 0,
+            }),
+            wake: Notify::new(),
+            events_ready: Notify::new(),
+            stop,
+        });
+        let mut tasks = vec![
+            tokio::spawn(iterate(Arc::clone(&shared))),
+            tokio::spawn(crate::http::serve(Arc::clone(&shared), listener)),
+        ];
+        if let Some(router) = shared.config.router.clone() {
+            tasks.push(tokio::spawn(crate::publisher::run(
+                Arc::clone(&shared),
+                router,
+            )));
+        }
+        tracing::info!(worker = shared.config.worker_id, %http_addr, "simulated worker started");
+        Ok(Worker {
+            shared,
+            http_addr,
+            tasks,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.shared.config.worker_id
+    }
+
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.shared.base_url
+    }
+
+    pub fn stats(&self) -> (EngineStats, Load) {
+        let core = self.shared.core();
+        (core.engine.stats(), core.engine.load())
+    }
+
+    pub fn last_event_id(&self) -> u64 {
+        self.shared.core().log.last_id()
+    }
+
+    pub fn inject(&self, fault: Fault) {
+        inject(&self.shared, fault);
+    }
+
+    /// Stops everything (the `Die` fault) and waits for the tasks to end.
+    pub async fn shutdown(self) {
+        inject(&self.shared, Fault::Die);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+pub(crate) fn inject(shared: &Shared, fault: Fault) {
+    tracing::info!(worker = shared.config.worker_id, ?fault, "fault injected");
+    match fault {
+        Fault::StopEvents => shared.core().publishing = false,
+        Fault::ResumeEvents => {
+            shared.core().publishing = true;
+            shared.events_ready.notify_one();
+        }
+        Fault::DropEvents(n) => shared.core().drop_next += n,
+        Fault::Restart => {
+            let mut core = shared.core();
+            // Clients of the dropped requests see their streams end.
+            core.streams.clear();
+            if let Err(e) = core.engine.clear() {
+                tracing::error!("restart failed: {e}");
+            }
+            core.log.restart();
+            core.epoch += 1;
+            shared.log_events(&mut core);
+        }
+        Fault::Die => {
+            shared.stop.send_replace(true);
+            shared.core().streams.clear();
+        }
+    }
+}
+
+/// The iteration loop: step, let the step's time pass, deliver.
+///
+/// Steps are paced against a running deadline rather than by sleeping each
+/// step's duration: the timer's millisecond granularity (and a busy machine)
+/// then only delays a step, without making simulated time fall behind.
+async fn iterate(shared: Arc<Shared>) {
+    let mut stopped = shared.stop.subscribe();
+    let mut deadline = tokio::time::Instant::now();
+    loop {
+        let step = {
+            let mut core = shared.core();
+            let step = core.engine.step();
+            if step.is_none() {
+                shared.log_events(&mut core);
+            }
+            step
+        };
+        let Some(step) = step else {
+            tokio::select! {
+                _ = shared.wake.notified() => {
+                    deadline = tokio::time::Instant::now();
+                    continue;
+                }
+                _ = until_stopped(&mut stopped) => return,
+            }
+        };
+        deadline += step.duration;
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => {}
+            _ = until_stopped(&mut stopped) => return,
+        }
+        let mut core = shared.core();
+        shared.log_events(&mut core);
+        for emitted in step.emitted {
+            let delivered = core
+                .streams
+                .get(&emitted.seq)
+                .is_some_and(|tx| tx.send(emitted).is_ok());
+            if emitted.finished {
+                core.streams.remove(&emitted.seq);
+            } else if !delivered {
+                core.streams.remove(&emitted.seq);
+                core.engine.abort(emitted.seq);
+            }
+        }
+    }
+}
+
+/// Resolves once the worker is told to stop (the guard `wait_for` returns is
+/// not `Send`, so it must not live across the caller's awaits).
+pub(crate) async fn until_stopped(stopped: &mut watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|&s| s).await;
+}
+
+/// Starts `count` workers from `template`: worker `i` gets id
+/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`.
+pub async fn start_fleet(
+    template: &WorkerConfig,
+    count: usize,
+    base_port: u16,
+) -> Result<Vec<Worker>, SimError> {
+    let mut workers = Vec::with_capacity(count);
+    for i in 0..count {
+        let mut config = template.clone();
+        config.worker_id = template.worker_id + i as u64;
+        if base_port != 0 {
+            let port = u16::try_from(base_port as usize + i).map_err(|_| {
+                SimError::Config(format!(
+                    "--base-port {base_port} + {count} workers passes port 65535"
+                ))
+            })?;
+            config.http_addr.set_port(port);
+        }
+        workers.push(Worker::start(config).await?);
+    }
+    Ok(workers)
+}

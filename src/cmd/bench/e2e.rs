@@ -1,0 +1,135 @@
+//! `kvroute bench e2e`: a Mooncake trace through the router and a simulated
+//! fleet (all in this process, on loopback) under each routing policy:
+//! client-side TTFT, inter-token and end-to-end latency, throughput, the workers'
+//! actual prefix hit rate, the router's predicted hit rate, and Jain's fairness
+//! of the workers' load. Writes JSON, and a chart with `--plot`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_router::config::Policy;
+use serde_json::json;
+
+use crate::cmd::sim::EngineArgs;
+use crate::e2e::{self, Fleet, PolicyReport, Replay};
+use crate::plot::{LineChart, Series, write_line_chart};
+
+#[derive(Args)]
+pub struct E2eArgs {
+    /// Mooncake JSON Lines trace.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Routing policies to compare (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kv,round_robin,random,approx"
+    )]
+    policies: Vec<Policy>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Arrival rate multiplier on top of the speedup (2: twice the trace's rate).
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Caps each request's output tokens.
+    #[arg(long)]
+    max_output_tokens: Option<u32>,
+    /// Write the JSON report here instead of stdout.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw TTFT distributions and hit rates per policy to FILE.png or FILE.svg.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+    /// Engines (the trace needs `--block-size 512` for its blocks to be engine blocks).
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub fn run(args: E2eArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(args.rate > 0.0, "--rate must be positive");
+    let trace = kvroute_trace::read_trace(&args.trace, args.max_requests)
+        .with_context(|| format!("cannot read the trace {}", args.trace.display()))?;
+    let engine = args.engine.engine_config();
+    let replay = Replay {
+        time_scale: args.engine.speedup * args.rate,
+        max_output_tokens: args.max_output_tokens,
+    };
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    let reports = runtime.block_on(async {
+        let mut reports = Vec::new();
+        for &policy in &args.policies {
+            eprintln!(
+                "bench e2e: {} requests under {} ...",
+                trace.len(),
+                policy.as_str()
+            );
+            let fleet = Fleet::start(args.workers, &engine, policy).await?;
+            reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
+            fleet.shutdown().await;
+        }
+        anyhow::Ok(reports)
+    })?;
+    eprintln!("\n{}", e2e::table(&reports));
+    let report = json!({
+        "trace": args.trace,
+        "requests": trace.len(),
+        "workers": args.workers,
+        "kv_blocks": engine.kv_blocks,
+        "block_size": engine.block_size,
+        "speedup": args.engine.speedup,
+        "rate": args.rate,
+        "max_output_tokens": args.max_output_tokens,
+        "policies": reports,
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    match &args.json {
+        Some(path) => std::fs::write(path, text)
+            .with_context(|| format!("cannot write {}", path.display()))?,
+        None => println!("{text}"),
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &reports)?;
+    }
+    Ok(())
+}
+
+/// TTFT CDF per policy; each series' name carries its hit rate.
+fn plot(path: &std::path::Path, reports: &[PolicyReport]) -> anyhow::Result<()> {
+    let series = reports
+        .iter()
+        .map(|r| {
+            let mut samples = r.ttft_samples_ms.clone();
+            samples.sort_by(f64::total_cmp);
+            // One point per percentile keeps the chart readable at any trace size.
+            let points = (0..=100)
+                .filter(|_| !samples.is_empty())
+                .map(|pct| {
+                    let index = (samples.len() - 1) * pct / 100;
+                    (samples[index], pct as f64)
+                })
+                .collect();
+            Series {
+                name: format!("{} (hit {:.0}%)", r.policy, r.worker_hit_rate * 100.0),
+                points,
+                dashed: false,
+            }
+        })
+        .collect();
+    write_line_chart(
+        path,
+        &LineChart {
+            title: "TTFT distribution per policy (legend: workers' prefix hit rate)".into(),
+            x_label: "time to first token (ms)",
+            y_label: "requests with a shorter TTFT (%)",
+            log_x: false,
+            y_range: 0.0..100.0,
+            series,
+        },
+    )
+}

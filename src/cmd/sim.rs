@@ -1,0 +1,109 @@
+//! `kvroute sim`: a fleet of simulated inference engines in one process (see
+//! `crates/kvroute-sim`), each with its own HTTP port and its own event stream
+//! to the router. Prints `worker ID http://ADDR` per engine once all listen,
+//! then serves until SIGINT or SIGTERM.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kvroute_cache::PolicyKind;
+use kvroute_sim::{CostModel, EngineConfig, WorkerConfig, start_fleet};
+use kvroute_tokenize::TokenizerSpec;
+
+/// Engine options shared by `sim`, `demo` and `bench e2e`.
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// KV blocks per engine.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_blocks: usize,
+    /// Tokens per KV block; must match the router's.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Most requests in one engine's running batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks plus decodes) in one iteration.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Eviction policy of the cached blocks: lru, lfu, fifo, s3fifo, arc.
+    #[arg(long, default_value = "lru")]
+    pub eviction: PolicyKind,
+    /// Divides every simulated time (1: real time).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+}
+
+impl EngineArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            kv_blocks: self.kv_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            eviction: self.eviction,
+            cost: CostModel {
+                speedup: self.speedup,
+                ..CostModel::default()
+            },
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct SimArgs {
+    /// Number of engines.
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// The router's gRPC URL, e.g. http://127.0.0.1:50051; without it no events are published.
+    #[arg(long)]
+    router: Option<String>,
+    /// First HTTP port (engine i listens on P+i); 0: any free ports.
+    #[arg(long, default_value_t = 0)]
+    base_port: u16,
+    /// Address the engines listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Id of the first engine; the others follow.
+    #[arg(long, default_value_t = 0)]
+    first_worker_id: u64,
+    /// Model name served and registered.
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Tokenizer for text prompts (tiktoken:ENCODING or hf:PATH); must be the router's.
+    #[arg(long, default_value = "tiktoken:cl100k_base")]
+    tokenizer: TokenizerSpec,
+    /// Bearer token for the router's gRPC ingest.
+    #[arg(long, env = "KVROUTE_AUTH_TOKEN")]
+    auth_token: Option<String>,
+    /// How often each engine reports its load, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    load_report_ms: u64,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    kvroute_router::server::init_logging(&Default::default())?;
+    let mut template = WorkerConfig::new(args.first_worker_id, args.engine.engine_config());
+    template.model = args.model;
+    template.http_addr = (args.host, 0).into();
+    template.router = args.router;
+    template.auth_token = args.auth_token;
+    template.tokenizer = args.tokenizer;
+    template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let workers = start_fleet(&template, args.workers, args.base_port).await?;
+        for worker in &workers {
+            println!("worker {} {}", worker.id(), worker.base_url());
+        }
+        crate::cmd::serve::shutdown_signal().await;
+        for worker in workers {
+            worker.shutdown().await;
+        }
+        anyhow::Ok(())
+    })
+}

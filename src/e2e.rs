@@ -1,0 +1,475 @@
+//! End-to-end runs shared by `kvroute demo` and `kvroute bench e2e`: a router
+//! and a simulated fleet started in this process on loopback, a Mooncake trace
+//! replayed through the router's HTTP API at its timestamps, and what the
+//! client and the workers measured.
+//!
+//! Each policy gets a fresh router and fleet, so no policy inherits another's
+//! warm caches. Requests stream (SSE) so the client sees the first token;
+//! `usage.prompt_tokens_details.cached_tokens` tells each request's prefix hit.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute_router::config::Policy;
+use kvroute_router::server::{self, Running};
+use kvroute_sim::trace::trace_tokens;
+use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
+use kvroute_trace::TraceRequest;
+use serde::Serialize;
+use serde_json::Value;
+
+pub const MODEL: &str = "sim-model";
+
+/// A router and its simulated workers, all on loopback.
+pub struct Fleet {
+    pub router: Running,
+    pub workers: Vec<Worker>,
+}
+
+impl Fleet {
+    pub async fn start(
+        workers: usize,
+        engine: &EngineConfig,
+        policy: Policy,
+    ) -> anyhow::Result<Fleet> {
+        let mut config = kvroute_router::Config {
+            http_addr: ([127, 0, 0, 1], 0).into(),
+            grpc_addr: ([127, 0, 0, 1], 0).into(),
+            block_size: engine.block_size as u32,
+            ..Default::default()
+        };
+        config.scheduler.policy = policy;
+        config.upstream.shutdown_grace_ms = 1_000;
+        let router = server::start(config)
+            .await
+            .context("cannot start the router")?;
+        let mut template = WorkerConfig::new(0, engine.clone());
+        template.model = MODEL.into();
+        template.router = Some(format!("http://{}", router.grpc_addr));
+        let workers = start_fleet(&template, workers, 0).await?;
+        let fleet = Fleet { router, workers };
+        fleet.wait_registered().await?;
+        Ok(fleet)
+    }
+
+    pub fn http_url(&self) -> String {
+        format!("http://{}", self.router.http_addr)
+    }
+
+    async fn wait_registered(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let connected = self
+                .router
+                .state
+                .registry
+                .worker_info(None)
+                .iter()
+                .filter(|w| w.state == "connected")
+                .count();
+            if connected == self.workers.len() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "only {connected} of {} workers registered within 10 s",
+                    self.workers.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn shutdown(self) {
+        for worker in self.workers {
+            worker.shutdown().await;
+        }
+        self.router.shutdown().await;
+    }
+}
+
+/// How to replay a trace.
+#[derive(Clone, Copy, Debug)]
+pub struct Replay {
+    /// Trace milliseconds per wall-clock millisecond.
+    pub time_scale: f64,
+    /// Caps each request's output tokens (the trace's `output_length`).
+    pub max_output_tokens: Option<u32>,
+}
+
+/// What the client saw of one request.
+#[derive(Clone, Debug, Default)]
+struct Outcome {
+    ok: bool,
+    ttft_s: f64,
+    itl_s: Vec<f64>,
+    e2e_s: f64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    output_tokens: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerLoad {
+    pub worker_id: u64,
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Prompt tokens prefilled plus tokens generated: the work done.
+    pub computed_tokens: u64,
+    pub preemptions: u64,
+}
+
+/// One policy's results.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyReport {
+    pub policy: String,
+    pub requests: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub throughput_rps: f64,
+    pub output_tokens_per_s: f64,
+    pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    /// Cached over prompt tokens, summed over the workers' own counters.
+    pub worker_hit_rate: f64,
+    /// Mean over requests of the router's predicted overlap / request blocks.
+    pub predicted_hit_ratio: f64,
+    /// The same per-request block ratio, from what the workers found.
+    pub actual_hit_ratio: f64,
+    /// Jain's index over the workers' computed tokens (1 = perfectly even).
+    pub jain_fairness: f64,
+    pub workers: Vec<WorkerLoad>,
+    #[serde(skip)]
+    pub ttft_samples_ms: Vec<f64>,
+}
+
+/// Replays `trace` through `fleet`'s router and collects the report.
+pub async fn run(
+    fleet: &Fleet,
+    policy: Policy,
+    trace: &[TraceRequest],
+    replay: Replay,
+) -> anyhow::Result<PolicyReport> {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build_http();
+    let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
+    let predicted_before = predicted_ratio_sums(&fleet.router);
+    let first_ts = trace.first().map_or(0, |r| r.timestamp_ms);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(trace.len());
+    for request in trace {
+        let offset = (request.timestamp_ms - first_ts) as f64 / replay.time_scale;
+        tokio::time::sleep_until((start + Duration::from_secs_f64(offset / 1000.0)).into()).await;
+        let max_tokens = replay
+            .max_output_tokens
+            .map_or(request.output_length, |cap| {
+                request.output_length.min(cap as u64)
+            })
+            .max(1);
+        let hash_ids = request.hash_ids.clone();
+        let input_length = request.input_length as usize;
+        let client = client.clone();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens);
+            send(&client, url, body).await.unwrap_or_default()
+        }));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        outcomes.push(task.await.unwrap_or_default());
+    }
+    let duration_s = start.elapsed().as_secs_f64();
+    let predicted_after = predicted_ratio_sums(&fleet.router);
+    let block_size = fleet.router.state.config.block_size as u64;
+    Ok(report(
+        policy,
+        fleet,
+        &outcomes,
+        duration_s,
+        predicted_before,
+        predicted_after,
+        block_size,
+    ))
+}
+
+/// The streaming request body, written directly: a `serde_json::Value` of
+/// tens of thousands of numbers would cost the client more than the router.
+fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
+    use std::fmt::Write as _;
+    let mut body = String::with_capacity(tokens.len() * 6 + 160);
+    let _ = write!(
+        body,
+        r#"{{"model":"{MODEL}","max_tokens":{max_tokens},"stream":true,"#
+    );
+    body.push_str(r#""stream_options":{"include_usage":true},"prompt":["#);
+    for (i, token) in tokens.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        let _ = write!(body, "{token}");
+    }
+    body.push_str("]}");
+    body
+}
+
+async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: hyper::Uri,
+    body: String,
+) -> Option<Outcome> {
+    let request = hyper::Request::post(url)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .ok()?;
+    let sent = Instant::now();
+    let response = client.request(request).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let mut body = response.into_body();
+    let mut outcome = Outcome::default();
+    let mut buffer = String::new();
+    let mut last_token: Option<Instant> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.ok()?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        buffer.push_str(std::str::from_utf8(data).ok()?);
+        while let Some(end) = buffer.find("\n\n") {
+            let event: String = buffer.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                outcome.ok = true;
+                outcome.e2e_s = sent.elapsed().as_secs_f64();
+                return Some(outcome);
+            }
+            let chunk: Value = serde_json::from_str(data).ok()?;
+            if chunk["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                let now = Instant::now();
+                match last_token {
+                    None => outcome.ttft_s = (now - sent).as_secs_f64(),
+                    Some(previous) => outcome.itl_s.push((now - previous).as_secs_f64()),
+                }
+                last_token = Some(now);
+                outcome.output_tokens += 1;
+            }
+            if let Some(usage) = chunk.get("usage") {
+                outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+                outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    None
+}
+
+/// (sum, count) of the router's predicted-overlap histogram.
+fn predicted_ratio_sums(router: &Running) -> (f64, f64) {
+    let text = router.state.render_metrics();
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("kvroute_predicted_overlap_ratio_sum"),
+        value("kvroute_predicted_overlap_ratio_count"),
+    )
+}
+
+fn percentiles(mut values: Vec<f64>) -> Percentiles {
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        if values.is_empty() {
+            0.0
+        } else {
+            values[((values.len() - 1) as f64 * q).round() as usize]
+        }
+    };
+    Percentiles {
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+    }
+}
+
+/// Jain's fairness index: (Σx)² / (n·Σx²); 1 when every x is equal.
+pub fn jain(values: &[f64]) -> f64 {
+    let sum: f64 = values.iter().sum();
+    let squares: f64 = values.iter().map(|x| x * x).sum();
+    if squares == 0.0 {
+        1.0
+    } else {
+        sum * sum / (values.len() as f64 * squares)
+    }
+}
+
+fn report(
+    policy: Policy,
+    fleet: &Fleet,
+    outcomes: &[Outcome],
+    duration_s: f64,
+    predicted_before: (f64, f64),
+    predicted_after: (f64, f64),
+    block_size: u64,
+) -> PolicyReport {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
+    let ms = |f: &dyn Fn(&Outcome) -> f64| percentiles(ok.iter().map(|o| f(o) * 1000.0).collect());
+    let itl = percentiles(
+        ok.iter()
+            .flat_map(|o| o.itl_s.iter().map(|s| s * 1000.0))
+            .collect(),
+    );
+    let workers: Vec<WorkerLoad> = fleet
+        .workers
+        .iter()
+        .map(|w| {
+            let (stats, _) = w.stats();
+            WorkerLoad {
+                worker_id: w.id(),
+                requests: stats.requests,
+                prompt_tokens: stats.prompt_tokens,
+                cached_tokens: stats.cached_tokens,
+                computed_tokens: stats.computed_prompt_tokens + stats.generated_tokens,
+                preemptions: stats.preemptions,
+            }
+        })
+        .collect();
+    let prompt: u64 = workers.iter().map(|w| w.prompt_tokens).sum();
+    let cached: u64 = workers.iter().map(|w| w.cached_tokens).sum();
+    let actual: Vec<f64> = ok
+        .iter()
+        .filter(|o| o.prompt_tokens > 0)
+        .map(|o| {
+            o.cached_tokens.div_ceil(block_size) as f64
+                / o.prompt_tokens.div_ceil(block_size) as f64
+        })
+        .collect();
+    let count = predicted_after.1 - predicted_before.1;
+    let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
+    PolicyReport {
+        policy: policy.as_str().to_string(),
+        requests: outcomes.len(),
+        failed: outcomes.len() - ok.len(),
+        duration_s,
+        throughput_rps: ok.len() as f64 / duration_s,
+        output_tokens_per_s: output as f64 / duration_s,
+        ttft_ms: ms(&|o| o.ttft_s),
+        itl_ms: itl,
+        e2e_ms: ms(&|o| o.e2e_s),
+        worker_hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
+        predicted_hit_ratio: if count > 0.0 {
+            (predicted_after.0 - predicted_before.0) / count
+        } else {
+            0.0
+        },
+        actual_hit_ratio: if actual.is_empty() {
+            0.0
+        } else {
+            actual.iter().sum::<f64>() / actual.len() as f64
+        },
+        jain_fairness: jain(
+            &workers
+                .iter()
+                .map(|w| w.computed_tokens as f64)
+                .collect::<Vec<_>>(),
+        ),
+        ttft_samples_ms: ok.iter().map(|o| o.ttft_s * 1000.0).collect(),
+        workers,
+    }
+}
+
+/// The side-by-side table of `demo` and `bench e2e`.
+pub fn table(reports: &[PolicyReport]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = write!(out, "{:<28}", "");
+    for r in reports {
+        let _ = write!(out, "{:>14}", r.policy);
+    }
+    out.push('\n');
+    type Cell<'a> = &'a dyn Fn(&PolicyReport) -> String;
+    let rows: [(&str, Cell); 11] = [
+        ("prefix hit rate (workers)", &|r| {
+            format!("{:.1}%", r.worker_hit_rate * 100.0)
+        }),
+        ("predicted / actual hit", &|r| {
+            format!(
+                "{:.0}/{:.0}%",
+                r.predicted_hit_ratio * 100.0,
+                r.actual_hit_ratio * 100.0
+            )
+        }),
+        ("TTFT p50", &|r| format!("{:.0} ms", r.ttft_ms.p50)),
+        ("TTFT p99", &|r| format!("{:.0} ms", r.ttft_ms.p99)),
+        ("ITL p50", &|r| format!("{:.2} ms", r.itl_ms.p50)),
+        ("e2e p50", &|r| format!("{:.0} ms", r.e2e_ms.p50)),
+        ("throughput", &|r| format!("{:.1} req/s", r.throughput_rps)),
+        ("output tokens/s", &|r| {
+            format!("{:.0}", r.output_tokens_per_s)
+        }),
+        ("failed requests", &|r| r.failed.to_string()),
+        ("Jain fairness (work)", &|r| {
+            format!("{:.3}", r.jain_fairness)
+        }),
+        ("requests per worker", &|r| {
+            r.workers
+                .iter()
+                .map(|w| w.requests.to_string())
+                .collect::<Vec<_>>()
+                .join("/")
+        }),
+    ];
+    for (name, cell) in rows {
+        let _ = write!(out, "{name:<28}");
+        for r in reports {
+            let _ = write!(out, "{:>14}", cell(r));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hand_written_body_is_the_json_it_means() {
+        let body: Value = serde_json::from_str(&completion_body(&[7, 0, 42], 5)).unwrap();
+        assert_eq!(body["prompt"], serde_json::json!([7, 0, 42]));
+        assert_eq!(body["max_tokens"], 5);
+        assert_eq!(body["model"], MODEL);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+    }
+
+    #[test]
+    fn jain_is_one_when_even_and_one_over_n_when_one_takes_all() {
+        assert_eq!(jain(&[3.0, 3.0, 3.0]), 1.0);
+        assert!((jain(&[8.0, 0.0, 0.0, 0.0]) - 0.25).abs() < 1e-12);
+    }
+}
