@@ -3,7 +3,7 @@
 //! exactly the prefix hits `kvroute replay --policy lru --capacity-blocks N`
 //! computes for the same block sequence.
 
-use kvroute_cache::{Lru, PolicyKind, replay};
+use kvroute_cache::{Lru, PolicyKind, PreparedTrace, replay};
 use kvroute_sim::trace::{TRACE_BLOCK_TOKENS, trace_tokens};
 use kvroute_sim::{Engine, EngineConfig};
 use kvroute_trace::read_trace;
@@ -28,7 +28,7 @@ fn engine_hits_match_the_lru_replay_request_by_request() {
     let capacity = 96;
     let lab = replay(
         &mut Lru::new(capacity).unwrap(),
-        &trace,
+        &PreparedTrace::new(&trace),
         TRACE_BLOCK_TOKENS as u64,
         || {},
     );
