@@ -1,0 +1,125 @@
+//! kvroute-tokenize: turns OpenAI-style prompts into token ids exactly as the
+//! inference workers do.
+//!
+//! The router hashes a prompt's token ids block by block and looks the hashes up
+//! in the index of what each worker has cached. Workers hash the tokens *they*
+//! produced, so if the router tokenizes a prompt differently by even one token
+//! (another BOS rule, another chat template, another whitespace split) every
+//! block hash after it differs and no cached prefix is ever found. This crate is
+//! therefore the single place where kvroute tokenizes: the router uses it, and
+//! the simulated workers use it so they tokenize exactly as the router does.
+//!
+//! - [`TokenizerSpec`] names a tokenizer in the configuration: a Hugging Face
+//!   `tokenizer.json` with its chat template ([`hf`](crate::hf) module), or an
+//!   OpenAI tiktoken encoding ([`tiktoken`](crate::tiktoken) module).
+//! - [`Tokenizer`] encodes completions prompts ([`Tokenizer::encode`]) and chat
+//!   messages ([`Tokenizer::encode_chat`]), remembering recent results in a
+//!   bounded cache (`cache` module) because prompts repeat.
+//! - [`parse_completion_prompt`] and [`ChatMessage`] read the prompt shapes
+//!   OpenAI clients send.
+//! - [`TokenizeError`] is the one error type; no input makes this crate panic.
+
+mod cache;
+mod chat_template;
+mod error;
+mod hf;
+mod prompt;
+mod spec;
+mod tiktoken;
+
+pub use cache::DEFAULT_CACHE_TOKENS;
+pub use error::TokenizeError;
+pub use prompt::{ChatMessage, Prompt, parse_completion_prompt};
+pub use spec::TokenizerSpec;
+
+use cache::{Kind, TokenCache};
+use hf::HfTokenizer;
+use tiktoken::TiktokenTokenizer;
+
+/// A loaded tokenizer with its chat template and cache. `Send + Sync`: load it
+/// once and share it through an `Arc`.
+pub struct Tokenizer {
+    backend: Backend,
+    cache: TokenCache,
+}
+
+enum Backend {
+    Tiktoken(TiktokenTokenizer),
+    HuggingFace(Box<HfTokenizer>),
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer `spec` names, with a cache of
+    /// [`DEFAULT_CACHE_TOKENS`] tokens.
+    pub fn load(spec: &TokenizerSpec) -> Result<Self, TokenizeError> {
+        Self::load_with_cache(spec, DEFAULT_CACHE_TOKENS)
+    }
+
+    /// Loads the tokenizer `spec` names, caching up to `cache_tokens` tokens of
+    /// recent results (0: no cache).
+    pub fn load_with_cache(spec: &TokenizerSpec, cache_tokens: u64) -> Result<Self, TokenizeError> {
+        let backend = match spec {
+            TokenizerSpec::Tiktoken { encoding } => {
+                Backend::Tiktoken(TiktokenTokenizer::load(encoding)?)
+            }
+            TokenizerSpec::HuggingFace { dir_or_file } => {
+                Backend::HuggingFace(Box::new(HfTokenizer::load(dir_or_file)?))
+            }
+        };
+        Ok(Tokenizer {
+            backend,
+            cache: TokenCache::new(cache_tokens),
+        })
+    }
+
+    /// Token ids of a completions prompt, with the special tokens the engine
+    /// adds by default (a Hugging Face tokenizer's BOS, if it has one; none for
+    /// tiktoken).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let ids = self
+            .cache
+            .get_or_tokenize(Kind::Prompt, text, |text| match &self.backend {
+                Backend::Tiktoken(tiktoken) => tiktoken.encode(text),
+                Backend::HuggingFace(hf) => hf.encode(text, true),
+            })?;
+        Ok(ids.to_vec())
+    }
+
+    /// Token ids of a chat: the chat template applied to `messages`, then
+    /// encoded without added special tokens (the template writes them).
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        match &self.backend {
+            Backend::Tiktoken(tiktoken) => {
+                tiktoken.encode_chat(messages, add_generation_prompt, &self.cache)
+            }
+            Backend::HuggingFace(hf) => {
+                let text = hf
+                    .chat_template()?
+                    .render(messages, add_generation_prompt)?;
+                let ids = self
+                    .cache
+                    .get_or_tokenize(Kind::Chat, &text, |text| hf.encode(text, false))?;
+                Ok(ids.to_vec())
+            }
+        }
+    }
+
+    /// The prompt text the model's chat template makes of `messages`;
+    /// `add_generation_prompt` appends the header of the assistant's reply.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        match &self.backend {
+            Backend::Tiktoken(tiktoken) => {
+                Ok(tiktoken.apply_chat_template(messages, add_generation_prompt))
+            }
+            Backend::HuggingFace(hf) => hf.chat_template()?.render(messages, add_generation_prompt),
+        }
+    }
+}

@@ -1,0 +1,342 @@
+//! Hugging Face tokenizers: a tiny byte-level BPE written here as
+//! `tokenizer.json` (Llama 3's pre-tokenizer regex and post-processor, a
+//! vocabulary of the 256 bytes plus a few merges, so every expected id can be
+//! worked out by hand) and real-world chat templates.
+
+use std::path::{Path, PathBuf};
+
+use kvroute_tokenize::{ChatMessage, TokenizeError, Tokenizer, TokenizerSpec};
+use serde_json::{Value, json};
+
+const BEGIN_OF_TEXT: u32 = 265;
+const START_HEADER: u32 = 266;
+const END_HEADER: u32 = 267;
+const EOT: u32 = 268;
+const HELLO: u32 = 259;
+const SPACE_WORLD: u32 = 264;
+
+/// Llama 3's chat template, plus the role check that many templates carry.
+const LLAMA3_TEMPLATE: &str = r#"{% set loop_messages = messages %}{% for message in loop_messages %}{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('Unknown role: ' + message['role']) }}{% endif %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"#;
+
+/// Zephyr's chat template: newlines between blocks, so it renders as
+/// transformers does only with trim_blocks and lstrip_blocks.
+const ZEPHYR_TEMPLATE: &str = "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}";
+
+/// GPT-2's byte-to-character map, which byte-level BPE vocabularies are
+/// written in: printable bytes stand for themselves, the others for 256 + n.
+fn byte_char(byte: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(byte) {
+        return char::from(byte);
+    }
+    let n = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + n).unwrap()
+}
+
+fn tokenizer_json() -> Value {
+    // Byte b has id b; merges build "hello" (259) and " world" (264).
+    let mut vocab: serde_json::Map<String, Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), json!(b)))
+        .collect();
+    let merges = [
+        ("h", "e"),
+        ("l", "l"),
+        ("he", "ll"),
+        ("hell", "o"),
+        ("Ġ", "w"),
+        ("o", "r"),
+        ("Ġw", "or"),
+        ("l", "d"),
+        ("Ġwor", "ld"),
+    ];
+    for (id, (left, right)) in merges.iter().enumerate() {
+        vocab.insert(format!("{left}{right}"), json!(256 + id));
+    }
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true})
+    };
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [
+            special(BEGIN_OF_TEXT, "<|begin_of_text|>"),
+            special(START_HEADER, "<|start_header_id|>"),
+            special(END_HEADER, "<|end_header_id|>"),
+            special(EOT, "<|eot_id|>"),
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"},
+             "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>",
+                "ids": [BEGIN_OF_TEXT], "tokens": ["<|begin_of_text|>"]}}
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": true,
+                  "vocab": vocab,
+                  "merges": merges.iter().map(|(l, r)| format!("{l} {r}")).collect::<Vec<_>>()}
+    })
+}
+
+/// A fresh model directory for one test, holding the given files.
+fn model_dir(test: &str, files: &[(&str, String)]) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hf").join(test);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    dir
+}
+
+/// A model directory with the test tokenizer and `config` as its
+/// `tokenizer_config.json`.
+fn configured_dir(test: &str, config: String) -> PathBuf {
+    model_dir(
+        test,
+        &[
+            ("tokenizer.json", tokenizer_json().to_string()),
+            ("tokenizer_config.json", config),
+        ],
+    )
+}
+
+fn llama3_dir(test: &str) -> PathBuf {
+    let config = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                        "chat_template": LLAMA3_TEMPLATE});
+    configured_dir(test, config.to_string())
+}
+
+fn load(path: &Path) -> Result<Tokenizer, TokenizeError> {
+    Tokenizer::load(&TokenizerSpec::HuggingFace {
+        dir_or_file: path.to_path_buf(),
+    })
+}
+
+/// The ids of ASCII text that no merge applies to: one id per byte.
+fn bytes(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+#[test]
+fn completions_prompts_get_the_bos_of_the_post_processor() {
+    let tokenizer = load(&llama3_dir("bos")).unwrap();
+    assert_eq!(
+        tokenizer.encode("hello world").unwrap(),
+        [BEGIN_OF_TEXT, HELLO, SPACE_WORLD]
+    );
+    // "\n\n" is one split of Llama 3's regex; Ċ is byte 10.
+    assert_eq!(
+        tokenizer.encode("hello\n\nhi").unwrap(),
+        [BEGIN_OF_TEXT, HELLO, 10, 10, 104, 105]
+    );
+    assert_eq!(tokenizer.encode("").unwrap(), [BEGIN_OF_TEXT]);
+}
+
+#[test]
+fn llama3_chat_renders_and_encodes_exactly() {
+    let tokenizer = load(&llama3_dir("llama3_chat")).unwrap();
+    let messages = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "  hello world\n"),
+    ];
+    assert_eq!(
+        tokenizer.apply_chat_template(&messages, true).unwrap(),
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\nhello world<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    let mut expected = vec![BEGIN_OF_TEXT, START_HEADER];
+    expected.extend(bytes("system"));
+    expected.extend([END_HEADER, 10, 10]);
+    expected.extend(bytes("Be brief."));
+    expected.extend([EOT, START_HEADER]);
+    expected.extend(bytes("user"));
+    expected.extend([END_HEADER, 10, 10, HELLO, SPACE_WORLD, EOT, START_HEADER]);
+    expected.extend(bytes("assistant"));
+    expected.extend([END_HEADER, 10, 10]);
+    // No second BOS: the template wrote it, and chat adds no special tokens.
+    assert_eq!(tokenizer.encode_chat(&messages, true).unwrap(), expected);
+    // Cached the second time, and the same.
+    assert_eq!(tokenizer.encode_chat(&messages, true).unwrap(), expected);
+}
+
+#[test]
+fn a_tokenizer_json_path_finds_its_config_beside_it() {
+    let dir = llama3_dir("file_spec");
+    let tokenizer = load(&dir.join("tokenizer.json")).unwrap();
+    let messages = [ChatMessage::new("user", "hello world")];
+    assert!(
+        tokenizer
+            .apply_chat_template(&messages, false)
+            .unwrap()
+            .starts_with("<|begin_of_text|><|start_header_id|>user")
+    );
+}
+
+#[test]
+fn a_template_exception_is_a_client_error_with_its_message() {
+    let tokenizer = load(&llama3_dir("raise")).unwrap();
+    let messages = [ChatMessage::new("tool", "42")];
+    let error = tokenizer.encode_chat(&messages, true).unwrap_err();
+    assert!(
+        matches!(error, TokenizeError::ChatTemplate { .. }),
+        "{error}"
+    );
+    assert!(error.is_client_error());
+    assert_eq!(error.to_string(), "chat template error: Unknown role: tool");
+}
+
+#[test]
+fn chat_template_jinja_wins_and_blocks_are_trimmed_as_in_transformers() {
+    let config = json!({"bos_token": {"content": "<s>", "special": true},
+                        "eos_token": {"__type": "AddedToken", "content": "</s>"},
+                        "chat_template": LLAMA3_TEMPLATE});
+    let dir = model_dir(
+        "zephyr",
+        &[
+            ("tokenizer.json", tokenizer_json().to_string()),
+            ("tokenizer_config.json", config.to_string()),
+            ("chat_template.jinja", ZEPHYR_TEMPLATE.to_string()),
+        ],
+    );
+    let tokenizer = load(&dir).unwrap();
+    let messages = [
+        ChatMessage::new("system", "Be a pirate."),
+        ChatMessage::new("user", "How many helicopters?"),
+    ];
+    assert_eq!(
+        tokenizer.apply_chat_template(&messages, true).unwrap(),
+        "<|system|>\nBe a pirate.</s>\n<|user|>\nHow many helicopters?</s>\n<|assistant|>\n"
+    );
+}
+
+#[test]
+fn templates_get_python_methods_loop_controls_and_helpers() {
+    let template = "{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}\
+                    {{ m.content.strip().upper() }}|{{ m.get('role') }}|{% endfor %}\
+                    {% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}\
+                    {{ ns.n }}|{{ messages | tojson }}|{{ strftime_now('%Y') | length }}";
+    let config = json!({"chat_template": template});
+    let dir = configured_dir("helpers", config.to_string());
+    let tokenizer = load(&dir).unwrap();
+    let messages = [
+        ChatMessage::new("user", " hi "),
+        ChatMessage::new("skip", "x"),
+    ];
+    assert_eq!(
+        tokenizer.apply_chat_template(&messages, false).unwrap(),
+        r#"HI|user|2|[{"role": "user", "content": " hi "}, {"role": "skip", "content": "x"}]|4"#
+    );
+}
+
+#[test]
+fn the_default_of_a_list_of_named_templates_is_used() {
+    let config = json!({"chat_template": [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ messages[0]['content'] }}!"}
+    ]});
+    let dir = configured_dir("named", config.to_string());
+    let tokenizer = load(&dir).unwrap();
+    let messages = [ChatMessage::new("user", "hi")];
+    assert_eq!(
+        tokenizer.apply_chat_template(&messages, false).unwrap(),
+        "hi!"
+    );
+}
+
+#[test]
+fn without_a_chat_template_prompts_work_and_chats_are_refused() {
+    let dir = model_dir(
+        "no_template",
+        &[("tokenizer.json", tokenizer_json().to_string())],
+    );
+    let tokenizer = load(&dir).unwrap();
+    assert_eq!(tokenizer.encode("hello").unwrap(), [BEGIN_OF_TEXT, HELLO]);
+    let error = tokenizer
+        .encode_chat(&[ChatMessage::new("user", "hi")], true)
+        .unwrap_err();
+    assert!(
+        matches!(error, TokenizeError::NoChatTemplate { .. }),
+        "{error}"
+    );
+    assert!(
+        error.to_string().contains("tokenizer_config.json"),
+        "{error}"
+    );
+}
+
+#[test]
+fn missing_and_broken_files_are_errors_naming_the_file() {
+    fn message(error: TokenizeError) -> String {
+        assert!(!error.is_client_error(), "{error}");
+        error.to_string()
+    }
+    let empty = model_dir("empty", &[]);
+    let error = message(load(&empty).err().unwrap());
+    assert!(
+        error.starts_with("cannot read ") && error.contains("tokenizer.json"),
+        "{error}"
+    );
+
+    let missing = empty.join("nowhere").join("tokenizer.json");
+    let error = message(load(&missing).err().unwrap());
+    assert!(error.contains("nowhere"), "{error}");
+
+    for (case, text) in [
+        ("not_json", "{".to_string()),
+        ("not_tokenizer", "{\"a\": 1}".to_string()),
+    ] {
+        let dir = model_dir(case, &[("tokenizer.json", text)]);
+        let error = message(load(&dir).err().unwrap());
+        assert!(
+            error.starts_with("invalid ") && error.contains("tokenizer.json"),
+            "{error}"
+        );
+    }
+
+    let cases = [
+        (
+            "bad_config",
+            "{\"chat_template\": ".to_string(),
+            "tokenizer_config.json",
+        ),
+        (
+            "bad_template",
+            json!({"chat_template": "{% for %}"}).to_string(),
+            "does not compile",
+        ),
+        (
+            "bad_bos",
+            json!({"bos_token": 1, "chat_template": "x"}).to_string(),
+            "bos_token",
+        ),
+        (
+            "bad_list",
+            json!({"chat_template": [{"name": "x", "template": "y"}]}).to_string(),
+            "'default'",
+        ),
+    ];
+    for (case, config, expected) in cases {
+        let dir = configured_dir(case, config);
+        let error = message(load(&dir).err().unwrap());
+        assert!(
+            error.contains("tokenizer_config.json") && error.contains(expected),
+            "{error}"
+        );
+    }
+}
