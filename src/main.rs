@@ -26,6 +26,9 @@ enum Command {
     Hash(cmd::hash::HashArgs),
     /// Run the router service: gRPC KV-event ingest and the OpenAI-compatible proxy.
     Serve(cmd::serve::ServeArgs),
+    /// Benchmarks of kvroute's speed goals.
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +36,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => cmd::hash::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Bench(command) => cmd::bench::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -637,3 +637,36 @@ async fn text_prompts_and_chat_messages_hash_like_the_workers_tokens() {
     assert_eq!(route["worker_id"], 3, "{route}");
     assert_eq!(route["overlap_blocks"], text_tokens.len() / BLOCK_SIZE);
 }
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish() {
+    let mut router = RouterProcess::start("");
+    let (_workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 20, "chunk_delay_ms": 20});
+    let response = http
+        .send(
+            "POST",
+            &format!("{}/v1/completions", router.http),
+            &[],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    router.terminate();
+    let received = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let expected: String =
+        (0..20).map(|i| sse_chunk(1, i)).collect::<String>() + "data: [DONE]\n\n";
+    assert_eq!(String::from_utf8_lossy(&received), expected);
+    let mut status = None;
+    eventually("the router exits", || {
+        status = router.exited();
+        std::future::ready(status.is_some())
+    })
+    .await;
+    assert!(status.unwrap().success());
+}
