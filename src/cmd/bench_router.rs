@@ -200,6 +200,9 @@ fn decision_latency(
     let mut rng = Lcg(11);
     let mut total = Histogram::<u64>::new(3)?;
     let mut hash_only = Histogram::<u64>::new(3)?;
+    let mut index_only = Histogram::<u64>::new(3)?;
+    let mut predicted_only = Histogram::<u64>::new(3)?;
+    let mut rest = Histogram::<u64>::new(3)?;
     let hasher = BlockHasher::new(BLOCK_SIZE);
     let mut matched = 0usize;
     for i in 0..args.decisions {
@@ -214,19 +217,41 @@ fn decision_latency(
         prompt.extend(rng.tokens(prompt_tokens - prompt.len()));
         let t = Instant::now();
         let local = hasher.local_hashes(&prompt);
-        hash_only.record(t.elapsed().as_nanos() as u64)?;
-        std::hint::black_box(local);
+        let hash_ns = t.elapsed().as_nanos() as u64;
+        hash_only.record(hash_ns)?;
+        let t = Instant::now();
+        std::hint::black_box(state.index.find_matches(&local));
+        let index_ns = t.elapsed().as_nanos() as u64;
+        index_only.record(index_ns)?;
+        let t = Instant::now();
+        std::hint::black_box(state.predicted.find_matches(&local, Instant::now()));
+        let predicted_ns = t.elapsed().as_nanos() as u64;
+        predicted_only.record(predicted_ns)?;
         let t = Instant::now();
         let worker = route_and_book(&state, &prompt)?;
-        total.record(t.elapsed().as_nanos() as u64)?;
+        let total_ns = t.elapsed().as_nanos() as u64;
+        total.record(total_ns)?;
+        rest.record(total_ns.saturating_sub(hash_ns + index_ns + predicted_ns))?;
         matched += (worker.worker_id == *owner) as usize;
     }
     println!("{}", summary("  hash only", &hash_only));
+    println!("{}", summary("  KvIndex::find_matches only", &index_only));
+    println!(
+        "{}",
+        summary("  PredictedIndex::find_matches only", &predicted_only)
+    );
     println!(
         "{}",
         summary(
             "  decision (hash + match + schedule + record + book)",
             &total
+        )
+    );
+    println!(
+        "{}",
+        summary(
+            "  the rest (schedule + record + book: decision minus the three above)",
+            &rest
         )
     );
     println!(
