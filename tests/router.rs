@@ -592,3 +592,81 @@ async fn no_hot_spotting_on_shared_system_prompts_or_zero_reuse_traffic() {
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
 }
+
+#[tokio::test]
+async fn text_prompts_and_chat_messages_hash_like_the_workers_tokens() {
+    let router =
+        RouterProcess::start("[tokenizer]\nkind = \"tiktoken\"\nencoding = \"cl100k_base\"\n");
+    let (_http, mut grpc) = fleet(&router, 3).await;
+    let tokenizer = kvroute_tokenize::Tokenizer::load(&kvroute_tokenize::TokenizerSpec::Tiktoken {
+        encoding: "cl100k_base".into(),
+    })
+    .unwrap();
+    let system = "You are a careful assistant. ".repeat(40);
+    let messages = vec![
+        kvroute_tokenize::ChatMessage::new("system", system.clone()),
+        kvroute_tokenize::ChatMessage::new("user", "What is a KV cache?"),
+    ];
+    // Worker 2 cached exactly what the engine tokenized for this chat.
+    let chat_tokens = tokenizer.encode_chat(&messages, true).unwrap();
+    grpc[1].store(&chat_tokens).await;
+    let chat = json!({"model": "m", "messages": messages});
+    let http = Http::default();
+    let route = http
+        .post(&format!("{}/v1/route", router.http), &chat)
+        .await
+        .json();
+    assert_eq!(route["worker_id"], 2, "{route}");
+    assert_eq!(route["prompt_tokens"], chat_tokens.len());
+    assert_eq!(route["overlap_blocks"], chat_tokens.len() / BLOCK_SIZE);
+    let reply = http
+        .post(&format!("{}/v1/chat/completions", router.http), &chat)
+        .await;
+    assert_eq!(reply.worker(), 2);
+
+    // A completion's text prompt is tokenized the same way.
+    let text_tokens = tokenizer.encode(&system).unwrap();
+    grpc[2].store(&text_tokens).await;
+    let route = http
+        .post(
+            &format!("{}/v1/route", router.http),
+            &json!({"model": "m", "prompt": system}),
+        )
+        .await
+        .json();
+    assert_eq!(route["worker_id"], 3, "{route}");
+    assert_eq!(route["overlap_blocks"], text_tokens.len() / BLOCK_SIZE);
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish() {
+    let mut router = RouterProcess::start("");
+    let (_workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 20, "chunk_delay_ms": 20});
+    let response = http
+        .send(
+            "POST",
+            &format!("{}/v1/completions", router.http),
+            &[],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    router.terminate();
+    let received = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let expected: String =
+        (0..20).map(|i| sse_chunk(1, i)).collect::<String>() + "data: [DONE]\n\n";
+    assert_eq!(String::from_utf8_lossy(&received), expected);
+    let mut status = None;
+    eventually("the router exits", || {
+        status = router.exited();
+        std::future::ready(status.is_some())
+    })
+    .await;
+    assert!(status.unwrap().success());
+}

@@ -3,6 +3,7 @@
 
 mod e2e;
 mod index;
+mod router;
 
 use clap::{Args, Subcommand};
 
@@ -16,6 +17,8 @@ pub struct BenchArgs {
 enum BenchTarget {
     /// Replay a trace-derived timeline of KV events and lookups against the index.
     Index(index::IndexBenchArgs),
+    /// Routing decision latency, routing throughput with tokenization, proxy overhead.
+    Router(router::BenchRouterArgs),
     /// Replay a trace through the router and a simulated fleet under several policies.
     E2e(e2e::E2eArgs),
 }
@@ -23,6 +26,7 @@ enum BenchTarget {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.target {
         BenchTarget::Index(args) => index::run(args),
+        BenchTarget::Router(args) => router::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
     }
 }

@@ -83,6 +83,23 @@ impl RouterProcess {
     }
 }
 
+impl RouterProcess {
+    /// Sends SIGTERM, as Kubernetes does on shutdown.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Whether the process has exited, and how.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+}
+
 impl Drop for RouterProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -166,8 +166,13 @@ fn parse(
                 .ok_or_else(|| {
                     RouterError::BadRequest("missing field `messages` (an array)".into())
                 })?;
+            // vLLM's default: the prompt ends with the assistant's header.
+            let add_generation_prompt = object
+                .get("add_generation_prompt")
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
             match &state.tokenizer {
-                Some(t) => t.encode_chat(messages)?,
+                Some(t) => t.encode_chat(messages, add_generation_prompt)?,
                 None => Vec::new(),
             }
         }

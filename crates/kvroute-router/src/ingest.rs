@@ -23,7 +23,7 @@ use kvroute_proto::{
     RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
     route_request, router_message, worker_message,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -34,11 +34,13 @@ use crate::state::{AppState, RouteInput};
 
 pub struct Ingest {
     state: Arc<AppState>,
+    /// Set on shutdown: streams end, so that the gRPC server can stop.
+    stopped: watch::Receiver<bool>,
 }
 
 impl Ingest {
-    pub fn new(state: Arc<AppState>) -> Self {
-        Self { state }
+    pub fn new(state: Arc<AppState>, stopped: watch::Receiver<bool>) -> Self {
+        Self { state, stopped }
     }
 }
 
@@ -96,8 +98,9 @@ impl KvRouter for Ingest {
             pending: Pending::default(),
         };
         tokio::spawn(stream.clone().apply_loop(work_rx));
+        let stopped = self.stopped.clone();
         tokio::spawn(async move {
-            let result = stream.read_loop(&mut inbound, work_tx).await;
+            let result = stream.read_loop(&mut inbound, work_tx, stopped).await;
             if let Err(status) = result {
                 tracing::warn!(worker = stream.worker_id, %status, "worker stream failed");
             }
@@ -186,8 +189,16 @@ impl Stream {
         &self,
         inbound: &mut Streaming<WorkerMessage>,
         work: mpsc::Sender<Work>,
+        mut stopped: watch::Receiver<bool>,
     ) -> Result<(), Status> {
-        while let Some(message) = inbound.message().await? {
+        loop {
+            let message = tokio::select! {
+                message = inbound.message() => message?,
+                _ = stopped.wait_for(|&s| s) => None,
+            };
+            let Some(message) = message else {
+                break;
+            };
             match message.body {
                 Some(worker_message::Body::Events(batch)) => {
                     let first_id = batch.events.first().map(|e| e.event_id);

@@ -78,7 +78,7 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     }));
 
     let ingest = KvRouterServer::with_interceptor(
-        Ingest::new(Arc::clone(&state)),
+        Ingest::new(Arc::clone(&state), stopped.clone()),
         crate::auth::grpc_interceptor(state.config.auth_token.clone()),
     );
     let mut grpc_stop = stopped.clone();
