@@ -407,11 +407,6 @@ fn report(
 pub fn table(reports: &[PolicyReport]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
-    let _ = write!(out, "{:<28}", "");
-    for r in reports {
-        let _ = write!(out, "{:>14}", r.policy);
-    }
-    out.push('\n');
     type Cell<'a> = &'a dyn Fn(&PolicyReport) -> String;
     let rows: [(&str, Cell); 11] = [
         ("prefix hit rate (workers)", &|r| {
@@ -444,10 +439,32 @@ pub fn table(reports: &[PolicyReport]) -> String {
                 .join("/")
         }),
     ];
-    for (name, cell) in rows {
+    let cells: Vec<(&str, Vec<String>)> = rows
+        .iter()
+        .map(|(name, cell)| (*name, reports.iter().map(|r| cell(r)).collect()))
+        .collect();
+    // Each policy's column is as wide as its widest cell, so long cells (eight
+    // workers' request counts) never run into the next column.
+    let widths: Vec<usize> = (0..reports.len())
+        .map(|i| {
+            cells
+                .iter()
+                .map(|(_, row)| row[i].len())
+                .chain([reports[i].policy.len()])
+                .max()
+                .unwrap_or(0)
+                + 3
+        })
+        .collect();
+    let _ = write!(out, "{:<28}", "");
+    for (r, width) in reports.iter().zip(&widths) {
+        let _ = write!(out, "{:>width$}", r.policy);
+    }
+    out.push('\n');
+    for (name, row) in cells {
         let _ = write!(out, "{name:<28}");
-        for r in reports {
-            let _ = write!(out, "{:>14}", cell(r));
+        for (cell, width) in row.iter().zip(&widths) {
+            let _ = write!(out, "{cell:>width$}");
         }
         out.push('\n');
     }
