@@ -441,7 +441,7 @@ pub fn table(reports: &[PolicyReport]) -> String {
     ];
     let cells: Vec<(&str, Vec<String>)> = rows
         .iter()
-        .map(|(name, cell)| (*name, reports.iter().map(|r| cell(r)).collect()))
+        .map(|(name, cell)| (*name, reports.iter().map(cell).collect()))
         .collect();
     // Each policy's column is as wide as its widest cell, so long cells (eight
     // workers' request counts) never run into the next column.
