@@ -275,17 +275,10 @@ impl KvPool {
 }
 
 fn build_cache(policy: PolicyKind, total: usize) -> Result<Box<dyn BlockCache + Send>, SimError> {
-    let cache: Box<dyn BlockCache + Send> = match policy {
-        PolicyKind::Lru => Box::new(kvroute_cache::Lru::new(total)?),
-        PolicyKind::Lfu => Box::new(kvroute_cache::Lfu::new(total)?),
-        PolicyKind::Fifo => Box::new(kvroute_cache::Fifo::new(total)?),
-        PolicyKind::S3Fifo => Box::new(kvroute_cache::S3Fifo::new(total, S3FifoParams::default())?),
-        PolicyKind::Arc => Box::new(kvroute_cache::ArcCache::new(total)?),
-        PolicyKind::Belady | PolicyKind::Infinite => {
-            return Err(SimError::Config(format!(
-                "eviction policy `{policy}` is a reference bound, not one a worker can run"
-            )));
-        }
-    };
-    Ok(cache)
+    if policy.is_bound() {
+        return Err(SimError::Config(format!(
+            "eviction policy `{policy}` is a reference bound, not one a worker can run"
+        )));
+    }
+    Ok(policy.build(total, S3FifoParams::default(), &[])?)
 }
