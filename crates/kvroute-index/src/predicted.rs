@@ -108,26 +108,25 @@ impl PredictedIndex {
     pub fn find_matches(&self, local_hashes: &[u64], now: Instant) -> Vec<WorkerMatch> {
         let seqs = chain_keys(local_hashes);
         let inner = self.inner.read().unwrap();
-        let live = |seq: &u64| {
-            inner
-                .blocks
-                .get(seq)
-                .into_iter()
-                .flatten()
-                .filter(move |p| p.expires > now)
-        };
+        let live =
+            |seq: &u64| -> &[Prediction] { inner.blocks.get(seq).map_or(&[], Vec::as_slice) };
         let Some(first) = seqs.first() else {
             return Vec::new();
         };
-        let mut active: Vec<WorkerKey> = live(first).map(|p| p.worker).collect();
+        let mut active: Vec<WorkerKey> = live(first)
+            .iter()
+            .filter(|p| p.expires > now)
+            .map(|p| p.worker)
+            .collect();
         let mut matches = Vec::new();
         for (depth, seq) in seqs.iter().enumerate().skip(1) {
             if active.is_empty() {
                 break;
             }
-            let holders: Vec<WorkerKey> = live(seq).map(|p| p.worker).collect();
+            // No allocation per block: a block has few predicted holders.
+            let holders = live(seq);
             active.retain(|w| {
-                let kept = holders.contains(w);
+                let kept = holders.iter().any(|p| p.worker == *w && p.expires > now);
                 if !kept {
                     matches.push((*w, depth as u32));
                 }
