@@ -670,3 +670,19 @@ async fn shutdown_lets_in_flight_streams_finish() {
     .await;
     assert!(status.unwrap().success());
 }
+
+#[tokio::test]
+async fn a_worker_that_never_answers_gets_a_504() {
+    let router = RouterProcess::start("[upstream]\nfirst_byte_timeout_ms = 300\n");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    workers[0].set_mode(Mode::Hold);
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &tokens(0, 40)),
+        )
+        .await;
+    reply.assert_error(504, "upstream_timeout");
+    assert_eq!(workers[0].received(), 1, "a timeout is not retried");
+    workers[0].release();
+}
