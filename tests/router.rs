@@ -686,3 +686,132 @@ async fn a_worker_that_never_answers_gets_a_504() {
     assert_eq!(workers[0].received(), 1, "a timeout is not retried");
     workers[0].release();
 }
+
+/// Worker `id`'s breaker state from `GET /workers/{id}`.
+async fn breaker(router: &RouterProcess, id: u64) -> String {
+    let reply = Http::default()
+        .get(&format!("{}/workers/{id}", router.http))
+        .await;
+    reply.json()["worker"]["breaker"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A router with `config` and `n` registered workers (ids 1..=n).
+async fn router_with_fleet(
+    config: &str,
+    n: u64,
+) -> (RouterProcess, Vec<TestWorker>, Vec<GrpcWorker>) {
+    let router = RouterProcess::start(config);
+    let (workers, grpc) = fleet(&router, n).await;
+    (router, workers, grpc)
+}
+
+/// Sends `n` sequential requests with distinct prompts; the chosen workers.
+async fn route_distinct(router: &RouterProcess, n: u32) -> Vec<u64> {
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let mut chosen = Vec::new();
+    for i in 0..n {
+        let reply = http
+            .post(&url, &completion("m", &tokens(60_000 + i * 1000, 64)))
+            .await;
+        assert_eq!(reply.status, 200);
+        chosen.push(reply.worker());
+    }
+    chosen
+}
+
+#[tokio::test]
+async fn round_robin_and_random_spread_requests() {
+    let (router, _workers, _grpc) =
+        router_with_fleet("[scheduler]\npolicy = \"round_robin\"\n", 3).await;
+    let counts = count_by_worker(&route_distinct(&router, 9).await);
+    assert_eq!(counts.len(), 3, "{counts:?}");
+    assert!(counts.values().all(|&c| c == 3), "{counts:?}");
+
+    let (router, _workers, _grpc) =
+        router_with_fleet("[scheduler]\npolicy = \"random\"\n", 3).await;
+    // All 30 on one worker by chance: probability 3^-29.
+    let counts = count_by_worker(&route_distinct(&router, 30).await);
+    assert!(counts.len() > 1, "{counts:?}");
+}
+
+#[tokio::test]
+async fn approx_follows_predicted_entries_without_events() {
+    let (router, _workers, _grpc) =
+        router_with_fleet("[scheduler]\npolicy = \"approx\"\n", 3).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    for round in 0..3u32 {
+        let prefix = tokens(80_000 + 10_000 * round, 128);
+        let first = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+        assert_eq!(first.status, 200);
+        for suffix in 2..5 {
+            let next = http
+                .post(&url, &completion("m", &prompt(&prefix, suffix * 100)))
+                .await;
+            assert_eq!(next.worker(), first.worker(), "round {round}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn temperature_samples_while_zero_always_picks_the_cheapest() {
+    let prefix = tokens(90_000, 128);
+    for (temperature, requests) in [(0.0, 20), (1.0, 40)] {
+        let (router, _workers, mut grpc) =
+            router_with_fleet(&format!("[scheduler]\ntemperature = {temperature}\n"), 3).await;
+        grpc[1].store(&prefix).await;
+        let http = Http::default();
+        let url = format!("{}/v1/completions", router.http);
+        let mut chosen = Vec::new();
+        for i in 0..requests {
+            let reply = http.post(&url, &completion("m", &prompt(&prefix, i))).await;
+            assert_eq!(reply.status, 200);
+            chosen.push(reply.worker());
+        }
+        let counts = count_by_worker(&chosen);
+        if temperature == 0.0 {
+            assert_eq!(counts.get(&2), Some(&(requests as usize)), "{counts:?}");
+        } else {
+            // Worker 2 (cost about 0.2 of the largest) has probability about 0.53
+            // per request at temperature 1: missing it, or only it, 40 times is
+            // below 1e-10.
+            assert!(counts.contains_key(&2), "{counts:?}");
+            assert!(counts.len() > 1, "{counts:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_quiet_worker_failing_health_checks_leaves_routing_until_healthy() {
+    let (router, workers, mut grpc) = router_with_fleet(
+        "[upstream]\nbreaker_failures = 2\nbreaker_cooldown_ms = 60000\n\
+         health_interval_ms = 100\nhealth_timeout_ms = 500\n",
+        2,
+    )
+    .await;
+    let prefix = tokens(120_000, 128);
+    grpc[0].store(&prefix).await;
+    workers[0].set_mode(Mode::Fail);
+    eventually("failed health checks open worker 1's breaker", || async {
+        breaker(&router, 1).await == "open"
+    })
+    .await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let reply = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+    assert_eq!(reply.worker(), 2);
+    assert_eq!(workers[0].received(), 0);
+
+    // The cool-down is a minute: only a passing health check can close it this soon.
+    workers[0].set_mode(Mode::Ok);
+    eventually("a passing health check closes the breaker", || async {
+        breaker(&router, 1).await == "closed"
+    })
+    .await;
+    let reply = http.post(&url, &completion("m", &prompt(&prefix, 2))).await;
+    assert_eq!(reply.worker(), 1);
+}
