@@ -200,8 +200,12 @@ impl Scheduler {
                 }
                 Policy::PowerOfTwo => {
                     let n = group.members.len();
-                    let a = first_usable(&group.members, rand::random_range(0..n), usable);
-                    let b = first_usable(&group.members, rand::random_range(0..n), usable);
+                    // Two distinct starting ranks: drawing the same one twice would
+                    // send the request there whatever its load.
+                    let first = rand::random_range(0..n);
+                    let second = (first + rand::random_range(1..n.max(2))) % n;
+                    let a = first_usable(&group.members, first, usable);
+                    let b = first_usable(&group.members, second, usable);
                     match (a, b) {
                         (Some(a), Some(b)) => {
                             let load = |k: &WorkerKey| fleet.ranks.get(k).map_or(0, |r| r.load_key);
