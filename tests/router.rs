@@ -815,3 +815,40 @@ async fn a_quiet_worker_failing_health_checks_leaves_routing_until_healthy() {
     let reply = http.post(&url, &completion("m", &prompt(&prefix, 2))).await;
     assert_eq!(reply.worker(), 1);
 }
+
+#[tokio::test]
+async fn least_loaded_and_power_of_two_avoid_a_busy_worker() {
+    for policy in ["least_loaded", "power_of_two"] {
+        let (router, workers, _grpc) = router_with_fleet(
+            &format!(
+                "[scheduler]\npolicy = \"{policy}\"\n[upstream]\nfirst_byte_timeout_ms = 2000\n"
+            ),
+            2,
+        )
+        .await;
+        workers[0].set_mode(Mode::Hold);
+        let http = Http::default();
+        let url = format!("{}/v1/completions", router.http);
+        let held = {
+            let (http, url) = (http.clone(), url.clone());
+            tokio::spawn(async move {
+                http.call(
+                    "POST",
+                    &url,
+                    &[("x-kvroute-worker", "1")],
+                    completion("m", &tokens(0, 64)).to_string(),
+                )
+                .await
+                .status
+            })
+        };
+        eventually("worker 1 holds a request", || async {
+            workers[0].inflight() == 1
+        })
+        .await;
+        let chosen = route_distinct(&router, 8).await;
+        assert!(chosen.iter().all(|&w| w == 2), "{policy}: {chosen:?}");
+        workers[0].release();
+        assert_eq!(held.await.unwrap(), 200);
+    }
+}
