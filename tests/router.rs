@@ -852,3 +852,34 @@ async fn least_loaded_and_power_of_two_avoid_a_busy_worker() {
         assert_eq!(held.await.unwrap(), 200);
     }
 }
+
+#[tokio::test]
+async fn a_failing_worker_is_skipped_by_its_breaker_and_let_back_in_by_a_probe() {
+    // Round robin offers worker 1 every other request, so only its breaker keeps
+    // requests away from it.
+    let (router, workers, _grpc) = router_with_fleet(
+        "[scheduler]\npolicy = \"round_robin\"\n[upstream]\nbreaker_failures = 2\n\
+         breaker_cooldown_ms = 1000\nhealth_interval_ms = 0\n",
+        2,
+    )
+    .await;
+    workers[0].set_mode(Mode::Fail);
+    let chosen = route_distinct(&router, 4).await;
+    assert!(chosen.iter().all(|&w| w == 2), "retried around: {chosen:?}");
+    assert_eq!(workers[0].received(), 2);
+    assert_eq!(breaker(&router, 1).await, "open");
+    let chosen = route_distinct(&router, 4).await;
+    assert!(chosen.iter().all(|&w| w == 2), "{chosen:?}");
+    assert_eq!(workers[0].received(), 2, "an open breaker skips the worker");
+
+    // Healthy again: after the cool-down one probe goes through and closes the breaker.
+    workers[0].set_mode(Mode::Ok);
+    eventually("a probe reaches worker 1", || async {
+        route_distinct(&router, 1).await == [1]
+    })
+    .await;
+    assert_eq!(workers[0].received(), 3, "exactly one probe");
+    assert_eq!(breaker(&router, 1).await, "closed");
+    let counts = count_by_worker(&route_distinct(&router, 4).await);
+    assert_eq!(counts.get(&1), Some(&2), "{counts:?}");
+}
