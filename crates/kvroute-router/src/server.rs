@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -69,6 +70,11 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     let app = crate::api::router(Arc::clone(&state));
     let mut http_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
+        // Without TCP_NODELAY, Nagle's algorithm holds back small SSE chunks
+        // until the client's delayed ACK: tens of milliseconds per token.
+        let http = http.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let serve = axum::serve(http, app).with_graceful_shutdown(async move {
             let _ = http_stop.wait_for(|&s| s).await;
         });

@@ -24,6 +24,7 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use futures_util::StreamExt;
 use kvroute_tokenize::{ChatMessage, Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
 use serde_json::{Value, json};
@@ -69,6 +70,10 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let mut stopped = shared.stop.subscribe();
     // On `die` the server future is dropped, which closes the listener and
     // every open connection at once, as a crashed process would.
+    // Small SSE chunks must not wait for Nagle's algorithm (see the router's server).
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::select! {
         result = axum::serve(listener, app) => {
             if let Err(e) = result {
