@@ -192,7 +192,18 @@ impl Engine {
     }
 
     pub fn load(&self) -> Load {
-        let prefill = |s: &Seq| s.prefill_left() as u64;
+        // A waiting request will find its cached prefix at admission, as the
+        // router assumes when it books the request: report only what is left
+        // to compute, or a worker holding a hot prefix would look busier than it is.
+        let bs = self.config.block_size;
+        let prefill = |s: &Seq| {
+            let cached = if s.holds_blocks {
+                0
+            } else {
+                self.pool.match_prefix(&s.blocks) * bs
+            };
+            s.prefill_left().saturating_sub(cached) as u64
+        };
         Load {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
@@ -520,6 +531,21 @@ mod tests {
         assert_eq!(stats.prompt_tokens, 16 + 22);
         assert_eq!(stats.cached_tokens, 12);
         assert_eq!(stats.computed_prompt_tokens, 16 + 10);
+    }
+
+    #[test]
+    fn waiting_requests_report_only_their_uncached_prefill() {
+        let mut engine = Engine::new(config(64)).unwrap();
+        engine.submit(&tokens(0..16), 1).unwrap();
+        run(&mut engine);
+        // 12 of this prompt's 16 tokens are cached; the other prompt is cold.
+        let mut warm = tokens(0..12);
+        warm.extend(200..204);
+        engine.submit(&warm, 1).unwrap();
+        engine.submit(&tokens(300..316), 1).unwrap();
+        let load = engine.load();
+        assert_eq!(load.waiting, 2);
+        assert_eq!(load.prefill_tokens, 4 + 16);
     }
 
     #[test]
