@@ -83,6 +83,37 @@ pub(crate) struct Core {
     pub streams: HashMap<SeqId, mpsc::UnboundedSender<Emitted>>,
     pub publishing: bool,
     pub drop_next: u64,
+    pub pacing: Pacing,
+}
+
+/// How far the iteration loop ran behind the cost model's clock.
+///
+/// A step's results are delivered when wall time reaches the step's simulated
+/// end; if the machine is too busy to keep up (too high a `--speedup`, too many
+/// engines per core), every latency measured through the fleet inflates. Benches
+/// report this so that CPU-bound runs are recognised, not mistaken for results.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pacing {
+    pub steps: u64,
+    /// Sum over steps of the wall time between a step's deadline and its delivery.
+    pub total_lag: Duration,
+    pub max_lag: Duration,
+}
+
+impl Pacing {
+    fn record(&mut self, lag: Duration) {
+        self.steps += 1;
+        self.total_lag += lag;
+        self.max_lag = self.max_lag.max(lag);
+    }
+
+    pub fn mean_lag(&self) -> Duration {
+        if self.steps == 0 {
+            Duration::ZERO
+        } else {
+            self.total_lag / self.steps as u32
+        }
+    }
 }
 
 pub(crate) struct Shared {
@@ -181,6 +212,7 @@ impl Worker {
                 streams: HashMap::new(),
                 publishing: true,
                 drop_next: 0,
+                pacing: Pacing::default(),
             }),
             wake: Notify::new(),
             events_ready: Notify::new(),
@@ -219,6 +251,11 @@ impl Worker {
     pub fn stats(&self) -> (EngineStats, Load) {
         let core = self.shared.core();
         (core.engine.stats(), core.engine.load())
+    }
+
+    /// How far this worker's iteration loop has run behind simulated time.
+    pub fn pacing(&self) -> Pacing {
+        self.shared.core().pacing
     }
 
     pub fn last_event_id(&self) -> u64 {
@@ -296,7 +333,9 @@ async fn iterate(shared: Arc<Shared>) {
             _ = tokio::time::sleep_until(deadline) => {}
             _ = until_stopped(&mut stopped) => return,
         }
+        let lag = tokio::time::Instant::now().saturating_duration_since(deadline);
         let mut core = shared.core();
+        core.pacing.record(lag);
         shared.log_events(&mut core);
         for emitted in step.emitted {
             let delivered = core
