@@ -259,6 +259,10 @@ async fn proxy(
             ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
                 .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
         }
+        let prompt_tokens = parsed.tokens.len() as u64;
+        ::metrics::counter!(metrics::ROUTED_PROMPT_TOKENS).increment(prompt_tokens);
+        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS)
+            .increment(prompt_tokens.saturating_sub(decision.new_prefill_tokens));
         if tried.is_empty() {
             metrics::observe_phase("total", received);
         }

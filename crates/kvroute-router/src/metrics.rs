@@ -21,6 +21,8 @@ pub const WORKERS: &str = "kvroute_workers";
 pub const OVERHEAD: &str = "kvroute_overhead_seconds";
 pub const ROUTED: &str = "kvroute_routed_requests_total";
 pub const PREDICTED_OVERLAP: &str = "kvroute_predicted_overlap_ratio";
+pub const ROUTED_PROMPT_TOKENS: &str = "kvroute_routed_prompt_tokens_total";
+pub const PREDICTED_CACHED_TOKENS: &str = "kvroute_predicted_cached_tokens_total";
 pub const TTFT: &str = "kvroute_upstream_ttft_seconds";
 pub const INTER_TOKEN: &str = "kvroute_upstream_inter_token_seconds";
 pub const E2E: &str = "kvroute_upstream_e2e_seconds";
@@ -73,6 +75,11 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         PREDICTED_OVERLAP,
         "Share of a request's blocks the chosen worker was expected to hold",
+    ),
+    (ROUTED_PROMPT_TOKENS, "Prompt tokens of routed requests"),
+    (
+        PREDICTED_CACHED_TOKENS,
+        "Prompt tokens the chosen worker was expected to hold in its prefix cache",
     ),
     (
         TTFT,
