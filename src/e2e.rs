@@ -4,8 +4,10 @@
 //! client and the workers measured.
 //!
 //! Each policy gets a fresh router and fleet, so no policy inherits another's
-//! warm caches. Requests stream (SSE) so the client sees the first token;
-//! `usage.prompt_tokens_details.cached_tokens` tells each request's prefix hit.
+//! warm caches. Requests stream (SSE) so the client sees the first token. The
+//! prefix hit rate comes from the workers' own counters, the router's
+//! prediction from its `kvroute_predicted_cached_tokens_total` counter, both as
+//! cached over prompt tokens, so the two compare like for like.
 
 use std::time::{Duration, Instant};
 
@@ -32,16 +34,19 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// Starts a router from `router` (its addresses, block size and policy
+    /// replaced) and `workers` engines registered with it.
     pub async fn start(
         workers: usize,
         engine: &EngineConfig,
+        router: &kvroute_router::Config,
         policy: Policy,
     ) -> anyhow::Result<Fleet> {
         let mut config = kvroute_router::Config {
             http_addr: ([127, 0, 0, 1], 0).into(),
             grpc_addr: ([127, 0, 0, 1], 0).into(),
             block_size: engine.block_size as u32,
-            ..Default::default()
+            ..router.clone()
         };
         config.scheduler.policy = policy;
         config.upstream.shutdown_grace_ms = 1_000;
@@ -109,8 +114,6 @@ struct Outcome {
     ttft_s: f64,
     itl_s: Vec<f64>,
     e2e_s: f64,
-    prompt_tokens: u64,
-    cached_tokens: u64,
     output_tokens: u64,
 }
 
@@ -119,6 +122,12 @@ pub struct Percentiles {
     pub p50: f64,
     pub p90: f64,
     pub p99: f64,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct SimLag {
+    pub mean: f64,
+    pub max: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -142,14 +151,23 @@ pub struct PolicyReport {
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
     pub ttft_ms: Percentiles,
+    /// Every gap between two tokens of a stream. Engines sped up past the
+    /// timer's millisecond deliver several steps at once, so these bunch up.
     pub itl_ms: Percentiles,
+    /// Each request's mean gap between tokens (time per output token): robust
+    /// to that bunching, and what users feel as generation speed.
+    pub tpot_ms: Percentiles,
     pub e2e_ms: Percentiles,
     /// Cached over prompt tokens, summed over the workers' own counters.
     pub worker_hit_rate: f64,
-    /// Mean over requests of the router's predicted overlap / request blocks.
-    pub predicted_hit_ratio: f64,
-    /// The same per-request block ratio, from what the workers found.
-    pub actual_hit_ratio: f64,
+    /// The same ratio as the router predicted it: prompt tokens the chosen
+    /// worker was expected to hold over prompt tokens routed. `None` for
+    /// policies that do not consult the index.
+    pub predicted_hit_rate: Option<f64>,
+    /// Mean and largest delay of the simulated engines behind their cost
+    /// model's clock, in wall milliseconds: large values mean the machine could
+    /// not keep up with `--speedup` and every latency above is inflated.
+    pub sim_lag_ms: SimLag,
     /// Jain's index over the workers' computed tokens (1 = perfectly even).
     pub jain_fairness: f64,
     pub workers: Vec<WorkerLoad>,
@@ -166,9 +184,13 @@ pub async fn run(
 ) -> anyhow::Result<PolicyReport> {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(1024)
-        .build_http();
+        .build({
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            connector
+        });
     let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
-    let predicted_before = predicted_ratio_sums(&fleet.router);
+    let predicted_before = predicted_token_sums(&fleet.router);
     let first_ts = trace.first().map_or(0, |r| r.timestamp_ms);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
@@ -195,8 +217,7 @@ pub async fn run(
         outcomes.push(task.await.unwrap_or_default());
     }
     let duration_s = start.elapsed().as_secs_f64();
-    let predicted_after = predicted_ratio_sums(&fleet.router);
-    let block_size = fleet.router.state.config.block_size as u64;
+    let predicted_after = predicted_token_sums(&fleet.router);
     Ok(report(
         policy,
         fleet,
@@ -204,7 +225,6 @@ pub async fn run(
         duration_s,
         predicted_before,
         predicted_after,
-        block_size,
     ))
 }
 
@@ -272,19 +292,13 @@ async fn send(
                 last_token = Some(now);
                 outcome.output_tokens += 1;
             }
-            if let Some(usage) = chunk.get("usage") {
-                outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-                outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
-            }
         }
     }
     None
 }
 
-/// (sum, count) of the router's predicted-overlap histogram.
-fn predicted_ratio_sums(router: &Running) -> (f64, f64) {
+/// (predicted cached tokens, routed prompt tokens) so far, from the router's counters.
+fn predicted_token_sums(router: &Running) -> (f64, f64) {
     let text = router.state.render_metrics();
     let value = |name: &str| {
         text.lines()
@@ -292,8 +306,8 @@ fn predicted_ratio_sums(router: &Running) -> (f64, f64) {
             .unwrap_or(0.0)
     };
     (
-        value("kvroute_predicted_overlap_ratio_sum"),
-        value("kvroute_predicted_overlap_ratio_count"),
+        value("kvroute_predicted_cached_tokens_total"),
+        value("kvroute_routed_prompt_tokens_total"),
     )
 }
 
@@ -331,7 +345,6 @@ fn report(
     duration_s: f64,
     predicted_before: (f64, f64),
     predicted_after: (f64, f64),
-    block_size: u64,
 ) -> PolicyReport {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let ms = |f: &dyn Fn(&Outcome) -> f64| percentiles(ok.iter().map(|o| f(o) * 1000.0).collect());
@@ -357,15 +370,10 @@ fn report(
         .collect();
     let prompt: u64 = workers.iter().map(|w| w.prompt_tokens).sum();
     let cached: u64 = workers.iter().map(|w| w.cached_tokens).sum();
-    let actual: Vec<f64> = ok
-        .iter()
-        .filter(|o| o.prompt_tokens > 0)
-        .map(|o| {
-            o.cached_tokens.div_ceil(block_size) as f64
-                / o.prompt_tokens.div_ceil(block_size) as f64
-        })
-        .collect();
-    let count = predicted_after.1 - predicted_before.1;
+    let routed_tokens = predicted_after.1 - predicted_before.1;
+    let pacing: Vec<_> = fleet.workers.iter().map(|w| w.pacing()).collect();
+    let steps: u64 = pacing.iter().map(|p| p.steps).sum();
+    let total_lag: f64 = pacing.iter().map(|p| p.total_lag.as_secs_f64()).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
     PolicyReport {
         policy: policy.as_str().to_string(),
@@ -376,21 +384,26 @@ fn report(
         output_tokens_per_s: output as f64 / duration_s,
         ttft_ms: ms(&|o| o.ttft_s),
         itl_ms: itl,
+        tpot_ms: percentiles(
+            ok.iter()
+                .filter(|o| !o.itl_s.is_empty())
+                .map(|o| o.itl_s.iter().sum::<f64>() * 1000.0 / o.itl_s.len() as f64)
+                .collect(),
+        ),
         e2e_ms: ms(&|o| o.e2e_s),
         worker_hit_rate: if prompt == 0 {
             0.0
         } else {
             cached as f64 / prompt as f64
         },
-        predicted_hit_ratio: if count > 0.0 {
-            (predicted_after.0 - predicted_before.0) / count
-        } else {
-            0.0
-        },
-        actual_hit_ratio: if actual.is_empty() {
-            0.0
-        } else {
-            actual.iter().sum::<f64>() / actual.len() as f64
+        predicted_hit_rate: (matches!(policy, Policy::Kv | Policy::Approx) && routed_tokens > 0.0)
+            .then(|| (predicted_after.0 - predicted_before.0) / routed_tokens),
+        sim_lag_ms: SimLag {
+            mean: total_lag * 1000.0 / steps.max(1) as f64,
+            max: pacing
+                .iter()
+                .map(|p| p.max_lag.as_secs_f64() * 1000.0)
+                .fold(0.0, f64::max),
         },
         jain_fairness: jain(
             &workers
@@ -408,20 +421,19 @@ pub fn table(reports: &[PolicyReport]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     type Cell<'a> = &'a dyn Fn(&PolicyReport) -> String;
-    let rows: [(&str, Cell); 11] = [
+    let rows: [(&str, Cell); 12] = [
         ("prefix hit rate (workers)", &|r| {
             format!("{:.1}%", r.worker_hit_rate * 100.0)
         }),
-        ("predicted / actual hit", &|r| {
-            format!(
-                "{:.0}/{:.0}%",
-                r.predicted_hit_ratio * 100.0,
-                r.actual_hit_ratio * 100.0
-            )
+        ("hit rate predicted by router", &|r| {
+            r.predicted_hit_rate
+                .map_or("-".into(), |p| format!("{:.1}%", p * 100.0))
         }),
         ("TTFT p50", &|r| format!("{:.0} ms", r.ttft_ms.p50)),
         ("TTFT p99", &|r| format!("{:.0} ms", r.ttft_ms.p99)),
-        ("ITL p50", &|r| format!("{:.2} ms", r.itl_ms.p50)),
+        ("time per output token p50", &|r| {
+            format!("{:.2} ms", r.tpot_ms.p50)
+        }),
         ("e2e p50", &|r| format!("{:.0} ms", r.e2e_ms.p50)),
         ("throughput", &|r| format!("{:.1} req/s", r.throughput_rps)),
         ("output tokens/s", &|r| {
@@ -430,6 +442,9 @@ pub fn table(reports: &[PolicyReport]) -> String {
         ("failed requests", &|r| r.failed.to_string()),
         ("Jain fairness (work)", &|r| {
             format!("{:.3}", r.jain_fairness)
+        }),
+        ("sim lag mean / max", &|r| {
+            format!("{:.1} / {:.0} ms", r.sim_lag_ms.mean, r.sim_lag_ms.max)
         }),
         ("requests per worker", &|r| {
             r.workers

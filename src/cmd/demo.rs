@@ -63,7 +63,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
         let mut reports = Vec::new();
         for policy in [Policy::Kv, Policy::RoundRobin] {
-            let fleet = Fleet::start(WORKERS, &engine(), policy).await?;
+            let fleet = Fleet::start(WORKERS, &engine(), &Default::default(), policy).await?;
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
@@ -71,7 +71,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         if args.once {
             return anyhow::Ok(());
         }
-        let fleet = Fleet::start(WORKERS, &engine(), Policy::Kv).await?;
+        let fleet = Fleet::start(WORKERS, &engine(), &Default::default(), Policy::Kv).await?;
         let url = fleet.http_url();
         println!("Serving under `kv` at {url} (Ctrl-C to stop). Try:\n");
         println!(

@@ -92,6 +92,8 @@ impl std::str::FromStr for Policy {
 pub struct SchedulerConfig {
     pub policy: Policy,
     /// Weight of prefill blocks against decode blocks in the `kv` cost.
+    /// Dynamo's default is 1; 8 is measured here: on the Mooncake conversation
+    /// trace it hits more of the cache and halves queueing (see README).
     pub overlap_weight: f64,
     /// 0: always the lowest cost; above 0: sample a softmax over normalised costs.
     pub temperature: f64,
@@ -207,7 +209,7 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             policy: Policy::Kv,
-            overlap_weight: 1.0,
+            overlap_weight: 8.0,
             temperature: 0.0,
             busy_max_inflight: 0,
             busy_kv_ratio: 1.0,

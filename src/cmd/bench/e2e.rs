@@ -36,6 +36,11 @@ pub struct E2eArgs {
     /// Arrival rate multiplier on top of the speedup (2: twice the trace's rate).
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
+    /// Router configuration (config/router.toml's format; `KVROUTE_...`
+    /// variables apply too) for every run; the bench sets its addresses, block
+    /// size and policy.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Caps each request's output tokens.
     #[arg(long)]
     max_output_tokens: Option<u32>,
@@ -56,6 +61,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     let trace = kvroute_trace::read_trace(&args.trace, args.max_requests)
         .with_context(|| format!("cannot read the trace {}", args.trace.display()))?;
     let engine = args.engine.engine_config();
+    let router = kvroute_router::Config::load(args.config.as_deref(), std::env::vars())?;
     let replay = Replay {
         time_scale: args.engine.speedup * args.rate,
         max_output_tokens: args.max_output_tokens,
@@ -69,13 +75,25 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
                 trace.len(),
                 policy.as_str()
             );
-            let fleet = Fleet::start(args.workers, &engine, policy).await?;
+            let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
         anyhow::Ok(reports)
     })?;
     eprintln!("\n{}", e2e::table(&reports));
+    for r in &reports {
+        // A step delivered late delays every token after it: past a few timer
+        // ticks on average, the latencies measure this machine, not the model.
+        if r.sim_lag_ms.mean > 5.0 {
+            eprintln!(
+                "warning: under {} the simulated engines ran {:.1} ms behind their cost model on \
+                 average (at most {:.0} ms): this machine cannot keep up with --speedup {}; \
+                 latencies are inflated, lower --speedup or --rate",
+                r.policy, r.sim_lag_ms.mean, r.sim_lag_ms.max, args.engine.speedup
+            );
+        }
+    }
     let report = json!({
         "trace": args.trace,
         "requests": trace.len(),
