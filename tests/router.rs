@@ -256,11 +256,7 @@ async fn sse_passes_through_intact_and_a_client_cancel_reaches_the_worker() {
     assert!(first.into_data().unwrap().starts_with(b"data: "));
     drop(incoming);
     eventually("the worker saw the cancel", || async {
-        workers[0]
-            .state
-            .cancelled
-            .load(std::sync::atomic::Ordering::SeqCst)
-            == 1
+        workers[0].cancelled() == 1
     })
     .await;
 }
@@ -882,4 +878,143 @@ async fn a_failing_worker_is_skipped_by_its_breaker_and_let_back_in_by_a_probe()
     assert_eq!(breaker(&router, 1).await, "closed");
     let counts = count_by_worker(&route_distinct(&router, 4).await);
     assert_eq!(counts.get(&1), Some(&2), "{counts:?}");
+}
+
+#[tokio::test]
+async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
+    let router = RouterProcess::start("[upstream]\nidle_timeout_ms = 300\n");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 10, "stall_after_chunks": 1});
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &body)
+        .await;
+    assert_eq!(reply.status, 200);
+    // The chunk the worker sent, then an OpenAI-style error event, and no [DONE].
+    let text = String::from_utf8_lossy(&reply.body).to_string();
+    let rest = text
+        .strip_prefix(&sse_chunk(1, 0))
+        .unwrap_or_else(|| panic!("the first chunk passes through: {text:?}"));
+    let event: serde_json::Value = serde_json::from_str(
+        rest.strip_prefix("data: ")
+            .and_then(|r| r.strip_suffix("\n\n"))
+            .unwrap_or_else(|| panic!("one last event: {rest:?}")),
+    )
+    .unwrap();
+    assert_eq!(event["error"]["code"], "upstream_timeout", "{event}");
+    assert!(
+        event["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("worker 1 sent nothing for 300 ms")
+    );
+    // The router hung up on the worker and released the request's load.
+    eventually("the worker saw its stream dropped", || async {
+        workers[0].cancelled() == 1
+    })
+    .await;
+    let info = http.get(&format!("{}/workers/1", router.http)).await.json();
+    assert_eq!(info["worker"]["ranks"][0]["inflight_requests"], 0, "{info}");
+    let metrics = http.get(&format!("{}/metrics", router.http)).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("kvroute_upstream_idle_timeouts_total 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn an_overflowing_event_queue_drops_nothing_silently() {
+    let router = RouterProcess::start("[ingest]\nevent_queue_batches = 1\n");
+    let http_worker = TestWorker::start(1).await;
+    let mut registration = register(1, &http_worker.url, &["m"], BLOCK_SIZE as u32);
+    registration.dp_ranks = vec![0, 1];
+    let mut worker = GrpcWorker::connect(&router.grpc, None, registration)
+        .await
+        .unwrap();
+    let http = Http::default();
+    let dropped_batches = || {
+        let (http, url) = (http.clone(), format!("{}/metrics", router.http));
+        async move {
+            let text = http.get(&url).await.body;
+            metric(
+                &String::from_utf8_lossy(&text),
+                "kvroute_event_batches_dropped_total{",
+            )
+        }
+    };
+    // The worker's true cache per dp rank: live prompts with their engine block hashes.
+    let mut live: [Vec<(Vec<u32>, Vec<u64>)>; 2] = Default::default();
+    let mut removed: Vec<Vec<u32>> = Vec::new();
+    let mut last = [0; 2];
+    fn store(
+        worker: &mut GrpcWorker,
+        live: &mut Vec<(Vec<u32>, Vec<u64>)>,
+        prompt: Vec<u32>,
+    ) -> kv_event::Kind {
+        let (stored, hashes) = worker.chain(&prompt);
+        live.push((prompt, hashes));
+        kv_event::Kind::Stored(stored)
+    }
+    // Overflow is a race between the index and the wire, so rounds repeat until
+    // one overflowed; the index is checked against the truth after all of them.
+    for round in 1..=5u32 {
+        let base = round * 10_000_000;
+        // Rank 0 loses an event between two: the router asks for it again.
+        for (i, lost) in [false, true, false].into_iter().enumerate() {
+            let prompt = tokens(base + i as u32 * 1000, 64);
+            let kind = store(&mut worker, &mut live[0], prompt);
+            last[0] = worker.event_on(0, None, kind, lost).await;
+        }
+        let resync = worker.wait_resync().await;
+        assert_eq!(resync.dp_rank, 0);
+        // Rank 1 keeps the index busy with a long chain, one-event batches pile
+        // up behind it, and the answer to rank 0 comes last, into a full queue.
+        let kind = store(
+            &mut worker,
+            &mut live[1],
+            tokens(base + 100_000, BLOCK_SIZE * 20_000),
+        );
+        worker.event_on(1, None, kind, false).await;
+        for i in 0..8 {
+            let kind = if i == 5 {
+                let (prompt, block_hashes) = live[1].pop().unwrap();
+                removed.push(prompt);
+                kv_event::Kind::Removed(kvroute_proto::Removed { block_hashes })
+            } else {
+                store(
+                    &mut worker,
+                    &mut live[1],
+                    tokens(base + 500_000 + i * 1000, 64),
+                )
+            };
+            last[1] = worker.event_on(1, None, kind, false).await;
+        }
+        worker.answer_resync(&resync).await;
+        worker
+            .answer_resyncs_until_acked(&[(0, last[0]), (1, last[1])])
+            .await;
+        if dropped_batches().await > 0.0 {
+            break;
+        }
+    }
+    assert!(dropped_batches().await > 0.0, "the queue never overflowed");
+
+    // The index holds exactly the worker's cache.
+    let info = http.get(&format!("{}/workers/1", router.http)).await.json();
+    for rank in 0..2 {
+        let blocks: usize = live[rank].iter().map(|(_, hashes)| hashes.len()).sum();
+        assert_eq!(info["index"][rank]["indexed_blocks"], blocks, "{info}");
+        assert_eq!(info["index"][rank]["last_event_id"], last[rank], "{info}");
+        for (prompt, hashes) in live[rank].iter().filter(|(p, _)| p.len() == 64) {
+            let route = dry_run(&router, prompt).await;
+            assert_eq!(route["dp_rank"], rank, "{route}");
+            assert_eq!(route["overlap_blocks"], hashes.len(), "{route}");
+        }
+    }
+    for prompt in &removed {
+        let route = dry_run(&router, prompt).await;
+        assert_eq!(route["overlap_blocks"], 0, "{route}");
+    }
 }

@@ -233,6 +233,14 @@ where
     panic!("timed out waiting until {what}");
 }
 
+/// The sum of the sample lines starting with `prefix` in Prometheus text.
+pub fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// How the test worker answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -307,6 +315,11 @@ impl TestWorker {
     pub fn inflight(&self) -> usize {
         self.state.inflight.load(Ordering::SeqCst)
     }
+
+    /// Streams that ended before their end: the client (the router) hung up.
+    pub fn cancelled(&self) -> usize {
+        self.state.cancelled.load(Ordering::SeqCst)
+    }
 }
 
 /// The SSE body a test worker streams for `chunks` chunks.
@@ -361,6 +374,8 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
     if request["stream"] == json!(true) {
         let chunks = request["max_tokens"].as_u64().unwrap_or(4) as usize;
         let delay = Duration::from_millis(request["chunk_delay_ms"].as_u64().unwrap_or(5));
+        // A worker that hangs mid-stream: silent for good after this many chunks.
+        let stall_after = request["stall_after_chunks"].as_u64().map(|n| n as usize);
         let id = state.id;
         let stream = futures_util::stream::unfold(
             (
@@ -374,6 +389,9 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
             move |(i, mut stream_guard, guard)| async move {
                 if i > chunks {
                     return None;
+                }
+                if stall_after == Some(i) {
+                    std::future::pending::<()>().await;
                 }
                 tokio::time::sleep(delay).await;
                 let text = if i == chunks {
@@ -416,9 +434,11 @@ pub struct GrpcWorker {
     pub id: u64,
     tx: mpsc::Sender<WorkerMessage>,
     pub rx: tonic::Streaming<RouterMessage>,
-    /// Engine block hash → tokens hash, of blocks stored so far.
     next_block_hash: u64,
-    next_event_id: u64,
+    /// dp rank → the id of its next event.
+    next_event_ids: HashMap<u32, u64>,
+    /// Every event logged, by (dp rank, id): what a resync is answered from.
+    log: std::collections::BTreeMap<(u32, u64), kv_event::Kind>,
 }
 
 pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Register {
@@ -470,7 +490,8 @@ impl GrpcWorker {
             tx,
             rx,
             next_block_hash: id << 32,
-            next_event_id: 0,
+            next_event_ids: HashMap::new(),
+            log: Default::default(),
         })
     }
 
@@ -508,16 +529,32 @@ impl GrpcWorker {
 
     /// Sends one event with the next id (or `id` when given) and returns its id.
     pub async fn event(&mut self, id: Option<u64>, kind: kv_event::Kind) -> u64 {
-        let event_id = id.unwrap_or(self.next_event_id);
-        self.next_event_id = event_id + 1;
-        self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
-            dp_rank: 0,
-            events: vec![KvEvent {
-                event_id,
-                kind: Some(kind),
-            }],
-        }))
-        .await;
+        self.event_on(0, id, kind, false).await
+    }
+
+    /// Logs one event of dp rank `rank` with the next id (or `id`) and sends it
+    /// unless `lost`, as an engine whose event went missing. Returns its id.
+    pub async fn event_on(
+        &mut self,
+        rank: u32,
+        id: Option<u64>,
+        kind: kv_event::Kind,
+        lost: bool,
+    ) -> u64 {
+        let next = self.next_event_ids.entry(rank).or_default();
+        let event_id = id.unwrap_or(*next);
+        *next = event_id + 1;
+        self.log.insert((rank, event_id), kind.clone());
+        if !lost {
+            self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
+                dp_rank: rank,
+                events: vec![KvEvent {
+                    event_id,
+                    kind: Some(kind),
+                }],
+            }))
+            .await;
+        }
         event_id
     }
 
@@ -555,6 +592,42 @@ impl GrpcWorker {
         loop {
             if let router_message::Body::Resync(r) = self.next().await {
                 return r;
+            }
+        }
+    }
+
+    /// Answers a resync request as an engine does: every logged event of the
+    /// rank from the id asked for, in one batch.
+    pub async fn answer_resync(&self, request: &kvroute_proto::ResyncRequest) {
+        let rank = request.dp_rank;
+        let events = self
+            .log
+            .range((rank, request.from_event_id)..(rank + 1, 0))
+            .map(|(&(_, event_id), kind)| KvEvent {
+                event_id,
+                kind: Some(kind.clone()),
+            })
+            .collect();
+        self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
+            dp_rank: rank,
+            events,
+        }))
+        .await;
+    }
+
+    /// Answers resync requests until the router has acked each (dp rank, last id).
+    pub async fn answer_resyncs_until_acked(&mut self, last: &[(u32, u64)]) {
+        let mut acked: HashMap<u32, u64> = HashMap::new();
+        while !last
+            .iter()
+            .all(|(rank, id)| acked.get(rank).is_some_and(|a| a >= id))
+        {
+            match self.next().await {
+                router_message::Body::Resync(r) => self.answer_resync(&r).await,
+                router_message::Body::Ack(ack) => {
+                    acked.insert(ack.dp_rank, ack.last_event_id);
+                }
+                _ => {}
             }
         }
     }

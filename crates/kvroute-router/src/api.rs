@@ -280,7 +280,12 @@ async fn proxy(
                 parts
                     .headers
                     .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
-                let body = TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout());
+                let sse = parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+                let body =
+                    TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Ok(response) => {
