@@ -1094,3 +1094,48 @@ async fn a_hugging_face_tokenizer_and_chat_template_hash_like_the_workers_tokens
         assert_eq!(by_text[field], by_ids[field], "{field}");
     }
 }
+
+/// Sends worker `grpc`'s load report and waits until the router shows it.
+async fn report_load(router: &RouterProcess, grpc: &GrpcWorker, kv_blocks_used: u64) {
+    grpc.send(worker_message::Body::Load(kvroute_proto::LoadReport {
+        dp_rank: 0,
+        kv_blocks_used,
+        kv_blocks_total: 1000,
+        ..Default::default()
+    }))
+    .await;
+    let http = Http::default();
+    let url = format!("{}/workers/{}", router.http, grpc.id);
+    eventually("the load report is applied", || async {
+        http.get(&url).await.json()["worker"]["ranks"][0]["reported"]["kv_blocks_used"]
+            == kv_blocks_used
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_retried_request_predicts_its_prefix_only_where_it_was_served() {
+    let (router, workers, grpc) = router_with_fleet("", 2).await;
+    // Worker 2 is loaded, so worker 1 is the first choice; worker 1 fails.
+    report_load(&router, &grpc[1], 50).await;
+    workers[0].set_mode(Mode::Fail);
+    let prefix = tokens(130_000, 128);
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &prompt(&prefix, 1)),
+        )
+        .await;
+    assert_eq!(reply.worker(), 2);
+    assert_eq!(workers[0].received(), 1, "worker 1 was tried first");
+
+    // Equal load again: only worker 2 is expected to hold the prefix, so it
+    // wins outright instead of tying with the worker that failed.
+    report_load(&router, &grpc[1], 0).await;
+    let route = dry_run(&router, &prompt(&prefix, 2)).await;
+    assert_eq!(route["worker_id"], 2, "{route}");
+    for score in route["scores"].as_array().unwrap() {
+        let expected = if score["worker_id"] == 2 { 8 } else { 0 };
+        assert_eq!(score["predicted_overlap_blocks"], expected, "{route}");
+    }
+}

@@ -320,6 +320,8 @@ async fn proxy(
         };
         state.registry.record_outcome(worker.worker_id, false);
         tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
+        // The prefix will be cached where the request is served, not here.
+        state.predicted.forget(worker, &local_hashes);
         drop(booking);
         tried.push(worker.worker_id);
         if parsed.pin.is_some() {
