@@ -1139,3 +1139,38 @@ async fn a_retried_request_predicts_its_prefix_only_where_it_was_served() {
         assert_eq!(score["predicted_overlap_blocks"], expected, "{route}");
     }
 }
+
+#[tokio::test]
+async fn a_cooled_down_breaker_gets_its_probe_even_when_others_are_cheaper() {
+    let (router, workers, mut grpc) = router_with_fleet(
+        "[upstream]\nbreaker_failures = 1\nbreaker_cooldown_ms = 300\nhealth_interval_ms = 0\n",
+        2,
+    )
+    .await;
+    // Every request shares a prefix worker 2 holds: worker 2 is always cheaper.
+    let prefix = tokens(140_000, 256);
+    grpc[1].store(&prefix).await;
+    workers[0].set_mode(Mode::Fail);
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    http.call(
+        "POST",
+        &url,
+        &[("x-kvroute-worker", "1")],
+        completion("m", &prefix).to_string(),
+    )
+    .await
+    .assert_error(502, "upstream_error");
+    assert_eq!(breaker(&router, 1).await, "open");
+
+    // Worker 1 recovers; after the cool-down the next request is its probe.
+    workers[0].set_mode(Mode::Ok);
+    eventually("worker 1 gets a probe", || async {
+        let reply = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+        assert_eq!(reply.status, 200);
+        reply.worker() == 1
+    })
+    .await;
+    assert_eq!(workers[0].received(), 2);
+    assert_eq!(breaker(&router, 1).await, "closed");
+}
