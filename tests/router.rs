@@ -650,7 +650,7 @@ async fn shutdown_lets_in_flight_streams_finish() {
         )
         .await;
     assert_eq!(response.status(), 200);
-    router.terminate();
+    router.process.terminate();
     let received = http_body_util::BodyExt::collect(response.into_body())
         .await
         .unwrap()
@@ -660,7 +660,7 @@ async fn shutdown_lets_in_flight_streams_finish() {
     assert_eq!(String::from_utf8_lossy(&received), expected);
     let mut status = None;
     eventually("the router exits", || {
-        status = router.exited();
+        status = router.process.exited();
         std::future::ready(status.is_some())
     })
     .await;
@@ -940,7 +940,8 @@ async fn an_overflowing_event_queue_drops_nothing_silently() {
             let text = http.get(&url).await.body;
             metric(
                 &String::from_utf8_lossy(&text),
-                "kvroute_event_batches_dropped_total{",
+                "kvroute_event_batches_dropped_total",
+                &[("worker", "1")],
             )
         }
     };

@@ -10,14 +10,13 @@ mod common;
 mod publisher;
 mod recorder;
 
-use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
-use common::{Http, RouterProcess};
+use common::{DEADLINE, Http, Labels, RouterProcess, eventually, free_ports, kvroute, metric};
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
@@ -25,40 +24,6 @@ use recorder::{ROUTER_BLOCK_SIZE, Recorded};
 const WORKER_ID: u64 = 42;
 /// The bearer token the real router requires on gRPC and its admin endpoints.
 const TOKEN: &str = "s3cret";
-const DEADLINE: Duration = Duration::from_secs(30);
-
-/// Polls `check` until it holds, failing the test with `what` after [`DEADLINE`].
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A free loopback port, or the first of `count` consecutive free ports.
-fn free_ports(count: u16) -> u16 {
-    for _ in 0..100 {
-        let first = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let all_free = (0..count).all(|i| {
-            first
-                .checked_add(i)
-                .is_some_and(|p| TcpListener::bind(("127.0.0.1", p)).is_ok())
-        });
-        if all_free {
-            return first;
-        }
-    }
-    panic!("no {count} consecutive free ports");
-}
 
 /// The engine's HTTP side: its model list (a base model and one adapter) and vLLM-style gauges.
 async fn start_engine_http() -> String {
@@ -85,9 +50,6 @@ vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.
     url
 }
 
-/// Label pairs a metric sample must carry.
-type Labels<'a> = &'a [(&'a str, &'a str)];
-
 /// A running `kvroute bridge`, killed when dropped.
 struct Bridge {
     child: Child,
@@ -97,7 +59,7 @@ struct Bridge {
 impl Bridge {
     fn spawn(extra: &[String], router: &str, engine_url: &str, block_size: u32) -> Self {
         let metrics_port = free_ports(1);
-        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        let child = kvroute()
             .arg("bridge")
             .args(extra)
             .args(["--router", router])
@@ -105,7 +67,6 @@ impl Bridge {
             .args(["--engine-url", engine_url])
             .args(["--block-size", &block_size.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .env("RUST_LOG", "warn")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -127,17 +88,7 @@ impl Bridge {
         let reply = Http::default()
             .get(&format!("http://{}/metrics", self.metrics_addr))
             .await;
-        String::from_utf8_lossy(&reply.body)
-            .lines()
-            .filter(|line| line.starts_with(name) && !line.starts_with('#'))
-            .filter(|line| line[name.len()..].starts_with(['{', ' ']))
-            .filter(|line| {
-                labels
-                    .iter()
-                    .all(|(k, v)| line.contains(&format!("{k}=\"{v}\"")))
-            })
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric(&reply.text(), name, labels)
     }
 }
 
@@ -847,7 +798,7 @@ fn bad_endpoints_are_clear_errors_at_start() {
         args.iter_mut()
             .filter(|(f, _)| *f == flag)
             .for_each(|a| a.1 = value);
-        let output = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        let output = kvroute()
             .arg("bridge")
             .args(args.iter().map(|(f, v)| format!("{f}={v}")))
             .output()

@@ -1,16 +1,19 @@
-//! Real parts for end-to-end tests over loopback: the `kvroute serve` process,
-//! a small OpenAI-compatible test worker (an axum server), a gRPC worker client
-//! streaming KV events, and a plain HTTP client.
+//! The one set of helpers for the end-to-end tests in `tests/`: real parts over
+//! loopback. Processes: `kvroute` one-shot runs, the `kvroute serve` router and
+//! the `kvroute sim` fleet, killed on drop. In the test process: a small
+//! OpenAI-compatible test worker (an axum server), a gRPC worker client
+//! streaming KV events, a plain HTTP client, polling and metric reading.
+//! Each test binary uses a part of it.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -35,55 +38,52 @@ use tokio_stream::wrappers::ReceiverStream;
 
 pub const BLOCK_SIZE: usize = 16;
 
-/// A `kvroute serve` process on ephemeral loopback ports; killed on drop.
-pub struct RouterProcess {
-    child: Child,
-    pub http: String,
-    pub grpc: String,
-    config_path: std::path::PathBuf,
+/// The `kvroute` binary, logging warnings only.
+pub fn kvroute() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    command.env("RUST_LOG", "warn");
+    command
 }
 
-impl RouterProcess {
-    /// Starts the router with `config` (TOML) appended to test defaults.
-    pub fn start(config: &str) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let config_path = std::env::temp_dir().join(format!(
-            "kvroute-test-{}-{}.toml",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let text = format!(
-            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"127.0.0.1:0\"\n{config}\n[log]\nlevel = \"error\"\n"
-        );
-        std::fs::write(&config_path, text).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&config_path)
+/// Runs `kvroute ARGS` to the end.
+pub fn kvroute_output(args: &[&str]) -> Output {
+    kvroute().args(args).output().expect("kvroute runs")
+}
+
+/// A running `kvroute` process, killed on drop, with the stdout lines it printed
+/// until it was ready.
+pub struct Process {
+    child: Child,
+    pub lines: Vec<String>,
+}
+
+impl Process {
+    /// Starts `kvroute ARGS` and reads stdout lines until `ready` holds for them;
+    /// stdout is drained from then on so the child never blocks on a full pipe.
+    pub fn spawn(args: &[&str], ready: impl Fn(&[String]) -> bool) -> Self {
+        let mut child = kvroute()
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("kvroute starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = |key: &str| {
-            line.split_whitespace()
-                .find_map(|part| part.strip_prefix(key))
-                .unwrap_or_else(|| panic!("no {key} in the ready line {line:?}"))
-                .to_string()
-        };
-        Self {
-            http: format!("http://{}", addr("http=")),
-            grpc: format!("http://{}", addr("grpc=")),
-            child,
-            config_path,
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut lines = Vec::new();
+        while !ready(&lines) {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap() == 0 {
+                let _ = child.kill();
+                panic!("kvroute {args:?} exited; printed {lines:?}");
+            }
+            lines.push(line.trim().to_string());
         }
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = reader.read_to_string(&mut sink);
+        });
+        Self { child, lines }
     }
-}
 
-impl RouterProcess {
     /// Sends SIGTERM, as Kubernetes does on shutdown.
     pub fn terminate(&self) {
         let status = Command::new("kill")
@@ -100,12 +100,127 @@ impl RouterProcess {
     }
 }
 
-impl Drop for RouterProcess {
+impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A `kvroute serve` process on loopback; `http` and `grpc` are its URLs.
+pub struct RouterProcess {
+    pub process: Process,
+    pub http: String,
+    pub grpc: String,
+    config_path: std::path::PathBuf,
+}
+
+impl RouterProcess {
+    /// Starts the router on ephemeral ports with `config` (TOML) appended to test defaults.
+    pub fn start(config: &str) -> Self {
+        Self::start_on("127.0.0.1:0", config)
+    }
+
+    /// Starts the router with its gRPC ingest on `grpc_addr` (HOST:PORT).
+    pub fn start_on(grpc_addr: &str, config: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let config_path = std::env::temp_dir().join(format!(
+            "kvroute-test-{}-{}.toml",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let text = format!(
+            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"{grpc_addr}\"\n{config}\n[log]\nlevel = \"error\"\n"
+        );
+        std::fs::write(&config_path, text).unwrap();
+        let path = config_path.to_str().unwrap();
+        let process = Process::spawn(&["serve", "--config", path], |lines| {
+            lines.iter().any(|l| l.starts_with("listening "))
+        });
+        let line = process.lines.last().unwrap().clone();
+        let addr = |key: &str| {
+            line.split_whitespace()
+                .find_map(|part| part.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in the ready line {line:?}"))
+                .to_string()
+        };
+        Self {
+            http: format!("http://{}", addr("http=")),
+            grpc: format!("http://{}", addr("grpc=")),
+            process,
+            config_path,
+        }
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.config_path);
     }
+}
+
+/// A `kvroute sim` fleet of simulated workers.
+pub struct SimFleet {
+    pub process: Process,
+    /// (worker id, base URL) per worker.
+    pub workers: Vec<(u64, String)>,
+}
+
+impl SimFleet {
+    /// `n` workers registering with the router at `router` (its gRPC URL), if any.
+    pub fn start(router: Option<&str>, n: usize) -> Self {
+        let count = n.to_string();
+        let mut args = vec![
+            "sim",
+            "--workers",
+            &count,
+            "--block-size",
+            "16",
+            "--kv-blocks",
+            "256",
+            "--speedup",
+            "100",
+            "--load-report-ms",
+            "50",
+        ];
+        if let Some(router) = router {
+            args.extend(["--router", router]);
+        }
+        let process = Process::spawn(&args, |lines| {
+            lines.iter().filter(|l| l.starts_with("worker ")).count() == n
+        });
+        let workers = process
+            .lines
+            .iter()
+            .filter_map(|l| {
+                let mut parts = l.split(' ');
+                parts.next()?;
+                let id = parts.next()?.parse().ok()?;
+                Some((id, parts.next()?.to_string()))
+            })
+            .collect();
+        Self { process, workers }
+    }
+}
+
+/// The first of `count` consecutive loopback ports that were free a moment ago.
+pub fn free_ports(count: u16) -> u16 {
+    for _ in 0..100 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let all_free = (0..count).all(|i| {
+            first
+                .checked_add(i)
+                .is_some_and(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if all_free {
+            return first;
+        }
+    }
+    panic!("no {count} consecutive free ports");
 }
 
 /// An HTTP response, fully read.
@@ -116,6 +231,10 @@ pub struct Reply {
 }
 
 impl Reply {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
             panic!(
@@ -218,26 +337,35 @@ pub fn tokens(start: u32, n: usize) -> Vec<u32> {
     (start..start + n as u32).collect()
 }
 
-/// Polls `check` every 20 ms until it holds, failing after 10 s.
+/// How long [`eventually`] waits: generous, for a loaded CI machine.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `check` every 20 ms until it holds, failing after [`DEADLINE`].
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..500 {
-        if check().await {
-            return;
-        }
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("timed out waiting until {what}");
 }
 
-/// The sum of the sample lines starting with `prefix` in Prometheus text.
-pub fn metric(text: &str, prefix: &str) -> f64 {
+/// Label pairs a metric sample must carry.
+pub type Labels<'a> = &'a [(&'a str, &'a str)];
+
+/// The sum of the samples of `name` in Prometheus text whose labels include `labels`.
+pub fn metric(text: &str, name: &str, labels: Labels<'_>) -> f64 {
     text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .filter(|line| {
+            labels
+                .iter()
+                .all(|(k, v)| line.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
 
