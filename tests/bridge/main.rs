@@ -11,12 +11,14 @@ mod publisher;
 mod recorder;
 
 use std::net::SocketAddr;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
-use common::{DEADLINE, Http, Labels, RouterProcess, eventually, free_ports, kvroute, metric};
+use common::{
+    DEADLINE, Http, Labels, Process, RouterProcess, eventually, free_ports, kvroute, metric,
+};
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
@@ -50,16 +52,17 @@ vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.
     url
 }
 
-/// A running `kvroute bridge`, killed when dropped.
+/// A running `kvroute bridge`, killed when dropped; its stderr is piped.
 struct Bridge {
-    child: Child,
+    process: Process,
     metrics_addr: SocketAddr,
 }
 
 impl Bridge {
     fn spawn(extra: &[String], router: &str, engine_url: &str, block_size: u32) -> Self {
         let metrics_port = free_ports(1);
-        let child = kvroute()
+        let mut command = kvroute();
+        command
             .arg("bridge")
             .args(extra)
             .args(["--router", router])
@@ -67,11 +70,9 @@ impl Bridge {
             .args(["--engine-url", engine_url])
             .args(["--block-size", &block_size.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stderr(Stdio::piped());
         Self {
-            child,
+            process: Process::start(command, |_| true),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], metrics_port)),
         }
     }
@@ -89,13 +90,6 @@ impl Bridge {
             .get(&format!("http://{}/metrics", self.metrics_addr))
             .await;
         metric(&reply.text(), name, labels)
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -213,16 +207,25 @@ async fn until_subscribed(
     encoding: Encoding,
     dp_rank: u32,
 ) {
+    let name = "kvroute_bridge_batches_received_total";
+    publish_until_counted(publisher, bridge, encoding, dp_rank, name).await;
+}
+
+/// Publishes empty batches of `dp_rank` until the bridge's counter `name` for
+/// that rank counted something.
+async fn publish_until_counted(
+    publisher: &mut Publisher,
+    bridge: &Bridge,
+    encoding: Encoding,
+    dp_rank: u32,
+    name: &str,
+) {
     let rank = dp_rank.to_string();
     let start = Instant::now();
-    while bridge
-        .metric("kvroute_bridge_batches_received_total", &[("rank", &rank)])
-        .await
-        < 1.0
-    {
+    while bridge.metric(name, &[("rank", &rank)]).await < 1.0 {
         assert!(
             start.elapsed() < DEADLINE,
-            "the bridge never subscribed to rank {rank}"
+            "the bridge never counted {name} for rank {rank}"
         );
         publisher.publish(encode(&[], encoding, dp_rank)).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -558,19 +561,8 @@ async fn engine_scenario(target: Target) {
     }
     rank1.restart().await;
     expected.apply(1, &[EngineEvent::Cleared]);
-    let start = Instant::now();
-    while bridge
-        .metric("kvroute_bridge_restarts_total", &[("rank", "1")])
-        .await
-        < 1.0
-    {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the bridge never saw the restart"
-        );
-        rank1.publish(encode(&[], Encoding::Map, 1)).await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let restarts = "kvroute_bridge_restarts_total";
+    publish_until_counted(&mut rank1, &bridge, Encoding::Map, 1, restarts).await;
     let after_restart = vec![stored(vec![digest(1), digest(2)], None, tokens(300, 2))];
     rank1
         .publish(encode(&after_restart, Encoding::Map, 1))
@@ -757,7 +749,7 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
         );
         let start = Instant::now();
         let status = loop {
-            if let Some(status) = bridge.child.try_wait().unwrap() {
+            if let Some(status) = bridge.process.child.try_wait().unwrap() {
                 break status;
             }
             assert!(
@@ -768,7 +760,8 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
         };
         assert!(!status.success());
         let mut stderr = String::new();
-        std::io::Read::read_to_string(bridge.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        std::io::Read::read_to_string(bridge.process.child.stderr.as_mut().unwrap(), &mut stderr)
+            .unwrap();
         assert!(stderr.contains(reason), "stderr: {stderr}");
     }
 }

@@ -53,18 +53,25 @@ pub fn kvroute_output(args: &[&str]) -> Output {
 /// A running `kvroute` process, killed on drop, with the stdout lines it printed
 /// until it was ready.
 pub struct Process {
-    child: Child,
+    pub child: Child,
     pub lines: Vec<String>,
 }
 
 impl Process {
-    /// Starts `kvroute ARGS` and reads stdout lines until `ready` holds for them;
-    /// stdout is drained from then on so the child never blocks on a full pipe.
+    /// Starts `kvroute ARGS` (its stderr on the test's) and reads stdout lines
+    /// until `ready` holds for them.
     pub fn spawn(args: &[&str], ready: impl Fn(&[String]) -> bool) -> Self {
-        let mut child = kvroute()
-            .args(args)
+        let mut command = kvroute();
+        command.args(args).stderr(Stdio::inherit());
+        Self::start(command, ready)
+    }
+
+    /// Starts `command` and reads stdout lines until `ready` holds for them;
+    /// stdout is drained from then on so the child never blocks on a full pipe.
+    pub fn start(mut command: Command, ready: impl Fn(&[String]) -> bool) -> Self {
+        let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+        let mut child = command
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("kvroute starts");
         let mut reader = BufReader::new(child.stdout.take().unwrap());
