@@ -882,7 +882,7 @@ async fn a_failing_worker_is_skipped_by_its_breaker_and_let_back_in_by_a_probe()
 
 #[tokio::test]
 async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
-    let router = RouterProcess::start("[upstream]\nidle_timeout_ms = 300\n");
+    let router = RouterProcess::start("[upstream]\nidle_timeout_ms = 300\nbreaker_failures = 1\n");
     let (workers, _grpc) = fleet(&router, 1).await;
     let http = Http::default();
     let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
@@ -916,6 +916,10 @@ async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
     .await;
     let info = http.get(&format!("{}/workers/1", router.http)).await.json();
     assert_eq!(info["worker"]["ranks"][0]["inflight_requests"], 0, "{info}");
+    assert_eq!(
+        info["worker"]["breaker"], "open",
+        "a hung stream is a failure"
+    );
     let metrics = http.get(&format!("{}/metrics", router.http)).await;
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(

@@ -757,6 +757,12 @@ impl Booking {
         self.key
     }
 
+    /// The worker failed this request after its response started (it went
+    /// silent): a failure for its breaker, as a timeout before the first byte is.
+    pub fn record_failure(&self) {
+        self.registry.record_outcome(self.key.worker_id, false);
+    }
+
     /// The first token arrived: the prompt is no longer waiting for prefill.
     pub fn release_prefill(&mut self) {
         let tokens = std::mem::take(&mut self.prefill_tokens);

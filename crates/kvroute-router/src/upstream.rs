@@ -147,7 +147,7 @@ pin_project_lite::pin_project! {
     ///
     /// A worker silent for longer than the idle timeout is cut off: its body is
     /// dropped at once, which closes the upstream connection so the worker stops
-    /// generating. An SSE client then gets a last event with an OpenAI-style
+    /// generating, and the failure counts for its breaker. An SSE client then gets a last event with an OpenAI-style
     /// error (the status line went out long ago, so an event is the only way to
     /// say why) and the stream ends without `[DONE]`; any other body ends with
     /// an error, which aborts the response so it cannot pass for a complete one.
@@ -236,7 +236,11 @@ impl Body for TrackedBody {
                 if this.idle.poll(cx).is_pending() {
                     return Poll::Pending;
                 }
-                let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
+                let booking = this.flight.booking.as_ref();
+                if let Some(booking) = booking {
+                    booking.record_failure();
+                }
+                let worker = booking.map(|b| b.key().worker_id);
                 let error = RouterError::UpstreamTimeout(format!(
                     "worker {} sent nothing for {} ms",
                     worker.map_or("?".to_string(), |w| w.to_string()),
