@@ -1,7 +1,7 @@
 //! `kvroute demo --once`: the router and a 4-worker simulated fleet replay the
 //! bundled trace under `kv` and `round_robin`; `kv` must come out ahead.
 
-use std::process::Command;
+mod common;
 
 /// The percentage in column `column` of the table row starting with `row`.
 fn cell(table: &str, row: &str, column: usize) -> f64 {
@@ -15,11 +15,7 @@ fn cell(table: &str, row: &str, column: usize) -> f64 {
 
 #[test]
 fn demo_once_shows_kv_ahead_of_round_robin() {
-    let output = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["demo", "--once"])
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("kvroute demo runs");
+    let output = common::kvroute_output(&["demo", "--once"]);
     let table = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success(),

@@ -1,17 +1,13 @@
 //! `kvroute replay` as a user runs it: JSON output, per-request lines, the
 //! comparison's table, CSV and charts, and exit status 2 on bad input.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
+use common::kvroute_output as kvroute;
 use serde_json::Value;
-
-fn kvroute(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(args)
-        .output()
-        .expect("kvroute runs")
-}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("replay_cli");

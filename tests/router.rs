@@ -256,11 +256,7 @@ async fn sse_passes_through_intact_and_a_client_cancel_reaches_the_worker() {
     assert!(first.into_data().unwrap().starts_with(b"data: "));
     drop(incoming);
     eventually("the worker saw the cancel", || async {
-        workers[0]
-            .state
-            .cancelled
-            .load(std::sync::atomic::Ordering::SeqCst)
-            == 1
+        workers[0].cancelled() == 1
     })
     .await;
 }
@@ -654,7 +650,7 @@ async fn shutdown_lets_in_flight_streams_finish() {
         )
         .await;
     assert_eq!(response.status(), 200);
-    router.terminate();
+    router.process.terminate();
     let received = http_body_util::BodyExt::collect(response.into_body())
         .await
         .unwrap()
@@ -664,7 +660,7 @@ async fn shutdown_lets_in_flight_streams_finish() {
     assert_eq!(String::from_utf8_lossy(&received), expected);
     let mut status = None;
     eventually("the router exits", || {
-        status = router.exited();
+        status = router.process.exited();
         std::future::ready(status.is_some())
     })
     .await;
@@ -882,4 +878,309 @@ async fn a_failing_worker_is_skipped_by_its_breaker_and_let_back_in_by_a_probe()
     assert_eq!(breaker(&router, 1).await, "closed");
     let counts = count_by_worker(&route_distinct(&router, 4).await);
     assert_eq!(counts.get(&1), Some(&2), "{counts:?}");
+}
+
+#[tokio::test]
+async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
+    let router = RouterProcess::start("[upstream]\nidle_timeout_ms = 300\nbreaker_failures = 1\n");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 10, "stall_after_chunks": 1});
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &body)
+        .await;
+    assert_eq!(reply.status, 200);
+    // The chunk the worker sent, then an OpenAI-style error event, and no [DONE].
+    let text = String::from_utf8_lossy(&reply.body).to_string();
+    let rest = text
+        .strip_prefix(&sse_chunk(1, 0))
+        .unwrap_or_else(|| panic!("the first chunk passes through: {text:?}"));
+    let event: serde_json::Value = serde_json::from_str(
+        rest.strip_prefix("data: ")
+            .and_then(|r| r.strip_suffix("\n\n"))
+            .unwrap_or_else(|| panic!("one last event: {rest:?}")),
+    )
+    .unwrap();
+    assert_eq!(event["error"]["code"], "upstream_timeout", "{event}");
+    assert!(
+        event["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("worker 1 sent nothing for 300 ms")
+    );
+    // The router hung up on the worker and released the request's load.
+    eventually("the worker saw its stream dropped", || async {
+        workers[0].cancelled() == 1
+    })
+    .await;
+    let info = http.get(&format!("{}/workers/1", router.http)).await.json();
+    assert_eq!(info["worker"]["ranks"][0]["inflight_requests"], 0, "{info}");
+    assert_eq!(
+        info["worker"]["breaker"], "open",
+        "a hung stream is a failure"
+    );
+    let metrics = http.get(&format!("{}/metrics", router.http)).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("kvroute_upstream_idle_timeouts_total 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn an_overflowing_event_queue_drops_nothing_silently() {
+    let router = RouterProcess::start("[ingest]\nevent_queue_batches = 1\n");
+    let http_worker = TestWorker::start(1).await;
+    let mut registration = register(1, &http_worker.url, &["m"], BLOCK_SIZE as u32);
+    registration.dp_ranks = vec![0, 1];
+    let mut worker = GrpcWorker::connect(&router.grpc, None, registration)
+        .await
+        .unwrap();
+    let http = Http::default();
+    let dropped_batches = || {
+        let (http, url) = (http.clone(), format!("{}/metrics", router.http));
+        async move {
+            let text = http.get(&url).await.body;
+            metric(
+                &String::from_utf8_lossy(&text),
+                "kvroute_event_batches_dropped_total",
+                &[("worker", "1")],
+            )
+        }
+    };
+    // The worker's true cache per dp rank: live prompts with their engine block hashes.
+    let mut live: [Vec<(Vec<u32>, Vec<u64>)>; 2] = Default::default();
+    let mut removed: Vec<Vec<u32>> = Vec::new();
+    let mut last = [0; 2];
+    fn store(
+        worker: &mut GrpcWorker,
+        live: &mut Vec<(Vec<u32>, Vec<u64>)>,
+        prompt: Vec<u32>,
+    ) -> kv_event::Kind {
+        let (stored, hashes) = worker.chain(&prompt);
+        live.push((prompt, hashes));
+        kv_event::Kind::Stored(stored)
+    }
+    // Overflow is a race between the index and the wire, so rounds repeat until
+    // one overflowed; the index is checked against the truth after all of them.
+    for round in 1..=5u32 {
+        let base = round * 10_000_000;
+        // Rank 0 loses an event between two: the router asks for it again.
+        for (i, lost) in [false, true, false].into_iter().enumerate() {
+            let prompt = tokens(base + i as u32 * 1000, 64);
+            let kind = store(&mut worker, &mut live[0], prompt);
+            last[0] = worker.event_on(0, None, kind, lost).await;
+        }
+        let resync = loop {
+            let resync = worker.wait_resync().await;
+            if resync.dp_rank == 0 {
+                break resync;
+            }
+            worker.answer_resync(&resync).await;
+        };
+        // Rank 1 keeps the index busy with a long chain, one-event batches pile
+        // up behind it, and the answer to rank 0 comes last, into a full queue.
+        let kind = store(
+            &mut worker,
+            &mut live[1],
+            tokens(base + 100_000, BLOCK_SIZE * 20_000),
+        );
+        worker.event_on(1, None, kind, false).await;
+        for i in 0..8 {
+            let kind = if i == 5 {
+                let (prompt, block_hashes) = live[1].pop().unwrap();
+                removed.push(prompt);
+                kv_event::Kind::Removed(kvroute_proto::Removed { block_hashes })
+            } else {
+                store(
+                    &mut worker,
+                    &mut live[1],
+                    tokens(base + 500_000 + i * 1000, 64),
+                )
+            };
+            last[1] = worker.event_on(1, None, kind, false).await;
+        }
+        worker.answer_resync(&resync).await;
+        worker
+            .answer_resyncs_until_acked(&[(0, last[0]), (1, last[1])])
+            .await;
+        if dropped_batches().await > 0.0 {
+            break;
+        }
+    }
+    assert!(dropped_batches().await > 0.0, "the queue never overflowed");
+
+    // The index holds exactly the worker's cache.
+    let info = http.get(&format!("{}/workers/1", router.http)).await.json();
+    for rank in 0..2 {
+        let blocks: usize = live[rank].iter().map(|(_, hashes)| hashes.len()).sum();
+        assert_eq!(info["index"][rank]["indexed_blocks"], blocks, "{info}");
+        assert_eq!(info["index"][rank]["last_event_id"], last[rank], "{info}");
+        for (prompt, hashes) in live[rank].iter().filter(|(p, _)| p.len() == 64) {
+            let route = dry_run(&router, prompt).await;
+            assert_eq!(route["dp_rank"], rank, "{route}");
+            assert_eq!(route["overlap_blocks"], hashes.len(), "{route}");
+        }
+    }
+    for prompt in &removed {
+        let route = dry_run(&router, prompt).await;
+        assert_eq!(route["overlap_blocks"], 0, "{route}");
+    }
+}
+
+/// Token ids of ASCII text under `tests/data/tokenizer`: one per byte.
+fn byte_ids(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+#[tokio::test]
+async fn a_hugging_face_tokenizer_and_chat_template_hash_like_the_workers_tokens() {
+    const BOS: u32 = 256;
+    const START_HEADER: u32 = 257;
+    const END_HEADER: u32 = 258;
+    const EOT: u32 = 259;
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/tokenizer");
+    let router = RouterProcess::start(&format!(
+        "[tokenizer]\nkind = \"huggingface\"\npath = \"{dir}\"\n"
+    ));
+    let (workers, mut grpc) = fleet(&router, 3).await;
+    let http = Http::default();
+    let route = |body: serde_json::Value| {
+        let (http, url) = (http.clone(), format!("{}/v1/route", router.http));
+        async move { http.post(&url, &body).await.json() }
+    };
+
+    // What the engine makes of this chat with the Llama-3-style template,
+    // worked out by hand: worker 2 cached exactly that.
+    let system = "You are a careful assistant. ".repeat(12);
+    let user = "What is a KV cache?";
+    let header = |role: &str| {
+        let mut ids = vec![START_HEADER];
+        ids.extend(byte_ids(role));
+        ids.extend([END_HEADER, 10, 10]);
+        ids
+    };
+    let mut chat_tokens = vec![BOS];
+    chat_tokens.extend(header("system"));
+    chat_tokens.extend(byte_ids(system.trim()));
+    chat_tokens.push(EOT);
+    chat_tokens.extend(header("user"));
+    chat_tokens.extend(byte_ids(user));
+    chat_tokens.push(EOT);
+    chat_tokens.extend(header("assistant"));
+    grpc[1].store(&chat_tokens).await;
+    let chat = json!({"model": "m", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": user},
+    ]});
+    let dry = route(chat.clone()).await;
+    assert_eq!(dry["worker_id"], 2, "{dry}");
+    assert_eq!(dry["prompt_tokens"], chat_tokens.len());
+    assert_eq!(dry["overlap_blocks"], chat_tokens.len() / BLOCK_SIZE);
+    let reply = http
+        .post(&format!("{}/v1/chat/completions", router.http), &chat)
+        .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.worker(), 2);
+    assert_eq!(
+        workers[1].state.last_body.lock().unwrap().as_ref(),
+        Some(&chat),
+        "the body is forwarded as sent"
+    );
+
+    // A completion's text gets the BOS of the post-processor; the same tokens
+    // sent as ids route the same way, with the same scores.
+    let text = system.trim();
+    let mut text_tokens = vec![BOS];
+    text_tokens.extend(byte_ids(text));
+    grpc[2].store(&text_tokens).await;
+    let by_text = route(json!({"model": "m", "prompt": text})).await;
+    let by_ids = route(json!({"model": "m", "prompt": text_tokens})).await;
+    assert_eq!(by_text["worker_id"], 3, "{by_text}");
+    assert_eq!(by_text["prompt_tokens"], text_tokens.len());
+    assert_eq!(by_text["overlap_blocks"], text_tokens.len() / BLOCK_SIZE);
+    for field in ["worker_id", "prompt_tokens", "overlap_blocks", "scores"] {
+        assert_eq!(by_text[field], by_ids[field], "{field}");
+    }
+}
+
+/// Sends worker `grpc`'s load report and waits until the router shows it.
+async fn report_load(router: &RouterProcess, grpc: &GrpcWorker, kv_blocks_used: u64) {
+    grpc.send(worker_message::Body::Load(kvroute_proto::LoadReport {
+        dp_rank: 0,
+        kv_blocks_used,
+        kv_blocks_total: 1000,
+        ..Default::default()
+    }))
+    .await;
+    let http = Http::default();
+    let url = format!("{}/workers/{}", router.http, grpc.id);
+    eventually("the load report is applied", || async {
+        http.get(&url).await.json()["worker"]["ranks"][0]["reported"]["kv_blocks_used"]
+            == kv_blocks_used
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_retried_request_predicts_its_prefix_only_where_it_was_served() {
+    let (router, workers, grpc) = router_with_fleet("", 2).await;
+    // Worker 2 is loaded, so worker 1 is the first choice; worker 1 fails.
+    report_load(&router, &grpc[1], 50).await;
+    workers[0].set_mode(Mode::Fail);
+    let prefix = tokens(130_000, 128);
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &prompt(&prefix, 1)),
+        )
+        .await;
+    assert_eq!(reply.worker(), 2);
+    assert_eq!(workers[0].received(), 1, "worker 1 was tried first");
+
+    // Equal load again: only worker 2 is expected to hold the prefix, so it
+    // wins outright instead of tying with the worker that failed.
+    report_load(&router, &grpc[1], 0).await;
+    let route = dry_run(&router, &prompt(&prefix, 2)).await;
+    assert_eq!(route["worker_id"], 2, "{route}");
+    for score in route["scores"].as_array().unwrap() {
+        let expected = if score["worker_id"] == 2 { 8 } else { 0 };
+        assert_eq!(score["predicted_overlap_blocks"], expected, "{route}");
+    }
+}
+
+#[tokio::test]
+async fn a_cooled_down_breaker_gets_its_probe_even_when_others_are_cheaper() {
+    let (router, workers, mut grpc) = router_with_fleet(
+        "[upstream]\nbreaker_failures = 1\nbreaker_cooldown_ms = 300\nhealth_interval_ms = 0\n",
+        2,
+    )
+    .await;
+    // Every request shares a prefix worker 2 holds: worker 2 is always cheaper.
+    let prefix = tokens(140_000, 256);
+    grpc[1].store(&prefix).await;
+    workers[0].set_mode(Mode::Fail);
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    http.call(
+        "POST",
+        &url,
+        &[("x-kvroute-worker", "1")],
+        completion("m", &prefix).to_string(),
+    )
+    .await
+    .assert_error(502, "upstream_error");
+    assert_eq!(breaker(&router, 1).await, "open");
+
+    // Worker 1 recovers; after the cool-down the next request is its probe.
+    workers[0].set_mode(Mode::Ok);
+    eventually("worker 1 gets a probe", || async {
+        let reply = http.post(&url, &completion("m", &prompt(&prefix, 1))).await;
+        assert_eq!(reply.status, 200);
+        reply.worker() == 1
+    })
+    .await;
+    assert_eq!(workers[0].received(), 2);
+    assert_eq!(breaker(&router, 1).await, "closed");
 }

@@ -10,14 +10,15 @@ mod common;
 mod publisher;
 mod recorder;
 
-use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
-use common::{Http, RouterProcess};
+use common::{
+    DEADLINE, Http, Labels, Process, RouterProcess, eventually, free_ports, kvroute, metric,
+};
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
@@ -25,40 +26,6 @@ use recorder::{ROUTER_BLOCK_SIZE, Recorded};
 const WORKER_ID: u64 = 42;
 /// The bearer token the real router requires on gRPC and its admin endpoints.
 const TOKEN: &str = "s3cret";
-const DEADLINE: Duration = Duration::from_secs(30);
-
-/// Polls `check` until it holds, failing the test with `what` after [`DEADLINE`].
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A free loopback port, or the first of `count` consecutive free ports.
-fn free_ports(count: u16) -> u16 {
-    for _ in 0..100 {
-        let first = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let all_free = (0..count).all(|i| {
-            first
-                .checked_add(i)
-                .is_some_and(|p| TcpListener::bind(("127.0.0.1", p)).is_ok())
-        });
-        if all_free {
-            return first;
-        }
-    }
-    panic!("no {count} consecutive free ports");
-}
 
 /// The engine's HTTP side: its model list (a base model and one adapter) and vLLM-style gauges.
 async fn start_engine_http() -> String {
@@ -85,19 +52,17 @@ vllm:cache_config_info{block_size=\"4\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.
     url
 }
 
-/// Label pairs a metric sample must carry.
-type Labels<'a> = &'a [(&'a str, &'a str)];
-
-/// A running `kvroute bridge`, killed when dropped.
+/// A running `kvroute bridge`, killed when dropped; its stderr is piped.
 struct Bridge {
-    child: Child,
+    process: Process,
     metrics_addr: SocketAddr,
 }
 
 impl Bridge {
     fn spawn(extra: &[String], router: &str, engine_url: &str, block_size: u32) -> Self {
         let metrics_port = free_ports(1);
-        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        let mut command = kvroute();
+        command
             .arg("bridge")
             .args(extra)
             .args(["--router", router])
@@ -105,12 +70,9 @@ impl Bridge {
             .args(["--engine-url", engine_url])
             .args(["--block-size", &block_size.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .env("RUST_LOG", "warn")
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stderr(Stdio::piped());
         Self {
-            child,
+            process: Process::start(command, |_| true),
             metrics_addr: SocketAddr::from(([127, 0, 0, 1], metrics_port)),
         }
     }
@@ -127,24 +89,7 @@ impl Bridge {
         let reply = Http::default()
             .get(&format!("http://{}/metrics", self.metrics_addr))
             .await;
-        String::from_utf8_lossy(&reply.body)
-            .lines()
-            .filter(|line| line.starts_with(name) && !line.starts_with('#'))
-            .filter(|line| line[name.len()..].starts_with(['{', ' ']))
-            .filter(|line| {
-                labels
-                    .iter()
-                    .all(|(k, v)| line.contains(&format!("{k}=\"{v}\"")))
-            })
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        metric(&reply.text(), name, labels)
     }
 }
 
@@ -262,16 +207,25 @@ async fn until_subscribed(
     encoding: Encoding,
     dp_rank: u32,
 ) {
+    let name = "kvroute_bridge_batches_received_total";
+    publish_until_counted(publisher, bridge, encoding, dp_rank, name).await;
+}
+
+/// Publishes empty batches of `dp_rank` until the bridge's counter `name` for
+/// that rank counted something.
+async fn publish_until_counted(
+    publisher: &mut Publisher,
+    bridge: &Bridge,
+    encoding: Encoding,
+    dp_rank: u32,
+    name: &str,
+) {
     let rank = dp_rank.to_string();
     let start = Instant::now();
-    while bridge
-        .metric("kvroute_bridge_batches_received_total", &[("rank", &rank)])
-        .await
-        < 1.0
-    {
+    while bridge.metric(name, &[("rank", &rank)]).await < 1.0 {
         assert!(
             start.elapsed() < DEADLINE,
-            "the bridge never subscribed to rank {rank}"
+            "the bridge never counted {name} for rank {rank}"
         );
         publisher.publish(encode(&[], encoding, dp_rank)).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -607,19 +561,8 @@ async fn engine_scenario(target: Target) {
     }
     rank1.restart().await;
     expected.apply(1, &[EngineEvent::Cleared]);
-    let start = Instant::now();
-    while bridge
-        .metric("kvroute_bridge_restarts_total", &[("rank", "1")])
-        .await
-        < 1.0
-    {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the bridge never saw the restart"
-        );
-        rank1.publish(encode(&[], Encoding::Map, 1)).await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let restarts = "kvroute_bridge_restarts_total";
+    publish_until_counted(&mut rank1, &bridge, Encoding::Map, 1, restarts).await;
     let after_restart = vec![stored(vec![digest(1), digest(2)], None, tokens(300, 2))];
     rank1
         .publish(encode(&after_restart, Encoding::Map, 1))
@@ -806,7 +749,7 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
         );
         let start = Instant::now();
         let status = loop {
-            if let Some(status) = bridge.child.try_wait().unwrap() {
+            if let Some(status) = bridge.process.child.try_wait().unwrap() {
                 break status;
             }
             assert!(
@@ -817,7 +760,8 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
         };
         assert!(!status.success());
         let mut stderr = String::new();
-        std::io::Read::read_to_string(bridge.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        std::io::Read::read_to_string(bridge.process.child.stderr.as_mut().unwrap(), &mut stderr)
+            .unwrap();
         assert!(stderr.contains(reason), "stderr: {stderr}");
     }
 }
@@ -847,7 +791,7 @@ fn bad_endpoints_are_clear_errors_at_start() {
         args.iter_mut()
             .filter(|(f, _)| *f == flag)
             .for_each(|a| a.1 = value);
-        let output = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        let output = kvroute()
             .arg("bridge")
             .args(args.iter().map(|(f, v)| format!("{f}={v}")))
             .output()

@@ -1,16 +1,19 @@
-//! Real parts for end-to-end tests over loopback: the `kvroute serve` process,
-//! a small OpenAI-compatible test worker (an axum server), a gRPC worker client
-//! streaming KV events, and a plain HTTP client.
+//! The one set of helpers for the end-to-end tests in `tests/`: real parts over
+//! loopback. Processes: `kvroute` one-shot runs, the `kvroute serve` router and
+//! the `kvroute sim` fleet, killed on drop. In the test process: a small
+//! OpenAI-compatible test worker (an axum server), a gRPC worker client
+//! streaming KV events, a plain HTTP client, polling and metric reading.
+//! Each test binary uses a part of it.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -35,55 +38,59 @@ use tokio_stream::wrappers::ReceiverStream;
 
 pub const BLOCK_SIZE: usize = 16;
 
-/// A `kvroute serve` process on ephemeral loopback ports; killed on drop.
-pub struct RouterProcess {
-    child: Child,
-    pub http: String,
-    pub grpc: String,
-    config_path: std::path::PathBuf,
+/// The `kvroute` binary, logging warnings only.
+pub fn kvroute() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvroute"));
+    command.env("RUST_LOG", "warn");
+    command
 }
 
-impl RouterProcess {
-    /// Starts the router with `config` (TOML) appended to test defaults.
-    pub fn start(config: &str) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let config_path = std::env::temp_dir().join(format!(
-            "kvroute-test-{}-{}.toml",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let text = format!(
-            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"127.0.0.1:0\"\n{config}\n[log]\nlevel = \"error\"\n"
-        );
-        std::fs::write(&config_path, text).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&config_path)
+/// Runs `kvroute ARGS` to the end.
+pub fn kvroute_output(args: &[&str]) -> Output {
+    kvroute().args(args).output().expect("kvroute runs")
+}
+
+/// A running `kvroute` process, killed on drop, with the stdout lines it printed
+/// until it was ready.
+pub struct Process {
+    pub child: Child,
+    pub lines: Vec<String>,
+}
+
+impl Process {
+    /// Starts `kvroute ARGS` (its stderr on the test's) and reads stdout lines
+    /// until `ready` holds for them.
+    pub fn spawn(args: &[&str], ready: impl Fn(&[String]) -> bool) -> Self {
+        let mut command = kvroute();
+        command.args(args).stderr(Stdio::inherit());
+        Self::start(command, ready)
+    }
+
+    /// Starts `command` and reads stdout lines until `ready` holds for them;
+    /// stdout is drained from then on so the child never blocks on a full pipe.
+    pub fn start(mut command: Command, ready: impl Fn(&[String]) -> bool) -> Self {
+        let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+        let mut child = command
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("kvroute starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = |key: &str| {
-            line.split_whitespace()
-                .find_map(|part| part.strip_prefix(key))
-                .unwrap_or_else(|| panic!("no {key} in the ready line {line:?}"))
-                .to_string()
-        };
-        Self {
-            http: format!("http://{}", addr("http=")),
-            grpc: format!("http://{}", addr("grpc=")),
-            child,
-            config_path,
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut lines = Vec::new();
+        while !ready(&lines) {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap() == 0 {
+                let _ = child.kill();
+                panic!("kvroute {args:?} exited; printed {lines:?}");
+            }
+            lines.push(line.trim().to_string());
         }
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = reader.read_to_string(&mut sink);
+        });
+        Self { child, lines }
     }
-}
 
-impl RouterProcess {
     /// Sends SIGTERM, as Kubernetes does on shutdown.
     pub fn terminate(&self) {
         let status = Command::new("kill")
@@ -100,12 +107,127 @@ impl RouterProcess {
     }
 }
 
-impl Drop for RouterProcess {
+impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A `kvroute serve` process on loopback; `http` and `grpc` are its URLs.
+pub struct RouterProcess {
+    pub process: Process,
+    pub http: String,
+    pub grpc: String,
+    config_path: std::path::PathBuf,
+}
+
+impl RouterProcess {
+    /// Starts the router on ephemeral ports with `config` (TOML) appended to test defaults.
+    pub fn start(config: &str) -> Self {
+        Self::start_on("127.0.0.1:0", config)
+    }
+
+    /// Starts the router with its gRPC ingest on `grpc_addr` (HOST:PORT).
+    pub fn start_on(grpc_addr: &str, config: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let config_path = std::env::temp_dir().join(format!(
+            "kvroute-test-{}-{}.toml",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let text = format!(
+            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"{grpc_addr}\"\n{config}\n[log]\nlevel = \"error\"\n"
+        );
+        std::fs::write(&config_path, text).unwrap();
+        let path = config_path.to_str().unwrap();
+        let process = Process::spawn(&["serve", "--config", path], |lines| {
+            lines.iter().any(|l| l.starts_with("listening "))
+        });
+        let line = process.lines.last().unwrap().clone();
+        let addr = |key: &str| {
+            line.split_whitespace()
+                .find_map(|part| part.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in the ready line {line:?}"))
+                .to_string()
+        };
+        Self {
+            http: format!("http://{}", addr("http=")),
+            grpc: format!("http://{}", addr("grpc=")),
+            process,
+            config_path,
+        }
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.config_path);
     }
+}
+
+/// A `kvroute sim` fleet of simulated workers.
+pub struct SimFleet {
+    pub process: Process,
+    /// (worker id, base URL) per worker.
+    pub workers: Vec<(u64, String)>,
+}
+
+impl SimFleet {
+    /// `n` workers registering with the router at `router` (its gRPC URL), if any.
+    pub fn start(router: Option<&str>, n: usize) -> Self {
+        let count = n.to_string();
+        let mut args = vec![
+            "sim",
+            "--workers",
+            &count,
+            "--block-size",
+            "16",
+            "--kv-blocks",
+            "256",
+            "--speedup",
+            "100",
+            "--load-report-ms",
+            "50",
+        ];
+        if let Some(router) = router {
+            args.extend(["--router", router]);
+        }
+        let process = Process::spawn(&args, |lines| {
+            lines.iter().filter(|l| l.starts_with("worker ")).count() == n
+        });
+        let workers = process
+            .lines
+            .iter()
+            .filter_map(|l| {
+                let mut parts = l.split(' ');
+                parts.next()?;
+                let id = parts.next()?.parse().ok()?;
+                Some((id, parts.next()?.to_string()))
+            })
+            .collect();
+        Self { process, workers }
+    }
+}
+
+/// The first of `count` consecutive loopback ports that were free a moment ago.
+pub fn free_ports(count: u16) -> u16 {
+    for _ in 0..100 {
+        let first = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let all_free = (0..count).all(|i| {
+            first
+                .checked_add(i)
+                .is_some_and(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if all_free {
+            return first;
+        }
+    }
+    panic!("no {count} consecutive free ports");
 }
 
 /// An HTTP response, fully read.
@@ -116,6 +238,10 @@ pub struct Reply {
 }
 
 impl Reply {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| {
             panic!(
@@ -218,19 +344,36 @@ pub fn tokens(start: u32, n: usize) -> Vec<u32> {
     (start..start + n as u32).collect()
 }
 
-/// Polls `check` every 20 ms until it holds, failing after 10 s.
+/// How long [`eventually`] waits: generous, for a loaded CI machine.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Polls `check` every 20 ms until it holds, failing after [`DEADLINE`].
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..500 {
-        if check().await {
-            return;
-        }
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("timed out waiting until {what}");
+}
+
+/// Label pairs a metric sample must carry.
+pub type Labels<'a> = &'a [(&'a str, &'a str)];
+
+/// The sum of the samples of `name` in Prometheus text whose labels include `labels`.
+pub fn metric(text: &str, name: &str, labels: Labels<'_>) -> f64 {
+    text.lines()
+        .filter(|line| line.starts_with(name) && line[name.len()..].starts_with(['{', ' ']))
+        .filter(|line| {
+            labels
+                .iter()
+                .all(|(k, v)| line.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// How the test worker answers.
@@ -307,6 +450,11 @@ impl TestWorker {
     pub fn inflight(&self) -> usize {
         self.state.inflight.load(Ordering::SeqCst)
     }
+
+    /// Streams that ended before their end: the client (the router) hung up.
+    pub fn cancelled(&self) -> usize {
+        self.state.cancelled.load(Ordering::SeqCst)
+    }
 }
 
 /// The SSE body a test worker streams for `chunks` chunks.
@@ -361,6 +509,8 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
     if request["stream"] == json!(true) {
         let chunks = request["max_tokens"].as_u64().unwrap_or(4) as usize;
         let delay = Duration::from_millis(request["chunk_delay_ms"].as_u64().unwrap_or(5));
+        // A worker that hangs mid-stream: silent for good after this many chunks.
+        let stall_after = request["stall_after_chunks"].as_u64().map(|n| n as usize);
         let id = state.id;
         let stream = futures_util::stream::unfold(
             (
@@ -374,6 +524,9 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
             move |(i, mut stream_guard, guard)| async move {
                 if i > chunks {
                     return None;
+                }
+                if stall_after == Some(i) {
+                    std::future::pending::<()>().await;
                 }
                 tokio::time::sleep(delay).await;
                 let text = if i == chunks {
@@ -416,9 +569,11 @@ pub struct GrpcWorker {
     pub id: u64,
     tx: mpsc::Sender<WorkerMessage>,
     pub rx: tonic::Streaming<RouterMessage>,
-    /// Engine block hash → tokens hash, of blocks stored so far.
     next_block_hash: u64,
-    next_event_id: u64,
+    /// dp rank → the id of its next event.
+    next_event_ids: HashMap<u32, u64>,
+    /// Every event logged, by (dp rank, id): what a resync is answered from.
+    log: std::collections::BTreeMap<(u32, u64), kv_event::Kind>,
 }
 
 pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Register {
@@ -470,7 +625,8 @@ impl GrpcWorker {
             tx,
             rx,
             next_block_hash: id << 32,
-            next_event_id: 0,
+            next_event_ids: HashMap::new(),
+            log: Default::default(),
         })
     }
 
@@ -508,16 +664,32 @@ impl GrpcWorker {
 
     /// Sends one event with the next id (or `id` when given) and returns its id.
     pub async fn event(&mut self, id: Option<u64>, kind: kv_event::Kind) -> u64 {
-        let event_id = id.unwrap_or(self.next_event_id);
-        self.next_event_id = event_id + 1;
-        self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
-            dp_rank: 0,
-            events: vec![KvEvent {
-                event_id,
-                kind: Some(kind),
-            }],
-        }))
-        .await;
+        self.event_on(0, id, kind, false).await
+    }
+
+    /// Logs one event of dp rank `rank` with the next id (or `id`) and sends it
+    /// unless `lost`, as an engine whose event went missing. Returns its id.
+    pub async fn event_on(
+        &mut self,
+        rank: u32,
+        id: Option<u64>,
+        kind: kv_event::Kind,
+        lost: bool,
+    ) -> u64 {
+        let next = self.next_event_ids.entry(rank).or_default();
+        let event_id = id.unwrap_or(*next);
+        *next = event_id + 1;
+        self.log.insert((rank, event_id), kind.clone());
+        if !lost {
+            self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
+                dp_rank: rank,
+                events: vec![KvEvent {
+                    event_id,
+                    kind: Some(kind),
+                }],
+            }))
+            .await;
+        }
         event_id
     }
 
@@ -555,6 +727,42 @@ impl GrpcWorker {
         loop {
             if let router_message::Body::Resync(r) = self.next().await {
                 return r;
+            }
+        }
+    }
+
+    /// Answers a resync request as an engine does: every logged event of the
+    /// rank from the id asked for, in one batch.
+    pub async fn answer_resync(&self, request: &kvroute_proto::ResyncRequest) {
+        let rank = request.dp_rank;
+        let events = self
+            .log
+            .range((rank, request.from_event_id)..(rank + 1, 0))
+            .map(|(&(_, event_id), kind)| KvEvent {
+                event_id,
+                kind: Some(kind.clone()),
+            })
+            .collect();
+        self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
+            dp_rank: rank,
+            events,
+        }))
+        .await;
+    }
+
+    /// Answers resync requests until the router has acked each (dp rank, last id).
+    pub async fn answer_resyncs_until_acked(&mut self, last: &[(u32, u64)]) {
+        let mut acked: HashMap<u32, u64> = HashMap::new();
+        while !last
+            .iter()
+            .all(|(rank, id)| acked.get(rank).is_some_and(|a| a >= id))
+        {
+            match self.next().await {
+                router_message::Body::Resync(r) => self.answer_resync(&r).await,
+                router_message::Body::Ack(ack) => {
+                    acked.insert(ack.dp_rank, ack.last_event_id);
+                }
+                _ => {}
             }
         }
     }

@@ -144,6 +144,40 @@ impl PredictedIndex {
             .collect()
     }
 
+    /// Forgets `worker`'s entries along the path of `local_hashes`: the request
+    /// recorded for it was served elsewhere (entries an earlier request left on
+    /// that path go too, which costs affinity at worst).
+    pub fn forget(&self, worker: WorkerKey, local_hashes: &[u64]) {
+        let seqs = chain_keys(local_hashes);
+        let mut inner = self.inner.write().unwrap();
+        let Inner {
+            blocks,
+            per_worker,
+            len,
+            ..
+        } = &mut *inner;
+        let mut removed = 0;
+        for seq in seqs {
+            let Some(list) = blocks.get_mut(&seq) else {
+                continue;
+            };
+            let before = list.len();
+            list.retain(|p| p.worker != worker);
+            removed += before - list.len();
+            if list.is_empty() {
+                blocks.remove(&seq);
+            }
+        }
+        if removed > 0 {
+            *len -= removed;
+            let n = per_worker.get_mut(&worker).expect("counted");
+            *n -= removed as u64;
+            if *n == 0 {
+                per_worker.remove(&worker);
+            }
+        }
+    }
+
     /// Forgets every prediction for `worker`.
     pub fn remove_worker(&self, worker: WorkerKey) {
         self.inner.write().unwrap().retain(|p| p.worker != worker);
@@ -242,6 +276,22 @@ mod tests {
         p.remove_worker(A);
         assert_eq!(depth_of(&p.find_matches(&[1, 2, 3], now), A), 0);
         assert_eq!(p.len(), 4);
+    }
+
+    #[test]
+    fn forgetting_a_path_keeps_the_worker_s_other_entries_and_other_workers() {
+        let p = PredictedIndex::new(PredictedConfig::default());
+        let now = Instant::now();
+        p.record(A, &[1, 2, 3], now);
+        p.record(A, &[7], now);
+        p.record(B, &[1, 2], now);
+        p.forget(A, &[1, 2, 3, 4]);
+        assert_eq!(depth_of(&p.find_matches(&[1, 2, 3], now), A), 0);
+        assert_eq!(depth_of(&p.find_matches(&[1, 2, 3], now), B), 2);
+        let m = p.find_matches(&[7], now);
+        assert_eq!(depth_of(&m, A), 1);
+        assert_eq!(m[0].total_blocks, 1);
+        assert_eq!(p.len(), 3);
     }
 
     #[test]

@@ -284,7 +284,12 @@ async fn proxy(
                 parts
                     .headers
                     .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
-                let body = TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout());
+                let sse = parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+                let body =
+                    TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Ok(response) => {
@@ -319,6 +324,8 @@ async fn proxy(
         };
         state.registry.record_outcome(worker.worker_id, false);
         tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
+        // The prefix will be cached where the request is served, not here.
+        state.predicted.forget(worker, &local_hashes);
         drop(booking);
         tried.push(worker.worker_id);
         if parsed.pin.is_some() {

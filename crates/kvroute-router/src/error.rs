@@ -61,15 +61,19 @@ impl RouterError {
             RouterError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
         }
     }
+
+    /// The OpenAI-style body: `{"error": {"message", "type", "code"}}`.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, code) = self.kind();
+        serde_json::json!({
+            "error": { "message": self.to_string(), "type": kind, "code": code }
+        })
+    }
 }
 
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
-        let (kind, code) = self.kind();
-        let body = serde_json::json!({
-            "error": { "message": self.to_string(), "type": kind, "code": code }
-        });
-        let mut response = (self.status(), axum::Json(body)).into_response();
+        let mut response = (self.status(), axum::Json(self.body())).into_response();
         if let RouterError::Unavailable { retry_after_s, .. } = self {
             response
                 .headers_mut()

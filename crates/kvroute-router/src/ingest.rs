@@ -7,6 +7,13 @@
 //! stalls anything else nor silently loses an event. The HTTP path never waits on
 //! this queue; it only reads the index.
 //!
+//! After a drop the reader also drops that rank's later batches, without asking
+//! again, until the answer arrives: a batch starting at or before the id asked
+//! for (the worker resends everything from there to its latest event), or a dump
+//! at least that recent. Passing later batches on would only make gaps — or,
+//! for a rank with nothing applied yet, be applied over the hole. An answer that
+//! is itself dropped is asked for again.
+//!
 //! Per dp rank the applier keeps the id it last asked to be resent from, so that
 //! a burst of out-of-order events after a gap asks once, not once per event.
 //! Ids that start over (the next id at or below 1 while the index is further on)
@@ -191,6 +198,8 @@ impl Stream {
         work: mpsc::Sender<Work>,
         mut stopped: watch::Receiver<bool>,
     ) -> Result<(), Status> {
+        // dp rank → the first id of the batch dropped on a full queue, until resent.
+        let mut dropped_from: HashMap<u32, u64> = HashMap::new();
         loop {
             let message = tokio::select! {
                 message = inbound.message() => message?,
@@ -201,20 +210,40 @@ impl Stream {
             };
             match message.body {
                 Some(worker_message::Body::Events(batch)) => {
-                    let first_id = batch.events.first().map(|e| e.event_id);
+                    let Some(first_id) = batch.events.first().map(|e| e.event_id) else {
+                        continue;
+                    };
                     let rank = batch.dp_rank;
+                    if let Some(&from) = dropped_from.get(&rank) {
+                        if first_id > from {
+                            // The answer to the resync request will hold these events too.
+                            self.count_dropped_batch();
+                            continue;
+                        }
+                        dropped_from.remove(&rank);
+                    }
                     if let Err(mpsc::error::TrySendError::Full(_)) =
                         work.try_send(Work::Events(batch))
                     {
-                        ::metrics::counter!(metrics::DROPPED_BATCHES, "worker" => self.worker_id.to_string())
-                            .increment(1);
-                        if let Some(from) = first_id {
-                            self.request_resync(rank, from).await;
-                        }
+                        self.count_dropped_batch();
+                        tracing::debug!(
+                            worker = self.worker_id,
+                            rank,
+                            first_id,
+                            "event queue full: batch dropped"
+                        );
+                        dropped_from.insert(rank, first_id);
+                        self.request_resync(rank, first_id).await;
                     }
                 }
                 // A dump replaces state wholesale; it must not be dropped, so wait for room.
                 Some(worker_message::Body::Dump(dump)) => {
+                    if dropped_from
+                        .get(&dump.dp_rank)
+                        .is_some_and(|&from| dump.last_event_id >= from)
+                    {
+                        dropped_from.remove(&dump.dp_rank);
+                    }
                     if work.send(Work::Dump(dump)).await.is_err() {
                         break;
                     }
@@ -277,7 +306,10 @@ impl Stream {
                     ::metrics::counter!(metrics::EVENT_GAPS, "worker" => label.clone())
                         .increment(1);
                     tracing::debug!(worker = %label, expected, got, "event gap");
-                    self.request_resync(key.dp_rank, expected).await;
+                    let asked = self.pending.lock().unwrap().get(&key.dp_rank) == Some(&expected);
+                    if !asked {
+                        self.request_resync(key.dp_rank, expected).await;
+                    }
                 }
                 kvroute_index::ApplyOutcome::Applied { .. } => {
                     let mut pending = self.pending.lock().unwrap();
@@ -310,15 +342,14 @@ impl Stream {
         self.ack(key);
     }
 
-    /// Asks for events from `from` on, unless that exact request is already out.
+    fn count_dropped_batch(&self) {
+        ::metrics::counter!(metrics::DROPPED_BATCHES, "worker" => self.worker_id.to_string())
+            .increment(1);
+    }
+
+    /// Asks for events from `from` on.
     async fn request_resync(&self, dp_rank: u32, from: u64) {
-        {
-            let mut pending = self.pending.lock().unwrap();
-            if pending.get(&dp_rank) == Some(&from) {
-                return;
-            }
-            pending.insert(dp_rank, from);
-        }
+        self.pending.lock().unwrap().insert(dp_rank, from);
         ::metrics::counter!(metrics::RESYNCS, "worker" => self.worker_id.to_string()).increment(1);
         let body = router_message::Body::Resync(ResyncRequest {
             dp_rank,

@@ -34,6 +34,7 @@ pub const HEALTH_CHECKS: &str = "kvroute_health_checks_total";
 pub const HTTP_RESPONSES: &str = "kvroute_http_responses_total";
 pub const QUEUED: &str = "kvroute_queued_requests";
 pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
+pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -103,6 +104,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         CANCELLED,
         "Proxied responses the client abandoned before the end",
+    ),
+    (
+        IDLE_TIMEOUTS,
+        "Proxied responses cut off because the worker went silent past the idle timeout",
     ),
 ];
 

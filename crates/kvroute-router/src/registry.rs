@@ -186,6 +186,8 @@ pub struct Fleet {
     pub ranks: HashMap<WorkerKey, Rank>,
     pub groups: HashMap<String, Group>,
     names: HashMap<String, NameUse>,
+    /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
+    tripped: BTreeSet<u64>,
 }
 
 /// Tunables the registry needs from the config.
@@ -272,6 +274,7 @@ impl Registry {
                 ranks: HashMap::new(),
                 groups: HashMap::new(),
                 names: HashMap::new(),
+                tripped: BTreeSet::new(),
             }),
             released: tokio::sync::Notify::new(),
         }
@@ -468,6 +471,11 @@ impl Registry {
             },
         };
         worker.breaker_gauge.set(worker.breaker.gauge_value());
+        if matches!(worker.breaker, Breaker::Closed { .. }) {
+            fleet.tripped.remove(&worker_id);
+        } else {
+            fleet.tripped.insert(worker_id);
+        }
     }
 
     /// Workers with no request for `quiet`, for health checks: (id, base URL).
@@ -603,6 +611,26 @@ impl Fleet {
             && !is_busy(worker, rank, limits)
     }
 
+    /// A rank for `group` whose worker's breaker is due a probe (open past its
+    /// cool-down, or half-open with its probe lost) and that `usable` accepts.
+    /// The scheduler sends it the next request whatever its cost: otherwise a
+    /// worker that is never the cheapest would never be probed, and its breaker
+    /// never closed. O(tripped workers), which is almost always none.
+    pub fn probe_due(
+        &self,
+        group: &Group,
+        limits: &Limits,
+        now: Instant,
+        usable: impl Fn(WorkerKey) -> bool,
+    ) -> Option<WorkerKey> {
+        self.tripped
+            .iter()
+            .filter_map(|id| self.workers.get(id))
+            .filter(|w| w.breaker.available(now, limits.breaker_cooldown))
+            .flat_map(|w| w.dp_ranks.iter().map(|&r| WorkerKey::new(w.id, r)))
+            .find(|&k| group.members.binary_search(&k).is_ok() && usable(k))
+    }
+
     /// The part of the `kv` cost that depends on the rank alone, scaled to an integer
     /// so that it orders ranks in a BTreeSet.
     fn load_key(rank: &Rank, limits: &Limits) -> u64 {
@@ -670,6 +698,7 @@ impl Fleet {
     /// Returns the removed registration's generation.
     fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) -> Option<u64> {
         let worker = self.workers.remove(&worker_id)?;
+        self.tripped.remove(&worker_id);
         for name in worker.names() {
             if let Some(group) = self.groups.get_mut(name) {
                 group.by_load.retain(|&(_, k)| k.worker_id != worker_id);
@@ -726,6 +755,12 @@ pub struct Booking {
 impl Booking {
     pub fn key(&self) -> WorkerKey {
         self.key
+    }
+
+    /// The worker failed this request after its response started (it went
+    /// silent): a failure for its breaker, as a timeout before the first byte is.
+    pub fn record_failure(&self) {
+        self.registry.record_outcome(self.key.worker_id, false);
     }
 
     /// The first token arrived: the prompt is no longer waiting for prefill.

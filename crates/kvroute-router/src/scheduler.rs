@@ -13,6 +13,9 @@
 //! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
 //! softmax over costs normalised by the largest.
 //!
+//! A rank whose circuit breaker is due a probe gets the next request whatever
+//! its cost, so that a worker that recovered gets back into routing.
+//!
 //! Only ranks that matched the prompt and the first few ranks of the group's load
 //! order are costed: an unmatched rank's cost differs from another unmatched
 //! rank's only by its load, so the cheapest unmatched ranks are the least loaded
@@ -154,6 +157,8 @@ impl Scheduler {
                 return Err(NoWorker::NoneRoutable);
             }
             pinned
+        } else if let Some(probe) = fleet.probe_due(group, limits, now, usable) {
+            vec![probe]
         } else {
             match self.policy {
                 Policy::Kv | Policy::Approx => {

@@ -20,6 +20,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
+use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::Booking;
 
@@ -142,14 +143,21 @@ impl Drop for Flight {
 pin_project_lite::pin_project! {
     /// A worker's response body on its way to the client. It releases the
     /// booking's prefill at the first byte and the rest at the end or when
-    /// dropped, records TTFT, inter-chunk and end-to-end latency, and ends the
-    /// response with an error after the idle timeout.
+    /// dropped, and records TTFT, inter-chunk and end-to-end latency.
+    ///
+    /// A worker silent for longer than the idle timeout is cut off: its body is
+    /// dropped at once, which closes the upstream connection so the worker stops
+    /// generating, and the failure counts for its breaker. An SSE client then gets a last event with an OpenAI-style
+    /// error (the status line went out long ago, so an event is the only way to
+    /// say why) and the stream ends without `[DONE]`; any other body ends with
+    /// an error, which aborts the response so it cannot pass for a complete one.
     pub struct TrackedBody {
-        #[pin]
-        inner: Incoming,
+        // `None` once cut off by the idle timeout.
+        inner: Option<Incoming>,
         #[pin]
         idle: tokio::time::Sleep,
         idle_timeout: Duration,
+        sse: bool,
         flight: Flight,
         sent: Instant,
         last_frame: Option<Instant>,
@@ -157,11 +165,19 @@ pin_project_lite::pin_project! {
 }
 
 impl TrackedBody {
-    pub fn new(inner: Incoming, booking: Booking, sent: Instant, idle_timeout: Duration) -> Self {
+    /// `sse`: the response is a `text/event-stream`.
+    pub fn new(
+        inner: Incoming,
+        booking: Booking,
+        sent: Instant,
+        idle_timeout: Duration,
+        sse: bool,
+    ) -> Self {
         Self {
-            inner,
+            inner: Some(inner),
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
+            sse,
             flight: Flight {
                 booking: Some(booking),
                 finished: false,
@@ -181,7 +197,10 @@ impl Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
-        match this.inner.poll_frame(cx) {
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if frame.is_data() {
                     let now = Instant::now();
@@ -214,24 +233,41 @@ impl Body for TrackedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.idle.poll(cx).is_ready() {
-                    this.flight.finish();
-                    return Poll::Ready(Some(Err(format!(
-                        "the worker sent nothing for {} ms",
-                        this.idle_timeout.as_millis()
-                    )
-                    .into())));
+                if this.idle.poll(cx).is_pending() {
+                    return Poll::Pending;
                 }
-                Poll::Pending
+                let booking = this.flight.booking.as_ref();
+                if let Some(booking) = booking {
+                    booking.record_failure();
+                }
+                let worker = booking.map(|b| b.key().worker_id);
+                let error = RouterError::UpstreamTimeout(format!(
+                    "worker {} sent nothing for {} ms",
+                    worker.map_or("?".to_string(), |w| w.to_string()),
+                    this.idle_timeout.as_millis()
+                ));
+                tracing::warn!(worker, "{error}; response cut off");
+                ::metrics::counter!(metrics::IDLE_TIMEOUTS).increment(1);
+                *this.inner = None;
+                this.flight.finish();
+                if *this.sse {
+                    let event = format!("data: {}\n\n", error.body());
+                    Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+                } else {
+                    Poll::Ready(Some(Err(error.into())))
+                }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(Incoming::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Some(inner) => inner.size_hint(),
+            None => SizeHint::with_exact(0),
+        }
     }
 }
