@@ -49,6 +49,13 @@ impl Fleet {
             ..router.clone()
         };
         config.scheduler.policy = policy;
+        // Prediction windows stand for engine time (how long a prefix stays
+        // cached, how long a prefill takes); the engines run `speedup` times
+        // faster than real ones, so the windows shrink with them.
+        let speedup = engine.cost.speedup;
+        let scaled = |ms: u64| ((ms as f64 / speedup) as u64).max(1);
+        config.scheduler.predicted_ttl_ms = scaled(config.scheduler.predicted_ttl_ms);
+        config.scheduler.predicted_bridge_ms = scaled(config.scheduler.predicted_bridge_ms);
         config.upstream.shutdown_grace_ms = 1_000;
         let router = server::start(config)
             .await

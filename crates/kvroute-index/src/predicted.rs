@@ -72,7 +72,12 @@ impl PredictedIndex {
     /// Records that `worker` was chosen for a request with these local hashes;
     /// entries already there get a fresh TTL.
     pub fn record(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant) {
-        let expires = now + self.config.ttl;
+        self.record_for(worker, local_hashes, now, self.config.ttl);
+    }
+
+    /// [`Self::record`] with its own TTL, at most the layer's.
+    pub fn record_for(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant, ttl: Duration) {
+        let expires = now + ttl.min(self.config.ttl);
         let seqs = chain_keys(local_hashes);
         let mut inner = self.inner.write().unwrap();
         let mut added = 0;

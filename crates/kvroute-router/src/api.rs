@@ -242,15 +242,13 @@ async fn proxy(
             // Out of workers to retry on: report what went wrong upstream.
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
+        state.record_prediction(&routed);
         let Routed {
             decision,
             local_hashes,
             ..
         } = routed;
         let worker = decision.worker;
-        state
-            .predicted
-            .record(worker, &local_hashes, Instant::now());
         let booking =
             state
                 .registry

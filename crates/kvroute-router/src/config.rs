@@ -105,8 +105,13 @@ pub struct SchedulerConfig {
     pub queue_timeout_ms: u64,
     /// Most requests waiting at once; more are refused with 503 at once.
     pub max_queued: usize,
-    /// How long a routed prefix counts as cached on the chosen worker.
+    /// How long a routed prefix counts as cached on a chosen worker that
+    /// publishes no events (static workers; every worker under `approx`).
     pub predicted_ttl_ms: u64,
+    /// The same for a worker that publishes events: only until its `Stored`
+    /// events can have arrived. After that its events are the truth, and a
+    /// prediction could only be stale (it never hears of evictions).
+    pub predicted_bridge_ms: u64,
     /// Most (worker, block) predicted entries kept.
     pub predicted_max_blocks: usize,
 }
@@ -216,6 +221,7 @@ impl Default for SchedulerConfig {
             queue_timeout_ms: 2_000,
             max_queued: 1024,
             predicted_ttl_ms: 120_000,
+            predicted_bridge_ms: 10_000,
             predicted_max_blocks: 1 << 20,
         }
     }

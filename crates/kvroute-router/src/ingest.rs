@@ -141,9 +141,7 @@ impl KvRouter for Ingest {
             })?;
         let d = &routed.decision;
         // The caller will send the request there: remember it like a proxied one.
-        self.state
-            .predicted
-            .record(d.worker, &routed.local_hashes, std::time::Instant::now());
+        self.state.record_prediction(&routed);
         Ok(Response::new(RouteResponse {
             worker_id: d.worker.worker_id,
             dp_rank: d.worker.dp_rank,

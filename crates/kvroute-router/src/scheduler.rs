@@ -64,6 +64,8 @@ pub struct Score {
 pub struct Decision {
     pub worker: WorkerKey,
     pub base_url: Arc<str>,
+    /// Whether the chosen worker publishes KV events (see [`crate::state::AppState::record_prediction`]).
+    pub publishes_events: bool,
     pub overlap_blocks: u32,
     pub request_blocks: u64,
     /// Prompt tokens the chosen rank must prefill.
@@ -254,10 +256,11 @@ impl Scheduler {
         let chosen = self.pick(&scores, overlaps);
         let score = &scores[chosen];
         let worker = WorkerKey::new(score.worker_id, score.dp_rank);
-        let base_url = Arc::clone(&fleet.workers[&worker.worker_id].base_url);
+        let chosen = &fleet.workers[&worker.worker_id];
         Ok(Decision {
             worker,
-            base_url,
+            base_url: Arc::clone(&chosen.base_url),
+            publishes_events: chosen.source == crate::registry::Source::Stream,
             overlap_blocks: score.overlap_blocks,
             request_blocks,
             new_prefill_tokens: (query.prompt_tokens as u64)

@@ -9,7 +9,7 @@ use std::time::Instant;
 use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::config::Config;
+use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
@@ -94,6 +94,25 @@ impl AppState {
 
     /// Chooses a worker for `name` without waiting: 404 for a name nobody serves,
     /// [`NoWorker`] when nobody can take it now.
+    /// Remembers that `routed` goes to its chosen worker. A worker that
+    /// publishes events keeps the prediction only until its `Stored` events can
+    /// have arrived (`predicted_bridge_ms`) under `kv`, which trusts events; the
+    /// rest keep it for `predicted_ttl_ms`.
+    pub fn record_prediction(&self, routed: &Routed) {
+        let scheduler = &self.config.scheduler;
+        let ttl_ms = if routed.decision.publishes_events && scheduler.policy == Policy::Kv {
+            scheduler.predicted_bridge_ms
+        } else {
+            scheduler.predicted_ttl_ms
+        };
+        self.predicted.record_for(
+            routed.decision.worker,
+            &routed.local_hashes,
+            Instant::now(),
+            std::time::Duration::from_millis(ttl_ms),
+        );
+    }
+
     pub fn route_now(
         &self,
         name: &str,
@@ -217,5 +236,70 @@ impl Drop for QueueSlot<'_> {
     fn drop(&mut self) {
         self.state.queued.fetch_sub(1, Ordering::AcqRel);
         ::metrics::gauge!(metrics::QUEUED).decrement(1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn registration(worker_id: u64) -> Registration {
+        Registration {
+            worker_id,
+            dp_ranks: vec![0],
+            models: vec!["m".into()],
+            lora_names: Vec::new(),
+            base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
+            total_kv_blocks: 1024,
+        }
+    }
+
+    /// Whether worker `id` still has a predicted prefix of `hashes` after `elapsed`.
+    fn predicted_after(state: &AppState, hashes: &[u64], id: u64, elapsed: Duration) -> bool {
+        state
+            .predicted
+            .find_matches(hashes, Instant::now() + elapsed)
+            .iter()
+            .any(|m| m.worker.worker_id == id && m.depth > 0)
+    }
+
+    #[test]
+    fn predictions_for_event_publishing_workers_only_bridge_until_their_events() {
+        let config = Config::default();
+        let bridge = Duration::from_millis(config.scheduler.predicted_bridge_ms);
+        let ttl = Duration::from_millis(config.scheduler.predicted_ttl_ms);
+        assert!(bridge < ttl);
+        let state = AppState::new(config, None, None).unwrap();
+        state
+            .registry
+            .register(registration(1), Source::Stream)
+            .unwrap();
+        state
+            .registry
+            .register(registration(2), Source::Static)
+            .unwrap();
+        let tokens: Vec<u32> = (0..64).collect();
+        for pin in [1, 2] {
+            let routed = state
+                .route_now("m", RouteInput::Tokens(&tokens), Some(pin), &[])
+                .unwrap()
+                .unwrap();
+            state.record_prediction(&routed);
+            let hashes = routed.local_hashes;
+            let soon = bridge / 2;
+            let later = bridge + Duration::from_secs(1);
+            assert!(predicted_after(&state, &hashes, pin, soon));
+            // The streaming worker's own Stored events take over after the
+            // bridge; the static worker never sends any, so its entry lasts the TTL.
+            assert_eq!(predicted_after(&state, &hashes, pin, later), pin == 2);
+            assert!(!predicted_after(
+                &state,
+                &hashes,
+                pin,
+                ttl + Duration::from_secs(1)
+            ));
+        }
     }
 }
