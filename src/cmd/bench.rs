@@ -21,6 +21,9 @@ enum BenchTarget {
     Router(router::BenchRouterArgs),
     /// Replay a trace through the router and a simulated fleet under several policies.
     E2e(e2e::E2eArgs),
+    /// The router process of `bench router`'s separated proxy measurement.
+    #[command(hide = true)]
+    RouterProxy(router::RouterProxyArgs),
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -28,5 +31,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchTarget::Index(args) => index::run(args),
         BenchTarget::Router(args) => router::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
+        BenchTarget::RouterProxy(args) => router::router_proxy(args),
     }
 }

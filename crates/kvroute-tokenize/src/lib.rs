@@ -23,8 +23,10 @@ mod cache;
 mod chat_template;
 mod error;
 mod hf;
+mod pieces;
 mod prompt;
 mod spec;
+mod split;
 mod tiktoken;
 
 pub use cache::DEFAULT_CACHE_TOKENS;
@@ -55,7 +57,7 @@ impl fmt::Debug for Tokenizer {
 }
 
 enum Backend {
-    Tiktoken(TiktokenTokenizer),
+    Tiktoken(Box<TiktokenTokenizer>),
     HuggingFace(Box<HfTokenizer>),
 }
 
@@ -71,7 +73,7 @@ impl Tokenizer {
     pub fn load_with_cache(spec: &TokenizerSpec, cache_tokens: u64) -> Result<Self, TokenizeError> {
         let backend = match spec {
             TokenizerSpec::Tiktoken { encoding } => {
-                Backend::Tiktoken(TiktokenTokenizer::load(encoding)?)
+                Backend::Tiktoken(Box::new(TiktokenTokenizer::load(encoding)?))
             }
             TokenizerSpec::HuggingFace { dir_or_file } => {
                 Backend::HuggingFace(Box::new(HfTokenizer::load(dir_or_file)?))

@@ -5,7 +5,12 @@
 //! test checks it against tiktoken-rs, the port of OpenAI's own code) about 2.5×
 //! faster, because its pre-tokenizer runs the split regex on a linear-time
 //! engine instead of tiktoken's backtracking one. That also means no input can
-//! make it backtrack for long.
+//! make it backtrack for long. On top of it, for the router's per-core budget:
+//! cl100k_base's split is done by hand where the text is ASCII (`split`
+//! module), and each thread remembers the ids of recent pieces (`pieces`
+//! module), so BPE runs only on pieces it has not seen lately. Together they
+//! cut the instructions per ~9.5k-token English-like prompt from 12.2M to
+//! 2.5M once the piece cache is warm (callgrind).
 //!
 //! Prompt text is encoded as ordinary text: a literal `<|endoftext|>` in a
 //! prompt is plain characters, never a special token, so no client can inject
@@ -26,7 +31,13 @@
 //! `{role}\n{content}` is encoded on its own, which lets the cache keep every
 //! message of a conversation separately.
 
+use std::cell::RefCell;
+
+use thread_local::ThreadLocal;
+
 use crate::cache::{Kind, TokenCache};
+use crate::pieces::PieceCache;
+use crate::split::ascii_piece_end;
 use crate::{ChatMessage, TokenizeError};
 
 const IM_START: &str = "<|im_start|>";
@@ -60,11 +71,16 @@ pub(crate) struct TiktokenTokenizer {
     newline: Vec<u32>,
     /// The ids of `assistant\n` after the generation prompt's `<|im_start|>`.
     assistant_header: Vec<u32>,
+    /// Each thread's cache of recent pieces' ids.
+    pieces: ThreadLocal<RefCell<PieceCache>>,
+    /// Whether ASCII text is split by hand (`split` module; cl100k_base only).
+    ascii_split: bool,
 }
 
 impl TiktokenTokenizer {
     pub(crate) fn load(encoding: &str) -> Result<Self, TokenizeError> {
-        let (bpe, im_start, im_end) = match Encoding::from_name(encoding)? {
+        let encoding = Encoding::from_name(encoding)?;
+        let (bpe, im_start, im_end) = match encoding {
             Encoding::Cl100kBase => (bpe_openai::cl100k_base(), 100264, 100265),
             Encoding::O200kBase => (bpe_openai::o200k_base(), 200264, 200265),
         };
@@ -74,12 +90,38 @@ impl TiktokenTokenizer {
             im_end,
             newline: bpe.encode("\n"),
             assistant_header: bpe.encode("assistant\n"),
+            pieces: ThreadLocal::new(),
+            ascii_split: encoding == Encoding::Cl100kBase,
         })
     }
 
-    /// Encodes `text` as ordinary text.
+    /// Encodes `text` as ordinary text: split as `bpe_openai` splits it (by
+    /// hand where that is exact and faster), then BPE, skipped for pieces this
+    /// thread has seen lately. (`bpe_openai` would also NFC-normalize first,
+    /// but only for encodings that ask for it, and neither of ours does.)
     pub(crate) fn encode(&self, text: &str) -> Vec<u32> {
-        self.bpe.encode(text)
+        let mut pieces = self.pieces.get_or_default().borrow_mut();
+        let bytes = text.as_bytes();
+        // About 4 bytes of English per token.
+        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let mut start = 0;
+        while start < bytes.len() {
+            let by_hand = self
+                .ascii_split
+                .then(|| ascii_piece_end(bytes, start))
+                .flatten();
+            let end = match by_hand {
+                Some(end) => end,
+                // Pieces are `str`s, so `start` is on a char boundary.
+                None => match self.bpe.split(&text[start..]).next() {
+                    Some(piece) => start + piece.len(),
+                    None => break,
+                },
+            };
+            pieces.encode_into(&self.bpe.bpe, &bytes[start..end], &mut ids);
+            start = end;
+        }
+        ids
     }
 
     pub(crate) fn apply_chat_template(

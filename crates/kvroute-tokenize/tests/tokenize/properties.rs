@@ -1,6 +1,8 @@
 //! Property tests: arbitrary input never panics, the tiktoken encodings give
-//! the ids of tiktoken-rs (the port of OpenAI's own encoder), and the cache never
-//! changes a result (the reference is the same tokenizer without a cache).
+//! the ids of tiktoken-rs (the port of OpenAI's own encoder), also for ASCII
+//! text, which cl100k_base splits by hand, and when pieces come from the
+//! per-thread piece cache; and the prompt cache never changes a result (the
+//! reference is the same tokenizer without a prompt cache).
 
 use std::collections::HashSet;
 use std::sync::LazyLock;
@@ -43,6 +45,25 @@ fn text() -> impl Strategy<Value = String> {
     .prop_map(|parts| parts.concat())
 }
 
+/// ASCII text of the shapes the hand-written cl100k_base split must decide:
+/// words with contractions and capitals, digit runs, symbol runs, every ASCII
+/// whitespace character in runs, control characters.
+fn ascii_text() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        prop_oneof![
+            "[ -~]{1,8}",
+            "[\t\n\x0B\x0C\r ]{1,6}",
+            "[a-zA-Z]{1,10}",
+            "'(s|t|re|ve|m|ll|d|S|T|RE|Ve|M|LL|D|x|)",
+            "[0-9]{1,8}",
+            "[!-/:-@\\[-`{-~]{1,5}",
+            "[\x00-\x1f\x7f]",
+        ],
+        0..60,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
 /// tiktoken-rs's ids for `text` as ordinary text, or `None` where its
 /// backtracking regex gives up.
 fn reference(bpe: &tiktoken_rs::CoreBPE, text: &str) -> Option<Vec<u32>> {
@@ -61,6 +82,15 @@ proptest! {
         let o200k = reference(tiktoken_rs::o200k_base_singleton(), &text);
         if let Some(expected) = o200k {
             prop_assert_eq!(O200K.encode(&text).unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn ascii_text_matches_tiktoken_rs_also_from_the_piece_cache(text in ascii_text()) {
+        if let Some(expected) = reference(tiktoken_rs::cl100k_base_singleton(), &text) {
+            // The second time every piece is in this thread's piece cache.
+            prop_assert_eq!(UNCACHED.encode(&text).unwrap(), expected.clone());
+            prop_assert_eq!(UNCACHED.encode(&text).unwrap(), expected);
         }
     }
 

@@ -1,0 +1,160 @@
+//! cl100k_base's pre-tokenizer, by hand, for ASCII text.
+//!
+//! tiktoken splits text with a regular expression before BPE; for cl100k_base
+//! it is
+//!
+//! ```text
+//! (?i:'s|'t|'re|'ve|'m|'ll|'d) | [^\r\n\p{L}\p{N}]?\p{L}+ | \p{N}{1,3}
+//!   | ?[^\s\p{L}\p{N}]+[\r\n]* | \s*[\r\n]+ | \s+(?!\S) | \s+
+//! ```
+//!
+//! with the alternatives tried in that order at each position. Running it on a
+//! regex engine is half the cost of encoding a prompt once BPE results are
+//! cached (see the `pieces` module), because the engine is general. For ASCII
+//! the classes are simple (`\p{L}` is `[A-Za-z]`, `\p{N}` is `[0-9]`, `\s` is
+//! `[\t\n\x0B\x0C\r ]`), so [`ascii_piece_end`] decides the piece with a few
+//! byte comparisons. Whenever a byte it must classify is not ASCII (it could
+//! be a letter, a digit or a space of another script) it gives up and the
+//! caller asks the regex for that one piece; the property tests compare the
+//! result with tiktoken-rs on text that mixes both.
+
+/// Where the cl100k_base piece starting at `start` ends, or `None` if that
+/// depends on a non-ASCII byte. `start` must be less than `text.len()`.
+pub(crate) fn ascii_piece_end(text: &[u8], start: usize) -> Option<usize> {
+    let first = text[start];
+    let next = text.get(start + 1).copied();
+    // (?i:'s|'t|'re|'ve|'m|'ll|'d)
+    if first == b'\'' {
+        let lower = |i: usize| text.get(i).map(u8::to_ascii_lowercase);
+        match lower(start + 1) {
+            Some(b's' | b't' | b'm' | b'd') => return Some(start + 2),
+            Some(b'r' | b'v') if lower(start + 2) == Some(b'e') => return Some(start + 3),
+            Some(b'l') if lower(start + 2) == Some(b'l') => return Some(start + 3),
+            _ => {}
+        }
+    }
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if first.is_ascii_alphabetic() {
+        return letters_end(text, start + 1);
+    }
+    if !first.is_ascii() {
+        return None;
+    }
+    let optional_prefix = first != b'\r' && first != b'\n' && !first.is_ascii_digit();
+    if optional_prefix {
+        match next {
+            Some(byte) if !byte.is_ascii() => return None,
+            Some(byte) if byte.is_ascii_alphabetic() => return letters_end(text, start + 2),
+            _ => {}
+        }
+    }
+    // \p{N}{1,3}
+    if first.is_ascii_digit() {
+        let mut end = start + 1;
+        while end < text.len() && end < start + 3 {
+            match text[end] {
+                byte if byte.is_ascii_digit() => end += 1,
+                byte if !byte.is_ascii() => return None,
+                _ => break,
+            }
+        }
+        return Some(end);
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    let symbols_start = if first == b' ' { start + 1 } else { start };
+    let mut end = symbols_start;
+    while let Some(&byte) = text.get(end) {
+        if !byte.is_ascii() {
+            return None;
+        }
+        if is_space(byte) || byte.is_ascii_alphanumeric() {
+            break;
+        }
+        end += 1;
+    }
+    if end > symbols_start {
+        while matches!(text.get(end), Some(b'\r' | b'\n')) {
+            end += 1;
+        }
+        return Some(end);
+    }
+    // Only whitespace is left: `first` is a space (anything else matched above).
+    let mut run_end = start;
+    let mut last_newline = None;
+    while let Some(&byte) = text.get(run_end) {
+        if !byte.is_ascii() {
+            return None;
+        }
+        if !is_space(byte) {
+            break;
+        }
+        if byte == b'\r' || byte == b'\n' {
+            last_newline = Some(run_end);
+        }
+        run_end += 1;
+    }
+    // \s*[\r\n]+ : up to the run's last line break.
+    if let Some(newline) = last_newline {
+        return Some(newline + 1);
+    }
+    // \s+(?!\S) : the whole run at the end of the text, else all but its last
+    // space (which then starts the next piece); \s+ : a single space.
+    if run_end == text.len() || run_end - start == 1 {
+        Some(run_end)
+    } else {
+        Some(run_end - 1)
+    }
+}
+
+/// The end of a run of ASCII letters from `from`, if no non-ASCII byte (maybe
+/// a letter) follows it.
+fn letters_end(text: &[u8], from: usize) -> Option<usize> {
+    let mut end = from;
+    while let Some(&byte) = text.get(end) {
+        if byte.is_ascii_alphabetic() {
+            end += 1;
+        } else if byte.is_ascii() {
+            break;
+        } else {
+            return None;
+        }
+    }
+    Some(end)
+}
+
+/// `\s` within ASCII: tab, line feed, vertical tab, form feed, carriage return, space.
+fn is_space(byte: u8) -> bool {
+    matches!(byte, b'\t'..=b'\r' | b' ')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(text: &str) -> Vec<&str> {
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        while start < text.len() {
+            let end = ascii_piece_end(text.as_bytes(), start).expect("ASCII text");
+            pieces.push(&text[start..end]);
+            start = end;
+        }
+        pieces
+    }
+
+    #[test]
+    fn splits_as_the_cl100k_regex_does() {
+        let text = "Hello world's 12345 items!!\n\n  they'RE here\t\tnow.  x  \n end ";
+        let expected: Vec<&str> = bpe_openai::cl100k_base().split(text).collect();
+        assert_eq!(pieces(text), expected);
+    }
+
+    #[test]
+    fn gives_up_where_a_non_ascii_byte_decides() {
+        for text in ["café", " é", "1٣", "  \u{a0}x", "!é"] {
+            let start = 0;
+            let decided = ascii_piece_end(text.as_bytes(), start);
+            assert!(decided.is_none(), "{text:?}: {decided:?}");
+        }
+    }
+}
