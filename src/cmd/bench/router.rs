@@ -86,7 +86,12 @@ fn summary(name: &str, h: &Histogram<u64>) -> String {
 }
 
 pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
-    for (workers, prompt_tokens) in [(64, 8 * 1024), (64, 128 * 1024), (4000, 8 * 1024)] {
+    for (workers, prompt_tokens) in [
+        (64, 8 * 1024),
+        (64, 128 * 1024),
+        (4000, 8 * 1024),
+        (4000, 128 * 1024),
+    ] {
         decision_latency(&args, workers, prompt_tokens)?;
     }
     throughput(&args)?;
