@@ -243,11 +243,7 @@ async fn proxy(
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
         state.record_prediction(&routed);
-        let Routed {
-            decision,
-            local_hashes,
-            ..
-        } = routed;
+        let Routed { decision, .. } = routed;
         let worker = decision.worker;
         let booking =
             state
@@ -322,8 +318,11 @@ async fn proxy(
         };
         state.registry.record_outcome(worker.worker_id, false);
         tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
-        // The prefix will be cached where the request is served, not here.
-        state.predicted.forget(worker, &local_hashes);
+        // The prefix will be cached where the request is served, not here. The
+        // predicted layer cannot drop one path without breaking the prefix
+        // order its lookups rely on, so the failed worker loses all its
+        // predictions: it just failed, and its events still say what it holds.
+        state.predicted.remove_worker(worker);
         drop(booking);
         tried.push(worker.worker_id);
         if parsed.pin.is_some() {

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvroute_index::WorkerKey;
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use crate::config::{Config, Policy};
@@ -181,11 +182,13 @@ struct NameUse {
     loras: usize,
 }
 
+/// Fx-hashed maps: the request path looks ranks, workers and names up several
+/// times per decision, and SipHash was a tenth of a decision's instructions.
 pub struct Fleet {
-    pub workers: HashMap<u64, Worker>,
-    pub ranks: HashMap<WorkerKey, Rank>,
-    pub groups: HashMap<String, Group>,
-    names: HashMap<String, NameUse>,
+    pub workers: FxHashMap<u64, Worker>,
+    pub ranks: FxHashMap<WorkerKey, Rank>,
+    pub groups: FxHashMap<String, Group>,
+    names: FxHashMap<String, NameUse>,
     /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
     tripped: BTreeSet<u64>,
 }
@@ -270,10 +273,10 @@ impl Registry {
         Self {
             limits,
             fleet: Mutex::new(Fleet {
-                workers: HashMap::new(),
-                ranks: HashMap::new(),
-                groups: HashMap::new(),
-                names: HashMap::new(),
+                workers: FxHashMap::default(),
+                ranks: FxHashMap::default(),
+                groups: FxHashMap::default(),
+                names: FxHashMap::default(),
                 tripped: BTreeSet::new(),
             }),
             released: tokio::sync::Notify::new(),

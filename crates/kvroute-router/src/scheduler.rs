@@ -21,11 +21,11 @@
 //! rank's only by its load, so the cheapest unmatched ranks are the least loaded
 //! ones (see [`crate::registry`]).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_index::{KvIndex, PredictedIndex, WorkerKey};
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use crate::config::Policy;
@@ -91,7 +91,7 @@ pub struct Scheduler {
 }
 
 /// Overlap found for one rank: (event-fed depth, predicted depth, indexed blocks).
-type Overlaps = HashMap<WorkerKey, (u32, u32, u64)>;
+type Overlaps = FxHashMap<WorkerKey, (u32, u32, u64)>;
 
 impl Scheduler {
     /// Chooses a rank; books nothing and records nothing.
@@ -110,7 +110,7 @@ impl Scheduler {
     }
 
     fn overlaps(&self, local_hashes: &[u64], now: Instant) -> Overlaps {
-        let mut overlaps = Overlaps::new();
+        let mut overlaps = Overlaps::default();
         if local_hashes.is_empty() {
             return overlaps;
         }

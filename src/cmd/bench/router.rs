@@ -90,7 +90,12 @@ fn summary(name: &str, h: &Histogram<u64>) -> String {
 }
 
 pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
-    for (workers, prompt_tokens) in [(64, 8 * 1024), (64, 128 * 1024), (4000, 8 * 1024)] {
+    for (workers, prompt_tokens) in [
+        (64, 8 * 1024),
+        (64, 128 * 1024),
+        (4000, 8 * 1024),
+        (4000, 128 * 1024),
+    ] {
         decision_latency(&args, workers, prompt_tokens)?;
     }
     throughput(&args)?;
@@ -126,10 +131,8 @@ fn route_and_book(state: &AppState, tokens: &[u32]) -> anyhow::Result<WorkerKey>
     let routed = state
         .route_now(MODEL, RouteInput::Tokens(tokens), None, &[])?
         .map_err(|e| anyhow::anyhow!("no worker: {e:?}"))?;
+    state.record_prediction(&routed);
     let decision = routed.decision;
-    state
-        .predicted
-        .record(decision.worker, &routed.local_hashes, Instant::now());
     drop(state.registry.book(
         decision.worker,
         decision.new_prefill_tokens,
