@@ -591,8 +591,7 @@ async fn no_hot_spotting_on_shared_system_prompts_or_zero_reuse_traffic() {
 
 #[tokio::test]
 async fn text_prompts_and_chat_messages_hash_like_the_workers_tokens() {
-    let router =
-        RouterProcess::start("[tokenizer]\nkind = \"tiktoken\"\nencoding = \"cl100k_base\"\n");
+    let router = RouterProcess::start("tokenizer = \"tiktoken:cl100k_base\"\n");
     let (_http, mut grpc) = fleet(&router, 3).await;
     let tokenizer = kvroute_tokenize::Tokenizer::load(&kvroute_tokenize::TokenizerSpec::Tiktoken {
         encoding: "cl100k_base".into(),
@@ -1041,9 +1040,7 @@ async fn a_hugging_face_tokenizer_and_chat_template_hash_like_the_workers_tokens
     const END_HEADER: u32 = 258;
     const EOT: u32 = 259;
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/tokenizer");
-    let router = RouterProcess::start(&format!(
-        "[tokenizer]\nkind = \"huggingface\"\npath = \"{dir}\"\n"
-    ));
+    let router = RouterProcess::start(&format!("tokenizer = \"hf:{dir}\"\n"));
     let (workers, mut grpc) = fleet(&router, 3).await;
     let http = Http::default();
     let route = |body: serde_json::Value| {

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 
 use clap::Args;
 use kvroute_bridge::BridgeConfig;
+use kvroute_tokenize::TokenizerSpec;
 
 #[derive(Args)]
 pub struct BridgeArgs {
@@ -44,6 +45,10 @@ pub struct BridgeArgs {
     /// Where the bridge serves its own Prometheus `/metrics`.
     #[arg(long, default_value = "0.0.0.0:9401")]
     metrics_addr: SocketAddr,
+    /// The engine's tokenizer (tiktoken:ENCODING, hf:PATH or none), declared to the
+    /// router, which refuses a different one; without it the router cannot check.
+    #[arg(long, value_name = "SPEC")]
+    tokenizer: Option<TokenizerSpec>,
 }
 
 pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
@@ -65,6 +70,7 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         medium: args.medium,
         metrics_addr: args.metrics_addr,
+        tokenizer: args.tokenizer,
     };
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(kvroute_bridge::run(config))?;

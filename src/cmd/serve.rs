@@ -12,6 +12,7 @@ use anyhow::Context;
 use clap::Args;
 use kvroute_router::config::{LogFormat, Policy};
 use kvroute_router::{Config, server};
+use kvroute_tokenize::TokenizerSpec;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -30,6 +31,10 @@ pub struct ServeArgs {
     /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, approx.
     #[arg(long)]
     policy: Option<Policy>,
+    /// How text becomes tokens: tiktoken:ENCODING, hf:PATH or none (adopt the
+    /// tokenizer the workers declare); must be the workers'.
+    #[arg(long, value_name = "SPEC")]
+    tokenizer: Option<TokenizerSpec>,
     /// How long a disconnected worker's index entries are kept, in milliseconds.
     #[arg(long)]
     grace_period_ms: Option<u64>,
@@ -51,6 +56,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(policy) = args.policy {
         config.scheduler.policy = policy;
+    }
+    if let Some(spec) = args.tokenizer {
+        config.tokenizer = spec;
     }
     if let Some(ms) = args.grace_period_ms {
         config.ingest.grace_period_ms = ms;

@@ -71,7 +71,8 @@ pub struct SimArgs {
     /// Model name served and registered.
     #[arg(long, default_value = "sim-model")]
     model: String,
-    /// Tokenizer for text prompts (tiktoken:ENCODING or hf:PATH); must be the router's.
+    /// Tokenizer for text prompts (tiktoken:ENCODING, hf:PATH or none), declared to
+    /// the router at registration; must be the router's.
     #[arg(long, default_value = "tiktoken:cl100k_base")]
     tokenizer: TokenizerSpec,
     /// Bearer token for the router's gRPC ingest.

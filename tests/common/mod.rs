@@ -585,6 +585,7 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
         block_size,
         total_kv_blocks: 1000,
         lora_names: Vec::new(),
+        tokenizer: None,
     }
 }
 

@@ -211,6 +211,18 @@ impl RankFollower {
         for event in &batch.events {
             counter!(crate::metrics::EVENTS_RECEIVED, "rank" => self.rank_label.clone(), "type" => engine_type(event))
                 .increment(1);
+            if let EngineEvent::Stored(stored) = event {
+                let undecoded: u64 = stored
+                    .extra_keys
+                    .iter()
+                    .flatten()
+                    .map(|keys| u64::from(keys.undecoded))
+                    .sum();
+                if undecoded > 0 {
+                    counter!(crate::metrics::EXTRA_KEYS_UNDECODED, "rank" => self.rank_label.clone())
+                        .increment(undecoded);
+                }
+            }
             match self.filter.translate(event) {
                 Ok(kind) => kinds.push(kind),
                 Err(reason) => self.skipped(event, reason),

@@ -90,6 +90,9 @@ pub struct BridgeConfig {
     pub medium: String,
     /// Where the bridge serves its own `/metrics`.
     pub metrics_addr: SocketAddr,
+    /// The engine's tokenizer, declared to the router at registration (the
+    /// engine does not tell); `None`: not declared, the router cannot check it.
+    pub tokenizer: Option<kvroute_tokenize::TokenizerSpec>,
 }
 
 /// Runs the bridge until the router refuses it or `/metrics` cannot be served.
@@ -110,6 +113,11 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
             config.engine_url
         )));
     }
+    let tokenizer = config
+        .tokenizer
+        .as_ref()
+        .map(declare_tokenizer)
+        .transpose()?;
     let listener = metrics::bind(config.metrics_addr).await?;
     let handle = metrics::install()?;
     let filter = EventFilter {
@@ -147,6 +155,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         worker_id: config.worker_id,
         engine_url: config.engine_url.clone(),
         block_size: config.block_size,
+        tokenizer,
         mirrors,
         engine,
     };
@@ -154,6 +163,24 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         refused = link.run(events_rx, loads_rx) => Err(refused),
         served = metrics::serve(listener, handle) => served,
     }
+}
+
+/// The tokenizer as declared to the router: its spec and fingerprint, which
+/// takes loading it here.
+fn declare_tokenizer(
+    spec: &kvroute_tokenize::TokenizerSpec,
+) -> Result<kvroute_proto::TokenizerInfo, BridgeError> {
+    let fingerprint = match spec {
+        kvroute_tokenize::TokenizerSpec::None => String::new(),
+        spec => kvroute_tokenize::Tokenizer::load(spec)
+            .map_err(|e| BridgeError::Config(format!("--tokenizer {spec}: {e}")))?
+            .fingerprint()
+            .to_string(),
+    };
+    Ok(kvroute_proto::TokenizerInfo {
+        spec: spec.to_string(),
+        fingerprint,
+    })
 }
 
 /// Each rank's sockets: the configured ports plus the rank.

@@ -21,6 +21,9 @@ pub const EVENTS_RECEIVED: &str = "kvroute_bridge_events_received_total";
 pub const EVENTS_SENT: &str = "kvroute_bridge_events_sent_total";
 /// Engine events left out, by reason (medium, group, block_size, unnamed_lora, token_count, unknown_type).
 pub const EVENTS_SKIPPED: &str = "kvroute_bridge_events_skipped_total";
+/// Extra keys of stored blocks of no known kind (neither LoRA name, multimodal
+/// object nor cache salt); their blocks can never match a router request.
+pub const EXTRA_KEYS_UNDECODED: &str = "kvroute_bridge_extra_keys_undecoded_total";
 /// Engine messages that could not be decoded, by reason; they are skipped.
 pub const DECODE_FAILURES: &str = "kvroute_bridge_decode_failures_total";
 /// Missing engine sequence numbers detected.
@@ -70,6 +73,10 @@ pub fn install() -> Result<PrometheusHandle, BridgeError> {
             "Event batches dropped while the router link was backed up",
         ),
         (LOAD_SCRAPES, "Scrapes of the engine's metrics, by outcome"),
+        (
+            EXTRA_KEYS_UNDECODED,
+            "Block extra keys of no known kind (their blocks never match a request)",
+        ),
     ] {
         describe_counter!(name, help);
     }

@@ -12,10 +12,10 @@
 //! this bridge has given an id; the router holds the same once it has applied
 //! them all, which is what a dump restores after anything went missing.
 
-use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey, salt_key};
 use kvroute_proto as proto;
 
-use crate::wire::{EngineEvent, StoredEvent};
+use crate::wire::{BlockKeys, EngineEvent, StoredEvent};
 
 /// What the bridge forwards: the selected medium, the configured block size.
 #[derive(Clone, Debug)]
@@ -109,21 +109,26 @@ impl EventFilter {
             return Err(SkipReason::TokenCount);
         }
         let hasher = BlockHasher::with_lora(block_size, lora_name);
-        let no_extra_keys = Vec::new();
+        let no_extra_keys = BlockKeys::default();
         let blocks = stored
             .block_hashes
             .iter()
             .zip(stored.token_ids.chunks_exact(block_size))
             .enumerate()
             .map(|(i, (&block_hash, tokens))| {
-                let mm_hashes = stored
+                let keys = stored
                     .extra_keys
                     .as_ref()
                     .and_then(|keys| keys.get(i))
                     .unwrap_or(&no_extra_keys);
+                let salt = keys.cache_salt.as_deref().filter(|s| !s.is_empty());
                 StoredBlock {
                     block_hash,
-                    tokens_hash: hasher.local_hash_multimodal(tokens, mm_hashes),
+                    tokens_hash: hasher.local_hash_with_keys(
+                        tokens,
+                        &keys.multimodal,
+                        salt.map(salt_key),
+                    ),
                 }
             })
             .collect();
@@ -291,6 +296,72 @@ mod tests {
         assert_eq!(hashes, [(10, local[0]), (11, local[1])]);
     }
 
+    /// Local hashes of a vLLM `BlockStored` of tokens 0..8 whose first block's
+    /// extra keys are `first_keys`, through the bridge's decoder.
+    fn decoded_local_hashes(first_keys: rmpv::Value) -> Vec<u64> {
+        use rmpv::Value;
+        let event = Value::Map(
+            [
+                ("type", Value::from("BlockStored")),
+                (
+                    "block_hashes",
+                    Value::Array(vec![Value::from(1), Value::from(2)]),
+                ),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", Value::Array((0..8).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                ("extra_keys", Value::Array(vec![first_keys, Value::Nil])),
+            ]
+            .into_iter()
+            .map(|(k, v)| (Value::from(k), v))
+            .collect(),
+        );
+        let batch = Value::Array(vec![Value::F64(0.0), Value::Array(vec![event])]);
+        let mut payload = Vec::new();
+        rmpv::encode::write_value(&mut payload, &batch).unwrap();
+        let decoded = crate::wire::decode_batch(&payload).unwrap();
+        let EventKind::Stored { blocks, .. } = filter().translate(&decoded.events[0]).unwrap()
+        else {
+            panic!("not a stored event");
+        };
+        blocks.iter().map(|b| b.tokens_hash).collect()
+    }
+
+    #[test]
+    fn a_cache_salt_in_vllm_extra_keys_hashes_like_the_routers_salted_request() {
+        use kvroute_index::{ExtraKeys, MultimodalItem, multimodal_identifier_hash};
+        use rmpv::Value;
+        let tokens: Vec<u32> = (0..8).collect();
+        let hasher = BlockHasher::new(4);
+        let request = |salt: Option<&str>| {
+            let extra = ExtraKeys {
+                cache_salt: salt.map(str::to_owned),
+                ..ExtraKeys::default()
+            };
+            hasher.local_hashes_with(&tokens, &extra)
+        };
+        let salted_a = decoded_local_hashes(Value::Array(vec![Value::from("tenant-a")]));
+        assert_eq!(salted_a, request(Some("tenant-a")));
+        assert_ne!(salted_a, request(Some("tenant-b")));
+        assert_ne!(salted_a, request(None));
+        assert_eq!(decoded_local_hashes(Value::Nil), request(None));
+        // An image key ([identifier, offset]) before the salt, as vLLM orders them.
+        let image = Value::Array(vec![Value::from("img-1"), Value::from(1)]);
+        let both = decoded_local_hashes(Value::Array(vec![image, Value::from("tenant-a")]));
+        let extra = ExtraKeys {
+            cache_salt: Some("tenant-a".into()),
+            multimodal: vec![MultimodalItem {
+                offset: 1,
+                length: 2,
+                hash: multimodal_identifier_hash("img-1"),
+            }],
+        };
+        assert_eq!(both, hasher.local_hashes_with(&tokens, &extra));
+        // A key of no known kind still keys the block: it never matches a plain request.
+        let unknown = decoded_local_hashes(Value::Array(vec![Value::Binary(vec![7; 32])]));
+        assert_ne!(unknown[0], request(None)[0]);
+    }
+
     #[test]
     fn lora_name_selects_the_adapter_seed_and_an_unnamed_lora_is_refused() {
         let mut event = stored(&[1], None);
@@ -314,7 +385,13 @@ mod tests {
     #[test]
     fn multimodal_keys_change_the_block_hash() {
         let mut event = stored(&[1, 2], None);
-        event.extra_keys = Some(vec![vec![], vec![99]]);
+        event.extra_keys = Some(vec![
+            BlockKeys::default(),
+            BlockKeys {
+                multimodal: vec![99],
+                ..BlockKeys::default()
+            },
+        ]);
         let EventKind::Stored { blocks, .. } =
             filter().translate(&EngineEvent::Stored(event)).unwrap()
         else {

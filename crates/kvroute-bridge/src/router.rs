@@ -35,6 +35,7 @@ pub struct RouterLink {
     pub worker_id: u64,
     pub engine_url: String,
     pub block_size: u32,
+    pub tokenizer: Option<proto::TokenizerInfo>,
     pub mirrors: Vec<Arc<Mutex<RankMirror>>>,
     pub engine: crate::EngineHttp,
 }
@@ -98,6 +99,7 @@ impl RouterLink {
             block_size: self.block_size,
             total_kv_blocks: self.engine.total_kv_blocks(self.block_size).await,
             lora_names: served.lora_names.clone(),
+            tokenizer: self.tokenizer.clone(),
         };
         // Queued before the call starts, so they are the stream's first messages.
         let _ = out.try_send(message(WorkerBody::Register(register)));

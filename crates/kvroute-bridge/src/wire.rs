@@ -10,6 +10,7 @@
 //! reason instead of silently dropping events (peers that missed the format
 //! change reported 0% hits for weeks).
 
+use kvroute_index::multimodal_identifier_hash;
 use rmpv::Value;
 
 /// One published batch, as the engine sent it.
@@ -43,9 +44,25 @@ pub struct StoredEvent {
     pub lora_id: Option<u64>,
     pub medium: Option<String>,
     pub lora_name: Option<String>,
-    /// Per block: the multimodal object hashes among the block's extra keys.
-    pub extra_keys: Option<Vec<Vec<u64>>>,
+    /// Per block: its extra keys, sorted out.
+    pub extra_keys: Option<Vec<BlockKeys>>,
     pub group_idx: u32,
+}
+
+/// One block's extra keys as vLLM reports them (`extra_keys`, one entry per
+/// block): the request's LoRA name on every block (already in the hash seed, so
+/// left out here), the multimodal objects the block holds, the `cache_salt` on a
+/// request's first block, and prompt-embedding digests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockKeys {
+    /// Multimodal object keys ([`multimodal_identifier_hash`] of their
+    /// identifiers), plus an opaque key for each key of no known kind, so that
+    /// such a block never matches a request without it.
+    pub multimodal: Vec<u64>,
+    /// A `cache_salt`: keyed as the router keys a salted request's first block.
+    pub cache_salt: Option<String>,
+    /// Keys of no known kind (counted by the caller).
+    pub undecoded: u32,
 }
 
 #[cfg(test)]
@@ -184,20 +201,14 @@ fn decode_stored(fields: &Fields) -> Result<StoredEvent, DecodeError> {
         .map(|v| v.as_u64().ok_or(bad("lora_id", "not an unsigned integer")))
         .transpose()?;
     let lora_name = string(fields.get(7, "lora_name"), "lora_name")?;
-    let not_lora_name =
-        |key: &&Value| key.as_str().is_none() || key.as_str() != lora_name.as_deref();
     let extra_keys = match fields.get(8, "extra_keys") {
         None => None,
         Some(Value::Array(blocks)) => Some(
             blocks
                 .iter()
                 .map(|keys| match keys {
-                    Value::Nil => Ok(Vec::new()),
-                    Value::Array(keys) => Ok(keys
-                        .iter()
-                        .filter(not_lora_name)
-                        .filter_map(multimodal_hash)
-                        .collect()),
+                    Value::Nil => Ok(BlockKeys::default()),
+                    Value::Array(keys) => Ok(block_keys(keys, lora_name.as_deref())),
                     _ => Err(bad("extra_keys", "an entry is not an array")),
                 })
                 .collect::<Result<_, _>>()?,
@@ -232,21 +243,54 @@ fn low_64_big_endian(bytes: &[u8]) -> u64 {
     tail.iter().fold(0, |acc, &b| (acc << 8) | u64::from(b))
 }
 
-/// A multimodal object hash among a block's extra keys. vLLM mixes several kinds
-/// of keys there: multimodal identifiers (hex digests or raw hashes), the LoRA
-/// name and a cache salt. Only the identifiers are content hashes (the caller
-/// leaves out the LoRA name, which is already in the hash seed); other strings,
-/// such as salts, never reach kvroute's requests and are ignored.
-fn multimodal_hash(key: &Value) -> Option<u64> {
-    match key {
-        Value::String(s) => {
-            let s = s.as_str()?;
-            let hex = s.len() >= 16 && s.bytes().all(|b| b.is_ascii_hexdigit());
-            hex.then(|| u64::from_str_radix(&s[s.len() - 16..], 16).ok())
-                .flatten()
+/// Sorts one block's extra keys out. vLLM writes them in the order LoRA name,
+/// multimodal keys, cache salt, prompt-embedding digests:
+/// - a multimodal key is `[identifier, offset in the block]` (older releases:
+///   the identifier alone, a hex digest);
+/// - the salt is the one other string (only a request's first block has it);
+/// - anything else (prompt-embedding digests, shapes of future releases) cannot
+///   be reproduced from a request: it becomes an opaque key, and is counted.
+fn block_keys(keys: &[Value], lora_name: Option<&str>) -> BlockKeys {
+    let mut block = BlockKeys::default();
+    for key in keys {
+        match key {
+            Value::String(s) if s.as_str().is_some() && s.as_str() == lora_name => {}
+            Value::String(s) => match s.as_str() {
+                Some(s) if is_hex_digest(s) => {
+                    block.multimodal.push(multimodal_identifier_hash(s));
+                }
+                Some(s) if block.cache_salt.is_none() => block.cache_salt = Some(s.to_owned()),
+                _ => block.opaque(key),
+            },
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(id), offset] if offset.is_i64() || offset.is_u64() => {
+                    match id.as_str() {
+                        Some(id) => block.multimodal.push(multimodal_identifier_hash(id)),
+                        None => block.opaque(key),
+                    }
+                }
+                _ => block.opaque(key),
+            },
+            other => block.opaque(other),
         }
-        other => engine_hash(other),
     }
+    block
+}
+
+impl BlockKeys {
+    /// A key of no known kind: its msgpack bytes, hashed, key the block.
+    fn opaque(&mut self, key: &Value) {
+        let mut bytes = Vec::new();
+        // Writing to a Vec cannot fail.
+        let _ = rmpv::encode::write_value(&mut bytes, key);
+        self.multimodal.push(xxhash_rust::xxh3::xxh3_64(&bytes));
+        self.undecoded += 1;
+    }
+}
+
+/// How engines write content hashes: at least 16 hex digits.
+fn is_hex_digest(s: &str) -> bool {
+    s.len() >= 16 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 fn hash_list(value: Option<&Value>, field: &'static str) -> Result<Vec<u64>, DecodeError> {
@@ -375,12 +419,16 @@ mod tests {
             Value::from(2),
             s("GPU"),
             s("adapter"),
-            Value::Array(vec![Value::Array(vec![
-                s("adapter"),
-                s("00112233445566778899aabbccddeeff"),
-                s("salt"),
-                Value::from(5),
-            ])]),
+            Value::Array(vec![
+                Value::Array(vec![
+                    s("adapter"),
+                    Value::Array(vec![s("img-1"), Value::from(3)]),
+                    s("00112233445566778899aabbccddeeff"),
+                    s("salt"),
+                    Value::from(5),
+                ]),
+                Value::Nil,
+            ]),
             Value::from(1),
             s("full_attention"),
             Value::from(0),
@@ -393,7 +441,18 @@ mod tests {
         assert_eq!(got.parent_block_hash, Some(6));
         assert_eq!(got.lora_id, Some(2));
         assert_eq!(got.lora_name.as_deref(), Some("adapter"));
-        assert_eq!(got.extra_keys, Some(vec![vec![0x8899aabbccddeeff, 5]]));
+        let keys = got.extra_keys.as_ref().unwrap();
+        assert_eq!(keys.len(), 2);
+        // The LoRA name is left out; the image by its uuid, the legacy hex
+        // digest by its tail; the integer is of no known kind.
+        assert_eq!(
+            keys[0].multimodal[..2],
+            [multimodal_identifier_hash("img-1"), 0x8899aabbccddeeff]
+        );
+        assert_eq!(keys[0].multimodal.len(), 3);
+        assert_eq!(keys[0].cache_salt.as_deref(), Some("salt"));
+        assert_eq!(keys[0].undecoded, 1);
+        assert_eq!(keys[1], BlockKeys::default());
         assert_eq!(got.group_idx, 1);
     }
 

@@ -6,11 +6,65 @@
 //! block, chained into *sequence* hashes that identify a block together with its
 //! whole prefix. A LoRA adapter shifts the local seed so that adapter and base-model
 //! blocks never collide; chaining always uses the base seed.
+//!
+//! Like vLLM, a block's hash also covers its *extra keys* ([`ExtraKeys`]): the
+//! hashes of the multimodal objects (images) whose placeholder tokens it holds,
+//! and on the first block only, the request's `cache_salt`. Chaining carries a
+//! first block's difference to every later block, so a salted chain never
+//! matches an unsalted request or another salt. Blocks without extra keys hash
+//! exactly as before, so plain text stays byte-compatible with Dynamo.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// The seed Dynamo uses for every block hash.
 pub const SEED: u64 = 1337;
+
+/// Keeps salt keys apart from object hashes of the same bytes.
+const SALT_SEED: u64 = SEED ^ 0x5341_4c54; // "SALT"
+
+/// What identifies a request's blocks besides their tokens (vLLM's extra keys).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    /// vLLM's `cache_salt`: mixed into the first block only; the empty string is no salt.
+    pub cache_salt: Option<String>,
+    /// Multimodal objects and the tokens standing for them.
+    pub multimodal: Vec<MultimodalItem>,
+}
+
+/// A multimodal object (an image) occupying `length` placeholder tokens from
+/// token `offset`; every block that holds one of them is keyed by `hash`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MultimodalItem {
+    pub offset: usize,
+    pub length: usize,
+    pub hash: u64,
+}
+
+impl ExtraKeys {
+    pub fn is_empty(&self) -> bool {
+        self.salt().is_none() && self.multimodal.is_empty()
+    }
+
+    fn salt(&self) -> Option<&str> {
+        self.cache_salt.as_deref().filter(|s| !s.is_empty())
+    }
+}
+
+/// The 64-bit key of a multimodal identifier as engines report it: a hex digest
+/// (vLLM's content hashes) by its last 16 digits, Dynamo's way; any other
+/// string (a client's `uuid`) by its xxh3 hash.
+pub fn multimodal_identifier_hash(identifier: &str) -> u64 {
+    let hex = identifier.len() >= 16 && identifier.bytes().all(|b| b.is_ascii_hexdigit());
+    if hex && let Ok(value) = u64::from_str_radix(&identifier[identifier.len() - 16..], 16) {
+        return value;
+    }
+    xxh3_64_with_seed(identifier.as_bytes(), SEED)
+}
+
+/// The key a `cache_salt` adds to a first block.
+pub fn salt_key(salt: &str) -> u64 {
+    xxh3_64_with_seed(salt.as_bytes(), SALT_SEED)
+}
 
 /// How local block hashes are computed: the block size and the seed for an adapter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,12 +110,43 @@ impl BlockHasher {
     /// Local hash of one full block whose multimodal objects hash to `mm_hashes`:
     /// the token bytes followed by the sorted object hashes, little-endian.
     pub fn local_hash_multimodal(&self, block: &[u32], mm_hashes: &[u64]) -> u64 {
+        self.local_hash_with_keys(block, mm_hashes, None)
+    }
+
+    /// Local hash of one full block with its extra keys: the token bytes, the
+    /// sorted object hashes, then (first blocks of salted requests) the
+    /// [`salt_key`], all little-endian.
+    pub fn local_hash_with_keys(&self, block: &[u32], mm_hashes: &[u64], salt: Option<u64>) -> u64 {
         let mut sorted = mm_hashes.to_vec();
         sorted.sort_unstable();
-        let mut bytes = Vec::with_capacity(block.len() * 4 + sorted.len() * 8);
+        let mut bytes = Vec::with_capacity(block.len() * 4 + (sorted.len() + 1) * 8);
         bytes.extend(block.iter().flat_map(|t| t.to_le_bytes()));
         bytes.extend(sorted.iter().flat_map(|h| h.to_le_bytes()));
+        bytes.extend(salt.iter().flat_map(|h| h.to_le_bytes()));
         xxh3_64_with_seed(&bytes, self.seed)
+    }
+
+    /// Local hashes of every full block of `tokens` with the request's extra
+    /// keys; without any, exactly [`Self::local_hashes`].
+    pub fn local_hashes_with(&self, tokens: &[u32], extra: &ExtraKeys) -> Vec<u64> {
+        if extra.is_empty() {
+            return self.local_hashes(tokens);
+        }
+        let salt = extra.salt().map(salt_key);
+        tokens
+            .chunks_exact(self.block_size)
+            .enumerate()
+            .map(|(i, block)| {
+                let (start, end) = (i * self.block_size, (i + 1) * self.block_size);
+                let mm: Vec<u64> = extra
+                    .multimodal
+                    .iter()
+                    .filter(|m| m.offset < end && m.offset + m.length > start)
+                    .map(|m| m.hash)
+                    .collect();
+                self.local_hash_with_keys(block, &mm, if i == 0 { salt } else { None })
+            })
+            .collect()
     }
 }
 
@@ -167,5 +252,82 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, plain);
         assert_eq!(hasher.local_hash_multimodal(&TOKENS[..4], &[]), plain);
+    }
+
+    /// Whether two requests' chains share their first block, from sequence hashes.
+    fn first_blocks_match(a: &ExtraKeys, b: &ExtraKeys) -> (bool, bool) {
+        let hasher = BlockHasher::new(4);
+        let a = sequence_hashes(&hasher.local_hashes_with(&TOKENS, a));
+        let b = sequence_hashes(&hasher.local_hashes_with(&TOKENS, b));
+        (a[0] == b[0], a[3] == b[3])
+    }
+
+    fn salted(salt: &str) -> ExtraKeys {
+        ExtraKeys {
+            cache_salt: Some(salt.into()),
+            ..ExtraKeys::default()
+        }
+    }
+
+    #[test]
+    fn a_salt_keys_the_first_block_and_so_the_whole_chain() {
+        let plain = ExtraKeys::default();
+        assert_eq!(
+            BlockHasher::new(4).local_hashes_with(&TOKENS, &plain),
+            BlockHasher::new(4).local_hashes(&TOKENS),
+            "no extra keys: Dynamo's hashes"
+        );
+        assert_eq!(first_blocks_match(&salted("a"), &salted("a")), (true, true));
+        assert_eq!(
+            first_blocks_match(&salted("a"), &salted("b")),
+            (false, false)
+        );
+        assert_eq!(first_blocks_match(&salted("a"), &plain), (false, false));
+        // The empty salt is no salt, as in vLLM.
+        assert_eq!(first_blocks_match(&salted(""), &plain), (true, true));
+        // Only the first block's own hash changes; the rest differ through the chain.
+        let hasher = BlockHasher::new(4);
+        let (s, p) = (
+            hasher.local_hashes_with(&TOKENS, &salted("a")),
+            hasher.local_hashes(&TOKENS),
+        );
+        assert_ne!(s[0], p[0]);
+        assert_eq!(s[1..], p[1..]);
+    }
+
+    #[test]
+    fn an_image_keys_the_blocks_holding_its_placeholders() {
+        let image = |hash| ExtraKeys {
+            multimodal: vec![MultimodalItem {
+                offset: 6,
+                length: 4,
+                hash,
+            }],
+            ..ExtraKeys::default()
+        };
+        let hasher = BlockHasher::new(4);
+        let with = hasher.local_hashes_with(&TOKENS, &image(42));
+        let plain = hasher.local_hashes(&TOKENS);
+        // Tokens 6..10 lie in blocks 1 and 2.
+        assert_eq!(with[0], plain[0]);
+        assert_eq!(with[1], hasher.local_hash_multimodal(&TOKENS[4..8], &[42]));
+        assert_eq!(with[2], hasher.local_hash_multimodal(&TOKENS[8..12], &[42]));
+        assert_eq!(with[3], plain[3]);
+        assert_ne!(with[1], hasher.local_hashes_with(&TOKENS, &image(43))[1]);
+    }
+
+    #[test]
+    fn multimodal_identifiers_hash_hex_digests_by_their_tail() {
+        assert_eq!(
+            multimodal_identifier_hash(
+                "00000000000000000000000000000000000000000000000000000000000000ff"
+            ),
+            255
+        );
+        assert_ne!(
+            multimodal_identifier_hash("img-1"),
+            multimodal_identifier_hash("img-2")
+        );
+        assert_ne!(salt_key("x"), multimodal_identifier_hash("x"));
     }
 }

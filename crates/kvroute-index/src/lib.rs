@@ -21,6 +21,9 @@ mod table;
 pub mod timeline;
 
 pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
-pub use hash::{BlockHasher, sequence_hash, sequence_hashes};
+pub use hash::{
+    BlockHasher, ExtraKeys, MultimodalItem, multimodal_identifier_hash, salt_key, sequence_hash,
+    sequence_hashes,
+};
 pub use index::{IndexConfig, IndexStats, KvIndex, PinnedPath, WorkerDump, WorkerMatch};
 pub use predicted::{PredictedConfig, PredictedIndex};

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use kvroute_index::ExtraKeys;
 use serde_json::{Value, json};
 
 use crate::error::RouterError;
@@ -102,8 +103,21 @@ impl Endpoint {
 struct Parsed {
     model: String,
     tokens: Vec<u32>,
+    /// vLLM's extra keys of the request's blocks (`cache_salt`).
+    extra: ExtraKeys,
+    /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
+    untokenized: Option<String>,
     pin: Option<u64>,
     body: Bytes,
+}
+
+impl Parsed {
+    fn route_input(&self) -> RouteInput<'_> {
+        RouteInput::Prompt {
+            tokens: &self.tokens,
+            extra: &self.extra,
+        }
+    }
 }
 
 async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Bytes), RouterError> {
@@ -146,6 +160,8 @@ fn parse(
         None => Endpoint::Completions,
     };
     let started = Instant::now();
+    let tokenizer = state.tokenizer.get();
+    let mut untokenized = None;
     let tokens = match endpoint {
         Endpoint::Completions => {
             let prompt = object
@@ -153,9 +169,12 @@ fn parse(
                 .ok_or_else(|| RouterError::BadRequest("missing field `prompt`".into()))?;
             match completion_prompt(prompt)? {
                 Prompt::Tokens(tokens) => tokens,
-                Prompt::Text(text) => match &state.tokenizer {
+                Prompt::Text(text) => match tokenizer {
                     Some(t) => t.encode(&text)?,
-                    None => Vec::new(),
+                    None => {
+                        untokenized = Some(state.tokenizer.missing_reason());
+                        Vec::new()
+                    }
                 },
             }
         }
@@ -171,13 +190,29 @@ fn parse(
                 .get("add_generation_prompt")
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
-            match &state.tokenizer {
+            match tokenizer {
                 Some(t) => t.encode_chat(messages, add_generation_prompt)?,
-                None => Vec::new(),
+                None => {
+                    untokenized = Some(state.tokenizer.missing_reason());
+                    Vec::new()
+                }
             }
         }
     };
     metrics::observe_phase("tokenize", started);
+    if untokenized.is_some() {
+        ::metrics::counter!(metrics::UNTOKENIZED).increment(1);
+    }
+    // vLLM keys a salted request's first block with its salt.
+    let cache_salt = match object.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(salt.clone()),
+        Some(_) => {
+            return Err(RouterError::BadRequest(
+                "`cache_salt` must be a string".into(),
+            ));
+        }
+    };
     let pin = match headers.get(WORKER_HEADER) {
         None => None,
         Some(value) => Some(
@@ -198,6 +233,11 @@ fn parse(
     Ok(Parsed {
         model,
         tokens,
+        extra: ExtraKeys {
+            cache_salt,
+            ..ExtraKeys::default()
+        },
+        untokenized,
         pin,
         body,
     })
@@ -230,12 +270,7 @@ async fn proxy(
     let mut last_error = None;
     for _attempt in 0..=retries {
         let routed = match state
-            .route(
-                &parsed.model,
-                RouteInput::Tokens(&parsed.tokens),
-                parsed.pin,
-                &tried,
-            )
+            .route(&parsed.model, parsed.route_input(), parsed.pin, &tried)
             .await
         {
             Ok(routed) => routed,
@@ -341,12 +376,7 @@ async fn dry_run(
     let (headers, body) = read_body(&state, request).await?;
     let parsed = parse(&state, &headers, body, None)?;
     let routed = state
-        .route_now(
-            &parsed.model,
-            RouteInput::Tokens(&parsed.tokens),
-            parsed.pin,
-            &[],
-        )?
+        .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
         .map_err(|e| RouterError::Unavailable {
             message: format!(
                 "no worker can take a request for `{}` now: {e:?}",
@@ -369,6 +399,7 @@ async fn dry_run(
         "request_blocks": d.request_blocks,
         "overlap_blocks": d.overlap_blocks,
         "predicted_hit_ratio": ratio,
+        "untokenized": parsed.untokenized,
         "scores": d.scores,
     })))
 }

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use kvroute_tokenize::TokenizerSpec;
 use serde::Deserialize;
 
 use crate::error::RouterError;
@@ -34,7 +35,11 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     pub ingest: IngestConfig,
     pub upstream: UpstreamConfig,
-    pub tokenizer: TokenizerConfig,
+    /// How text prompts and chat messages become tokens: `tiktoken:ENCODING`,
+    /// `hf:PATH` or `none` (adopt the tokenizer the workers declare).
+    pub tokenizer: TokenizerSpec,
+    /// Accept workers that declare another tokenizer than the router's.
+    pub allow_tokenizer_mismatch: bool,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
 }
@@ -146,27 +151,6 @@ pub struct UpstreamConfig {
     pub shutdown_grace_ms: u64,
 }
 
-/// How text prompts and chat messages become token ids.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TokenizerConfig {
-    /// `none` (text is routed on load alone), `huggingface` or `tiktoken`.
-    pub kind: TokenizerKind,
-    /// For `huggingface`: a `tokenizer.json` or the directory holding it.
-    pub path: String,
-    /// For `tiktoken`: `cl100k_base` or `o200k_base`.
-    pub encoding: String,
-}
-
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum TokenizerKind {
-    #[default]
-    None,
-    Huggingface,
-    Tiktoken,
-}
-
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -195,7 +179,8 @@ impl Default for Config {
             scheduler: SchedulerConfig::default(),
             ingest: IngestConfig::default(),
             upstream: UpstreamConfig::default(),
-            tokenizer: TokenizerConfig::default(),
+            tokenizer: TokenizerSpec::None,
+            allow_tokenizer_mismatch: false,
             workers: Vec::new(),
         }
     }
@@ -321,15 +306,6 @@ impl Config {
         if self.upstream.breaker_failures == 0 {
             return fail("upstream.breaker_failures must be at least 1".into());
         }
-        match self.tokenizer.kind {
-            TokenizerKind::Huggingface if self.tokenizer.path.is_empty() => {
-                return fail("tokenizer.path is required for kind = \"huggingface\"".into());
-            }
-            TokenizerKind::Tiktoken if self.tokenizer.encoding.is_empty() => {
-                return fail("tokenizer.encoding is required for kind = \"tiktoken\"".into());
-            }
-            _ => {}
-        }
         let mut ids = std::collections::HashSet::new();
         for w in &self.workers {
             if !ids.insert(w.id) {
@@ -402,6 +378,9 @@ mod tests {
         assert_eq!(config.block_size, 32);
         assert_eq!(config.scheduler.policy, Policy::RoundRobin);
         assert_eq!(config.auth_token, "s3cret");
+        let config =
+            Config::load(None, env(&[("KVROUTE_TOKENIZER", "tiktoken:o200k_base")])).unwrap();
+        assert_eq!(config.tokenizer.to_string(), "tiktoken:o200k_base");
     }
 
     #[test]
@@ -412,6 +391,8 @@ mod tests {
         assert!(err.to_string().contains("block_size"), "{err}");
         let err = Config::load(None, env(&[("KVROUTE_SCHEDULER__POLICY", "best")])).unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");
+        let err = Config::load(None, env(&[("KVROUTE_TOKENIZER", "tiktoken:gpt2")])).unwrap_err();
+        assert!(err.to_string().contains("gpt2"), "{err}");
     }
 
     #[test]
@@ -430,5 +411,10 @@ mod tests {
             defaults.ingest.grace_period_ms
         );
         assert_eq!(config.upstream.retries, defaults.upstream.retries);
+        assert_eq!(config.tokenizer, defaults.tokenizer);
+        assert_eq!(
+            config.allow_tokenizer_mismatch,
+            defaults.allow_tokenizer_mismatch
+        );
     }
 }

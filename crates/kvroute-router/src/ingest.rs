@@ -38,6 +38,7 @@ use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Registration, ReportedLoad, Source, worker_label};
 use crate::state::{AppState, RouteInput};
+use crate::tokenize::Agreement;
 
 pub struct Ingest {
     state: Arc<AppState>,
@@ -92,6 +93,7 @@ impl KvRouter for Ingest {
             ));
         };
         let state = Arc::clone(&self.state);
+        check_tokenizer(&state, &register).await?;
         let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
         tracing::info!(worker = worker_id, generation, "worker registered");
 
@@ -157,6 +159,43 @@ impl KvRouter for Ingest {
                 .collect(),
         }))
     }
+}
+
+/// Refuses a worker that declares another tokenizer than the router's (text
+/// prompts would never match its cache); a router without one adopts it.
+async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(), Status> {
+    let worker_id = register.worker_id;
+    let (spec, fingerprint) = register
+        .tokenizer
+        .as_ref()
+        .map(|t| (t.spec.clone(), t.fingerprint.clone()))
+        .unwrap_or_default();
+    let checking = Arc::clone(state);
+    // Adopting loads a tokenizer: not on the async threads.
+    let agreement = tokio::task::spawn_blocking(move || {
+        checking
+            .tokenizer
+            .check_worker(worker_id, &spec, &fingerprint)
+    })
+    .await
+    .map_err(|e| Status::internal(format!("tokenizer check failed: {e}")))?;
+    match agreement {
+        Ok(Agreement::Undeclared) if state.tokenizer.get().is_some() => {
+            tracing::warn!(
+                worker = worker_id,
+                "the worker declares no tokenizer: cannot check that it tokenizes like the router"
+            );
+        }
+        Ok(Agreement::AllowedMismatch(message)) => {
+            tracing::warn!("{message} (allowed by allow_tokenizer_mismatch)");
+        }
+        Ok(_) => {}
+        Err(message) => {
+            tracing::warn!("registration refused: {message}");
+            return Err(Status::failed_precondition(message));
+        }
+    }
+    Ok(())
 }
 
 fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {

@@ -35,9 +35,14 @@ pub const HTTP_RESPONSES: &str = "kvroute_http_responses_total";
 pub const QUEUED: &str = "kvroute_queued_requests";
 pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
 pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
+pub const UNTOKENIZED: &str = "kvroute_untokenized_requests_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
+    (
+        UNTOKENIZED,
+        "Text prompts routed on load alone because the router has no tokenizer",
+    ),
     (
         EVENTS,
         "KV events offered to the index, by worker, type and status",

@@ -20,7 +20,6 @@ use crate::error::RouterError;
 use crate::ingest::Ingest;
 use crate::metrics;
 use crate::state::AppState;
-use crate::tokenize::Tokenizer;
 
 /// A started router.
 pub struct Running {
@@ -48,7 +47,9 @@ pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
 
 /// Binds both listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, RouterError> {
-    let tokenizer = Tokenizer::load(&config.tokenizer)?;
+    // Before binding: a tokenizer that does not load stops the start.
+    let state = AppState::new(config, Some(metrics::handle()))?;
+    let config = &state.config;
     let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
         RouterError::Config(format!(
             "cannot listen on http_addr {}: {e}",
@@ -63,7 +64,6 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     })?;
     let http_addr = http.local_addr()?;
     let grpc_addr = grpc.local_addr()?;
-    let state = AppState::new(config, tokenizer, Some(metrics::handle()))?;
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
+use kvroute_index::{
+    BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex,
+};
 use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::config::{Config, Policy};
@@ -14,7 +16,7 @@ use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
-use crate::tokenize::Tokenizer;
+use crate::tokenize::RouterTokenizer;
 use crate::upstream::Upstream;
 
 pub struct AppState {
@@ -23,7 +25,7 @@ pub struct AppState {
     pub index: Arc<KvIndex>,
     pub predicted: Arc<PredictedIndex>,
     pub scheduler: Scheduler,
-    pub tokenizer: Option<Tokenizer>,
+    pub tokenizer: RouterTokenizer,
     pub upstream: Upstream,
     pub metrics: Option<PrometheusHandle>,
     /// Requests currently waiting for a non-busy worker.
@@ -34,6 +36,11 @@ pub struct AppState {
 #[derive(Clone, Copy)]
 pub enum RouteInput<'a> {
     Tokens(&'a [u32]),
+    /// Token ids with the request's extra keys (`cache_salt`, images).
+    Prompt {
+        tokens: &'a [u32],
+        extra: &'a ExtraKeys,
+    },
     LocalHashes(&'a [u64]),
 }
 
@@ -45,11 +52,12 @@ pub struct Routed {
 }
 
 impl AppState {
+    /// Loads the configured tokenizer (an error if it does not load).
     pub fn new(
         config: Config,
-        tokenizer: Option<Tokenizer>,
         metrics: Option<PrometheusHandle>,
     ) -> Result<Arc<Self>, RouterError> {
+        let tokenizer = RouterTokenizer::new(&config.tokenizer, config.allow_tokenizer_mismatch)?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig::default()));
         let predicted = Arc::new(PredictedIndex::new(PredictedConfig {
@@ -126,14 +134,15 @@ impl AppState {
             .ok_or_else(|| RouterError::UnknownModel(name.to_string()))?;
         let block_size = self.config.block_size as usize;
         let started = Instant::now();
+        // An adapter's blocks hash with its seed, so base-model blocks never count for it.
+        let hasher = match kind {
+            NameKind::Lora => BlockHasher::with_lora(block_size, name),
+            NameKind::Model => BlockHasher::new(block_size),
+        };
         let (local_hashes, prompt_tokens) = match input {
-            RouteInput::Tokens(tokens) => {
-                // An adapter's blocks hash with its seed, so base-model blocks never count for it.
-                let hasher = match kind {
-                    NameKind::Lora => BlockHasher::with_lora(block_size, name),
-                    NameKind::Model => BlockHasher::new(block_size),
-                };
-                (hasher.local_hashes(tokens), tokens.len())
+            RouteInput::Tokens(tokens) => (hasher.local_hashes(tokens), tokens.len()),
+            RouteInput::Prompt { tokens, extra } => {
+                (hasher.local_hashes_with(tokens, extra), tokens.len())
             }
             RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
         };
@@ -271,7 +280,7 @@ mod tests {
         let bridge = Duration::from_millis(config.scheduler.predicted_bridge_ms);
         let ttl = Duration::from_millis(config.scheduler.predicted_ttl_ms);
         assert!(bridge < ttl);
-        let state = AppState::new(config, None, None).unwrap();
+        let state = AppState::new(config, None).unwrap();
         state
             .registry
             .register(registration(1), Source::Stream)

@@ -1,37 +1,46 @@
-//! Turning a request's prompt into token ids, through `kvroute-tokenize`.
+//! Turning a request's prompt into token ids, through `kvroute-tokenize`, and
+//! making sure the router tokenizes as its workers do.
 //!
 //! Token-id prompts are used as they are. Text prompts and chat messages need
-//! the configured tokenizer, which must be the workers' own: a different
-//! tokenizer gives different tokens, so no block hash would ever match.
+//! the workers' own tokenizer: a different one gives different tokens, so no
+//! block hash would ever match, silently. So workers declare their tokenizer
+//! (spec and fingerprint) when they register, and [`RouterTokenizer`] compares:
+//! a worker whose fingerprint differs from the router's is refused, and a router
+//! configured with `none` adopts the tokenizer its workers declare, once it
+//! loads here with the same fingerprint. Text that still cannot be tokenized is
+//! routed on load alone, counted, and `/v1/route` says why.
+
+use std::sync::{Mutex, OnceLock};
 
 use kvroute_tokenize::{ChatMessage, TokenizerSpec};
 use serde_json::Value;
 
 pub use kvroute_tokenize::Prompt;
 
-use crate::config::{TokenizerConfig, TokenizerKind};
 use crate::error::RouterError;
 
-/// The configured tokenizer.
+/// A loaded tokenizer.
 pub struct Tokenizer {
     inner: kvroute_tokenize::Tokenizer,
 }
 
 impl Tokenizer {
-    /// `None` for `kind = "none"`: text is then routed on load alone.
-    pub fn load(config: &TokenizerConfig) -> Result<Option<Self>, RouterError> {
-        let spec = match config.kind {
-            TokenizerKind::None => return Ok(None),
-            TokenizerKind::Huggingface => TokenizerSpec::HuggingFace {
-                dir_or_file: config.path.clone().into(),
-            },
-            TokenizerKind::Tiktoken => TokenizerSpec::Tiktoken {
-                encoding: config.encoding.clone(),
-            },
-        };
-        let inner = kvroute_tokenize::Tokenizer::load(&spec)
+    /// `None` for the spec `none`.
+    pub fn load(spec: &TokenizerSpec) -> Result<Option<Self>, RouterError> {
+        if *spec == TokenizerSpec::None {
+            return Ok(None);
+        }
+        let inner = kvroute_tokenize::Tokenizer::load(spec)
             .map_err(|e| RouterError::Config(format!("tokenizer: {e}")))?;
         Ok(Some(Self { inner }))
+    }
+
+    pub fn spec(&self) -> &TokenizerSpec {
+        self.inner.spec()
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        self.inner.fingerprint()
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RouterError> {
@@ -54,8 +63,199 @@ impl Tokenizer {
     }
 }
 
+/// What a worker's declared tokenizer means for its registration.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Agreement {
+    /// Same fingerprint as the router's tokenizer.
+    Agrees,
+    /// The router had none and now uses the worker's.
+    Adopted,
+    /// The router has none and could not take the worker's (the reason is kept
+    /// for `/v1/route`); the worker is accepted, text is routed on load.
+    NotAdopted,
+    /// The worker declared none, or `none`: nothing to compare.
+    Undeclared,
+    /// Another fingerprint, accepted because the configuration allows it.
+    AllowedMismatch(String),
+}
+
+/// The router's tokenizer: configured, or adopted from the workers.
+pub struct RouterTokenizer {
+    loaded: OnceLock<Tokenizer>,
+    allow_mismatch: bool,
+    /// Why there is no tokenizer, while there is none.
+    missing: Mutex<String>,
+}
+
+impl RouterTokenizer {
+    pub fn new(spec: &TokenizerSpec, allow_mismatch: bool) -> Result<Self, RouterError> {
+        let loaded = OnceLock::new();
+        if let Some(tokenizer) = Tokenizer::load(spec)? {
+            let _ = loaded.set(tokenizer);
+        }
+        Ok(Self {
+            loaded,
+            allow_mismatch,
+            missing: Mutex::new(
+                "the router has no tokenizer (tokenizer = \"none\") and no worker has declared one"
+                    .into(),
+            ),
+        })
+    }
+
+    /// The tokenizer in use, if any.
+    pub fn get(&self) -> Option<&Tokenizer> {
+        self.loaded.get()
+    }
+
+    /// Why text cannot be tokenized now (meaningful while [`Self::get`] is `None`).
+    pub fn missing_reason(&self) -> String {
+        self.missing.lock().unwrap().clone()
+    }
+
+    /// Checks a registering worker's declared tokenizer (`spec`, `fingerprint`)
+    /// against the router's, adopting it when the router has none. `Err` is the
+    /// refusal's message. May load a tokenizer: call off the async threads.
+    pub fn check_worker(
+        &self,
+        worker_id: u64,
+        spec: &str,
+        fingerprint: &str,
+    ) -> Result<Agreement, String> {
+        if spec.is_empty() || spec == "none" || fingerprint.is_empty() {
+            return Ok(Agreement::Undeclared);
+        }
+        if self.loaded.get().is_none() {
+            self.try_adopt(spec, fingerprint);
+            if self.loaded.get().is_none() {
+                return Ok(Agreement::NotAdopted);
+            }
+            if self
+                .loaded
+                .get()
+                .is_some_and(|t| t.fingerprint() == fingerprint)
+            {
+                return Ok(Agreement::Adopted);
+            }
+        }
+        let ours = self.loaded.get().expect("set above or before");
+        if ours.fingerprint() == fingerprint {
+            return Ok(Agreement::Agrees);
+        }
+        let message = format!(
+            "worker {worker_id} tokenizes with {spec} (fingerprint {fingerprint}), the router with {} \
+             (fingerprint {}): text prompts would never match its cache. Give both the same \
+             tokenizer, or set allow_tokenizer_mismatch = true in the router's config",
+            ours.spec(),
+            ours.fingerprint()
+        );
+        if self.allow_mismatch {
+            Ok(Agreement::AllowedMismatch(message))
+        } else {
+            Err(message)
+        }
+    }
+
+    /// Loads `spec` and keeps it if it has the worker's fingerprint here too.
+    fn try_adopt(&self, spec: &str, fingerprint: &str) {
+        // One registration at a time tries, so a tokenizer is loaded once.
+        let mut missing = self.missing.lock().unwrap();
+        if self.loaded.get().is_some() {
+            return;
+        }
+        let loaded = spec
+            .parse::<TokenizerSpec>()
+            .map_err(|e| e.to_string())
+            .and_then(|spec| kvroute_tokenize::Tokenizer::load(&spec).map_err(|e| e.to_string()));
+        match loaded {
+            Ok(inner) if inner.fingerprint() == fingerprint => {
+                tracing::info!(tokenizer = %spec, fingerprint, "adopted the tokenizer the workers declare");
+                let _ = self.loaded.set(Tokenizer { inner });
+            }
+            Ok(inner) => {
+                *missing = format!(
+                    "the workers' tokenizer {spec} has fingerprint {fingerprint} there but {} on the \
+                     router's host; configure the router's tokenizer",
+                    inner.fingerprint()
+                );
+                tracing::warn!("{}", *missing);
+            }
+            Err(e) => {
+                *missing = format!(
+                    "the workers' tokenizer {spec} cannot be loaded by the router: {e}; configure \
+                     the router's tokenizer"
+                );
+                tracing::warn!("{}", *missing);
+            }
+        }
+    }
+}
+
 /// The `prompt` of a completion request: a string or token ids.
 pub fn completion_prompt(prompt: &Value) -> Result<Prompt, RouterError> {
     kvroute_tokenize::parse_completion_prompt(prompt)
         .map_err(|e| RouterError::BadRequest(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cl100k() -> (String, String) {
+        let t = Tokenizer::load(&"tiktoken:cl100k_base".parse().unwrap())
+            .unwrap()
+            .unwrap();
+        (t.spec().to_string(), t.fingerprint().to_string())
+    }
+
+    #[test]
+    fn a_router_without_tokenizer_adopts_the_workers_then_refuses_others() {
+        let router = RouterTokenizer::new(&TokenizerSpec::None, false).unwrap();
+        assert!(router.get().is_none());
+        assert_eq!(router.check_worker(1, "", ""), Ok(Agreement::Undeclared));
+        let (spec, fingerprint) = cl100k();
+        assert_eq!(
+            router.check_worker(1, &spec, &fingerprint),
+            Ok(Agreement::Adopted)
+        );
+        assert_eq!(router.get().unwrap().fingerprint(), fingerprint);
+        assert_eq!(
+            router.check_worker(2, &spec, &fingerprint),
+            Ok(Agreement::Agrees)
+        );
+        let refused = router
+            .check_worker(3, "tiktoken:o200k_base", "0123456789abcdef")
+            .unwrap_err();
+        assert!(refused.contains("worker 3"), "{refused}");
+        assert!(refused.contains("allow_tokenizer_mismatch"), "{refused}");
+    }
+
+    #[test]
+    fn an_unloadable_or_different_tokenizer_is_not_adopted_and_says_why() {
+        let router = RouterTokenizer::new(&TokenizerSpec::None, false).unwrap();
+        assert_eq!(
+            router.check_worker(1, "hf:/nowhere/model", "00"),
+            Ok(Agreement::NotAdopted)
+        );
+        assert!(router.missing_reason().contains("/nowhere/model"));
+        assert_eq!(
+            router.check_worker(1, "tiktoken:cl100k_base", "not-its-fingerprint"),
+            Ok(Agreement::NotAdopted)
+        );
+        assert!(router.get().is_none());
+        assert!(router.missing_reason().contains("fingerprint"));
+    }
+
+    #[test]
+    fn a_configured_mismatch_can_be_allowed() {
+        let spec = "tiktoken:o200k_base".parse().unwrap();
+        let (cl_spec, cl_fingerprint) = cl100k();
+        let strict = RouterTokenizer::new(&spec, false).unwrap();
+        assert!(strict.check_worker(1, &cl_spec, &cl_fingerprint).is_err());
+        let lenient = RouterTokenizer::new(&spec, true).unwrap();
+        assert!(matches!(
+            lenient.check_worker(1, &cl_spec, &cl_fingerprint),
+            Ok(Agreement::AllowedMismatch(_))
+        ));
+    }
 }

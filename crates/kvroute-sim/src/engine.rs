@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvroute_cache::PolicyKind;
-use kvroute_index::{BlockHasher, sequence_hashes};
+use kvroute_index::{BlockHasher, ExtraKeys, sequence_hashes};
 
 use crate::SimError;
 use crate::cost::{BatchShape, CostModel};
@@ -216,6 +216,18 @@ impl Engine {
 
     /// Queues a request. Refused when it could never fit in the pool.
     pub fn submit(&mut self, tokens: &[u32], max_tokens: u32) -> Result<SeqId, SimError> {
+        self.submit_with(tokens, max_tokens, &ExtraKeys::default())
+    }
+
+    /// Queues a request whose blocks are also keyed by `extra` (a `cache_salt`,
+    /// images), as vLLM keys them: such blocks are shared only with requests
+    /// that have the same keys.
+    pub fn submit_with(
+        &mut self,
+        tokens: &[u32],
+        max_tokens: u32,
+        extra: &ExtraKeys,
+    ) -> Result<SeqId, SimError> {
         if tokens.is_empty() {
             return Err(SimError::BadRequest("the prompt has no tokens".into()));
         }
@@ -232,7 +244,7 @@ impl Engine {
                 self.pool.total()
             )));
         }
-        let locals = self.hasher.local_hashes(tokens);
+        let locals = self.hasher.local_hashes_with(tokens, extra);
         let blocks = sequence_hashes(&locals)
             .into_iter()
             .zip(locals)

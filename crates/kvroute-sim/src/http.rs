@@ -26,6 +26,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures_util::StreamExt;
+use kvroute_index::ExtraKeys;
+use kvroute_proto::TokenizerInfo;
 use kvroute_tokenize::{ChatMessage, Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -46,6 +48,27 @@ impl SharedTokenizer {
         SharedTokenizer {
             spec,
             loaded: OnceLock::new(),
+        }
+    }
+
+    /// The tokenizer as declared to the router at registration; `None` (and a
+    /// warning) when it does not load, since then it cannot be fingerprinted.
+    pub fn declaration(&self) -> Option<TokenizerInfo> {
+        if self.spec == TokenizerSpec::None {
+            return Some(TokenizerInfo {
+                spec: self.spec.to_string(),
+                fingerprint: String::new(),
+            });
+        }
+        match self.get() {
+            Ok(tokenizer) => Some(TokenizerInfo {
+                spec: self.spec.to_string(),
+                fingerprint: tokenizer.fingerprint().to_string(),
+            }),
+            Err(e) => {
+                tracing::warn!("{}: the router cannot check it", e.message);
+                None
+            }
         }
     }
 
@@ -140,6 +163,8 @@ enum Kind {
 struct Parsed {
     model: String,
     tokens: Vec<u32>,
+    /// What keys the prompt's blocks besides their tokens (`cache_salt`).
+    extra: ExtraKeys,
     max_tokens: u32,
     stream: bool,
     include_usage: bool,
@@ -191,6 +216,11 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
                 .map_err(|e| ApiError::bad(e.to_string()))?
         }
     };
+    let cache_salt = match json.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(salt.clone()),
+        Some(_) => return Err(ApiError::bad("`cache_salt` must be a string")),
+    };
     let max_tokens = match json
         .get("max_completion_tokens")
         .or_else(|| json.get("max_tokens"))
@@ -205,6 +235,10 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     Ok(Parsed {
         model: model.to_string(),
         tokens,
+        extra: ExtraKeys {
+            cache_salt,
+            ..ExtraKeys::default()
+        },
         max_tokens,
         stream: json.get("stream").and_then(Value::as_bool).unwrap_or(false),
         include_usage: json
@@ -260,7 +294,7 @@ fn usage(last: &Emitted) -> Value {
 
 async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Response, ApiError> {
     let parsed = parse(&shared, body, kind)?;
-    let (id, rx) = shared.submit(&parsed.tokens, parsed.max_tokens)?;
+    let (id, rx) = shared.submit(&parsed.tokens, parsed.max_tokens, &parsed.extra)?;
     let guard = AbortGuard {
         shared: Arc::clone(&shared),
         id,

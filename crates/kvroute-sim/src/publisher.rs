@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use kvroute_proto::kv_router_client::KvRouterClient;
 use kvroute_proto::{
-    Dump, EventBatch, KvEvent, LoadReport, Register, WorkerMessage, router_message, worker_message,
+    Dump, EventBatch, KvEvent, LoadReport, Register, TokenizerInfo, WorkerMessage, router_message,
+    worker_message,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -33,10 +34,16 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 pub(crate) async fn run(shared: Arc<Shared>, router: String) {
     let mut stopped = shared.stop.subscribe();
     let mut backoff = FIRST_BACKOFF;
+    // Loading the tokenizer for its fingerprint blocks: not on the async threads.
+    let loading = Arc::clone(&shared);
+    let tokenizer = tokio::task::spawn_blocking(move || loading.tokenizer.declaration())
+        .await
+        .ok()
+        .flatten();
     loop {
         let session = Session::new(&shared);
         tokio::select! {
-            result = session.run(&router) => match result {
+            result = session.run(&router, tokenizer.clone()) => match result {
                 Ok(()) => return,
                 Err(e) => tracing::warn!(
                     worker = shared.config.worker_id,
@@ -74,7 +81,7 @@ impl<'a> Session<'a> {
     }
 
     /// Serves one connection until it fails; `Ok` only when the worker stops.
-    async fn run(mut self, router: &str) -> Result<(), String> {
+    async fn run(mut self, router: &str, tokenizer: Option<TokenizerInfo>) -> Result<(), String> {
         let shared = self.shared;
         let config = &shared.config;
         let mut client = KvRouterClient::connect(router.to_string())
@@ -89,6 +96,7 @@ impl<'a> Session<'a> {
             block_size: config.engine.block_size as u32,
             total_kv_blocks: config.engine.kv_blocks as u64,
             lora_names: Vec::new(),
+            tokenizer,
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
         let dump = self.dump();

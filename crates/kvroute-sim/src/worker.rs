@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvroute_index::ExtraKeys;
 use kvroute_tokenize::TokenizerSpec;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc, watch};
@@ -140,6 +141,7 @@ impl Shared {
         &self,
         tokens: &[u32],
         max_tokens: u32,
+        extra: &ExtraKeys,
     ) -> Result<(SeqId, mpsc::UnboundedReceiver<Emitted>), SimError> {
         if *self.stop.borrow() {
             return Err(SimError::Stopped);
@@ -147,7 +149,7 @@ impl Shared {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut core = self.core();
-            let id = core.engine.submit(tokens, max_tokens)?;
+            let id = core.engine.submit_with(tokens, max_tokens, extra)?;
             core.streams.insert(id, tx);
             id
         };

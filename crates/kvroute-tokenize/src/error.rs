@@ -11,9 +11,14 @@ use std::path::PathBuf;
 pub enum TokenizeError {
     /// A tokenizer spec string that is neither `tiktoken:NAME` nor `hf:PATH`.
     #[error(
-        "invalid tokenizer spec '{spec}': {reason} (expected 'tiktoken:cl100k_base', 'tiktoken:o200k_base' or 'hf:/path/to/tokenizer')"
+        "invalid tokenizer spec '{spec}': {reason} (expected 'tiktoken:cl100k_base', 'tiktoken:o200k_base', 'hf:/path/to/tokenizer' or 'none')"
     )]
     InvalidSpec { spec: String, reason: String },
+    /// The spec is `none`: there is no tokenizer to load.
+    #[error(
+        "no tokenizer is configured (tokenizer spec 'none'): only token-id prompts can be used"
+    )]
+    NoTokenizer,
     /// A tiktoken encoding this crate does not ship.
     #[error("unknown tiktoken encoding '{name}': expected cl100k_base or o200k_base")]
     UnknownEncoding { name: String },
@@ -48,7 +53,8 @@ impl TokenizeError {
         match self {
             TokenizeError::ChatTemplate { .. }
             | TokenizeError::InvalidPrompt { .. }
-            | TokenizeError::Encode { .. } => true,
+            | TokenizeError::Encode { .. }
+            | TokenizeError::NoTokenizer => true,
             TokenizeError::InvalidSpec { .. }
             | TokenizeError::UnknownEncoding { .. }
             | TokenizeError::Io { .. }

@@ -32,7 +32,9 @@ pub(crate) struct HfTokenizer {
 }
 
 impl HfTokenizer {
-    pub(crate) fn load(dir_or_file: &Path) -> Result<Self, TokenizeError> {
+    /// The tokenizer, and the bytes that define it (for its fingerprint): its
+    /// `tokenizer.json`, then the chat template and config files that exist.
+    pub(crate) fn load(dir_or_file: &Path) -> Result<(Self, Vec<u8>), TokenizeError> {
         let (dir, tokenizer_path) = if dir_or_file.is_dir() {
             (
                 dir_or_file.to_path_buf(),
@@ -49,10 +51,17 @@ impl HfTokenizer {
                 message: error.to_string(),
             }
         })?;
-        Ok(HfTokenizer {
-            tokenizer,
-            chat: load_chat_template(&dir)?,
-        })
+        let chat = load_chat_template(&dir)?;
+        let mut identity = bytes;
+        for name in ["chat_template.jinja", "tokenizer_config.json"] {
+            let path = dir.join(name);
+            if path.is_file() {
+                // A separator, so that moving bytes between files changes the digest.
+                identity.extend_from_slice(format!("\0{name}\0").as_bytes());
+                identity.extend_from_slice(&read(&path)?);
+            }
+        }
+        Ok((HfTokenizer { tokenizer, chat }, identity))
     }
 
     /// Encodes `text`, adding special tokens when `add_special_tokens`.

@@ -17,6 +17,9 @@
 //!   bounded cache (`cache` module) because prompts repeat.
 //! - [`parse_completion_prompt`] and [`ChatMessage`] read the prompt shapes
 //!   OpenAI clients send.
+//! - [`Tokenizer::fingerprint`] names what decides the ids (vocabulary, rules,
+//!   chat template), so that a router and its workers can check that they
+//!   tokenize alike before any prompt is routed.
 //! - [`TokenizeError`] is the one error type; no input makes this crate panic.
 
 mod cache;
@@ -44,6 +47,7 @@ use tiktoken::TiktokenTokenizer;
 /// once and share it through an `Arc`.
 pub struct Tokenizer {
     spec: TokenizerSpec,
+    fingerprint: String,
     backend: Backend,
     cache: TokenCache,
 }
@@ -71,16 +75,23 @@ impl Tokenizer {
     /// Loads the tokenizer `spec` names, caching up to `cache_tokens` tokens of
     /// recent results (0: no cache).
     pub fn load_with_cache(spec: &TokenizerSpec, cache_tokens: u64) -> Result<Self, TokenizeError> {
-        let backend = match spec {
+        let (backend, fingerprint) = match spec {
             TokenizerSpec::Tiktoken { encoding } => {
-                Backend::Tiktoken(Box::new(TiktokenTokenizer::load(encoding)?))
+                let tiktoken = TiktokenTokenizer::load(encoding)?;
+                // The vocabularies are compiled in, so the encoding's name
+                // identifies one; the chat format is this crate's ChatML.
+                let identity = format!("tiktoken:{encoding}\nchat:chatml");
+                (Backend::Tiktoken(Box::new(tiktoken)), identity.into_bytes())
             }
             TokenizerSpec::HuggingFace { dir_or_file } => {
-                Backend::HuggingFace(Box::new(HfTokenizer::load(dir_or_file)?))
+                let (hf, identity) = HfTokenizer::load(dir_or_file)?;
+                (Backend::HuggingFace(Box::new(hf)), identity)
             }
+            TokenizerSpec::None => return Err(TokenizeError::NoTokenizer),
         };
         Ok(Tokenizer {
             spec: spec.clone(),
+            fingerprint: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&fingerprint)),
             backend,
             cache: TokenCache::new(cache_tokens),
         })
@@ -89,6 +100,16 @@ impl Tokenizer {
     /// The spec this tokenizer was loaded from, for logs and `/v1/route`.
     pub fn spec(&self) -> &TokenizerSpec {
         &self.spec
+    }
+
+    /// A digest of everything that decides the ids: for a Hugging Face
+    /// tokenizer the bytes of `tokenizer.json` (vocabulary, merges, normalizer,
+    /// BOS rule), of the chat template and of `tokenizer_config.json`; for
+    /// tiktoken the encoding's name (its vocabulary is compiled in) and the chat
+    /// format. Two tokenizers with one fingerprint give the same ids; copies of
+    /// the same files at different paths have the same fingerprint.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// Token ids of a completions prompt, with the special tokens the engine

@@ -1,7 +1,9 @@
 //! Which tokenizer to load, as written in the router's configuration.
 //!
-//! The text form is `tiktoken:ENCODING` or `hf:PATH`; it is also the serde form,
-//! so a TOML config can say `tokenizer = "hf:/models/llama-3/"`.
+//! The text form is `tiktoken:ENCODING`, `hf:PATH` or `none`; it is also the
+//! serde form, so a TOML config can say `tokenizer = "hf:/models/llama-3/"`. The
+//! router, the simulator and the bridge all take this one syntax, and workers
+//! declare theirs to the router in it.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -20,6 +22,8 @@ pub enum TokenizerSpec {
     /// An OpenAI tiktoken encoding embedded in the binary: `cl100k_base` or
     /// `o200k_base`.
     Tiktoken { encoding: String },
+    /// No tokenizer: only token-id prompts can be hashed.
+    None,
 }
 
 impl FromStr for TokenizerSpec {
@@ -30,9 +34,12 @@ impl FromStr for TokenizerSpec {
             spec: spec.to_string(),
             reason: reason.to_string(),
         };
+        if spec == "none" {
+            return Ok(TokenizerSpec::None);
+        }
         let (kind, rest) = spec
             .split_once(':')
-            .ok_or_else(|| invalid("missing 'tiktoken:' or 'hf:' prefix"))?;
+            .ok_or_else(|| invalid("missing 'tiktoken:' or 'hf:' prefix, and not 'none'"))?;
         if rest.is_empty() {
             return Err(invalid("nothing after the prefix"));
         }
@@ -56,6 +63,7 @@ impl fmt::Display for TokenizerSpec {
         match self {
             TokenizerSpec::HuggingFace { dir_or_file } => write!(f, "hf:{}", dir_or_file.display()),
             TokenizerSpec::Tiktoken { encoding } => write!(f, "tiktoken:{encoding}"),
+            TokenizerSpec::None => f.write_str("none"),
         }
     }
 }

@@ -28,7 +28,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_index::{BlockHasher, EventKind, KvEvent, StoredBlock, WorkerKey};
-use kvroute_router::config::{StaticWorker, TokenizerConfig, TokenizerKind};
+use kvroute_router::config::StaticWorker;
 use kvroute_router::registry::{Registration, Source};
 use kvroute_router::state::{AppState, RouteInput};
 use kvroute_router::{Config, server};
@@ -151,7 +151,7 @@ fn build_fleet(
     workers: u64,
     chain_tokens: usize,
 ) -> anyhow::Result<(Arc<AppState>, HeldChains)> {
-    let state = AppState::new(quiet_config(), None, None)?;
+    let state = AppState::new(quiet_config(), None)?;
     let hasher = BlockHasher::new(BLOCK_SIZE);
     register_workers(&state, workers)?;
     let blocks_per_chain = chain_tokens / BLOCK_SIZE;
@@ -383,13 +383,8 @@ impl Prose {
 
 fn throughput(args: &BenchRouterArgs) -> anyhow::Result<()> {
     let mut config = quiet_config();
-    config.tokenizer = TokenizerConfig {
-        kind: TokenizerKind::Tiktoken,
-        path: String::new(),
-        encoding: "cl100k_base".into(),
-    };
-    let tokenizer = kvroute_router::tokenize::Tokenizer::load(&config.tokenizer)?;
-    let state = AppState::new(config, tokenizer, None)?;
+    config.tokenizer = "tiktoken:cl100k_base".parse()?;
+    let state = AppState::new(config, None)?;
     register_workers(&state, 64)?;
     let mut rng = Lcg(3);
     let prose = Prose::new(&mut rng, 50_000);
@@ -399,7 +394,7 @@ fn throughput(args: &BenchRouterArgs) -> anyhow::Result<()> {
     let prompts: Vec<String> = (0..args.throughput_requests)
         .map(|_| format!("{system}{}", prose.text(&mut rng, 5100)))
         .collect();
-    let tokenizer = state.tokenizer.as_ref().expect("loaded above");
+    let tokenizer = state.tokenizer.get().expect("configured above");
     let mut tokenize = Histogram::<u64>::new(3)?;
     let mut tokens_total = 0usize;
     let started = Instant::now();

@@ -346,3 +346,18 @@ fn missing_and_broken_files_are_errors_naming_the_file() {
         );
     }
 }
+
+#[test]
+fn fingerprint_follows_the_files_not_their_path() {
+    let a = load(&llama3_dir("fingerprint_a")).unwrap();
+    let b = load(&llama3_dir("fingerprint_b")).unwrap();
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    // Another chat template tokenizes chats differently: another fingerprint.
+    let zephyr = configured_dir(
+        "fingerprint_zephyr",
+        json!({"eos_token": "</s>", "chat_template": ZEPHYR_TEMPLATE}).to_string(),
+    );
+    assert_ne!(load(&zephyr).unwrap().fingerprint(), a.fingerprint());
+    let tiktoken = Tokenizer::load(&"tiktoken:cl100k_base".parse().unwrap()).unwrap();
+    assert_ne!(tiktoken.fingerprint(), a.fingerprint());
+}

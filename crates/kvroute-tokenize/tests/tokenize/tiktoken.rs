@@ -128,6 +128,11 @@ fn specs_parse_print_and_deserialize() {
         }
     );
     assert_eq!(serde_json::to_string(&hf).unwrap(), "\"hf:/models/llama\"");
+    let none: TokenizerSpec = "none".parse().unwrap();
+    assert_eq!(none, TokenizerSpec::None);
+    assert_eq!(none.to_string(), "none");
+    let error = Tokenizer::load(&none).err().unwrap();
+    assert!(matches!(error, TokenizeError::NoTokenizer), "{error}");
 
     for bad in [
         "cl100k_base",
@@ -150,6 +155,20 @@ fn specs_parse_print_and_deserialize() {
             .to_string()
             .contains("unknown tiktoken encoding 'gpt2'"),
         "{error}"
+    );
+}
+
+#[test]
+fn encodings_have_distinct_stable_fingerprints() {
+    let load = |spec: &str| Tokenizer::load(&spec.parse().unwrap()).unwrap();
+    let cl100k = load("tiktoken:cl100k_base");
+    assert_eq!(
+        cl100k.fingerprint(),
+        load("tiktoken:cl100k_base").fingerprint()
+    );
+    assert_ne!(
+        cl100k.fingerprint(),
+        load("tiktoken:o200k_base").fingerprint()
     );
 }
 
