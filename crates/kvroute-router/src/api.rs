@@ -103,7 +103,7 @@ impl Endpoint {
 struct Parsed {
     model: String,
     tokens: Vec<u32>,
-    /// vLLM's extra keys of the request's blocks (`cache_salt`).
+    /// vLLM's extra keys of the request's blocks (`cache_salt`, images).
     extra: ExtraKeys,
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
     untokenized: Option<String>,
@@ -162,6 +162,7 @@ fn parse(
     let started = Instant::now();
     let tokenizer = state.tokenizer.get();
     let mut untokenized = None;
+    let mut multimodal = Vec::new();
     let tokens = match endpoint {
         Endpoint::Completions => {
             let prompt = object
@@ -181,7 +182,7 @@ fn parse(
         Endpoint::Chat => {
             let messages = object
                 .get("messages")
-                .filter(|m| m.is_array())
+                .and_then(Value::as_array)
                 .ok_or_else(|| {
                     RouterError::BadRequest("missing field `messages` (an array)".into())
                 })?;
@@ -191,7 +192,11 @@ fn parse(
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
             match tokenizer {
-                Some(t) => t.encode_chat(messages, add_generation_prompt)?,
+                Some(t) => {
+                    let (tokens, images) = t.encode_chat(messages, add_generation_prompt)?;
+                    multimodal = images;
+                    tokens
+                }
                 None => {
                     untokenized = Some(state.tokenizer.missing_reason());
                     Vec::new()
@@ -235,7 +240,7 @@ fn parse(
         tokens,
         extra: ExtraKeys {
             cache_salt,
-            ..ExtraKeys::default()
+            multimodal,
         },
         untokenized,
         pin,

@@ -12,7 +12,8 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use kvroute_tokenize::{ChatMessage, TokenizerSpec};
+use kvroute_index::MultimodalItem;
+use kvroute_tokenize::{TokenizeError, TokenizerSpec};
 use serde_json::Value;
 
 pub use kvroute_tokenize::Prompt;
@@ -49,17 +50,19 @@ impl Tokenizer {
             .map_err(|e| RouterError::Tokenize(e.to_string()))
     }
 
-    /// Tokens of a chat request's `messages` through the model's chat template.
+    /// Tokens of a chat request's `messages` through the model's chat
+    /// template, and its images as the extra keys of the blocks they are in.
     pub fn encode_chat(
         &self,
-        messages: &Value,
+        messages: &[Value],
         add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, RouterError> {
-        let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone())
-            .map_err(|e| RouterError::BadRequest(format!("invalid `messages`: {e}")))?;
+    ) -> Result<(Vec<u32>, Vec<MultimodalItem>), RouterError> {
         self.inner
-            .encode_chat(&messages, add_generation_prompt)
-            .map_err(|e| RouterError::Tokenize(e.to_string()))
+            .encode_chat_with_images(messages, add_generation_prompt)
+            .map_err(|e| match e {
+                TokenizeError::InvalidPrompt { message } => RouterError::BadRequest(message),
+                e => RouterError::Tokenize(e.to_string()),
+            })
     }
 }
 

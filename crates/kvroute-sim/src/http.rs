@@ -6,7 +6,9 @@
 //! text is filler, one word per token, but token counts, cached-token counts
 //! and timing are the engine's.
 //!
-//! - `POST /v1/completions`, `POST /v1/chat/completions`: `stream: true` for
+//! - `POST /v1/completions`, `POST /v1/chat/completions`: `cache_salt` and a
+//!   chat's `image_url` parts key the prompt's blocks as vLLM and the router
+//!   key them (see `kvroute_index::hash`); `stream: true` for
 //!   SSE (a final usage chunk when `stream_options.include_usage` is set);
 //!   `usage.prompt_tokens_details.cached_tokens` reports the prefix hit.
 //! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
@@ -28,7 +30,7 @@ use axum::serve::ListenerExt;
 use futures_util::StreamExt;
 use kvroute_index::ExtraKeys;
 use kvroute_proto::TokenizerInfo;
-use kvroute_tokenize::{ChatMessage, Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
+use kvroute_tokenize::{Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -186,6 +188,7 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             ),
         ));
     }
+    let mut multimodal = Vec::new();
     let tokens = match kind {
         Kind::Completion => {
             let prompt = json
@@ -201,19 +204,18 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             }
         }
         Kind::Chat => {
-            let messages: Vec<ChatMessage> = json
+            let messages = json
                 .get("messages")
-                .filter(|m| m.is_array())
-                .ok_or_else(|| ApiError::bad("missing field `messages` (an array)"))
-                .and_then(|m| {
-                    serde_json::from_value(m.clone())
-                        .map_err(|e| ApiError::bad(format!("invalid `messages`: {e}")))
-                })?;
-            shared
+                .and_then(Value::as_array)
+                .ok_or_else(|| ApiError::bad("missing field `messages` (an array)"))?;
+            // Images key the blocks they are in, as in vLLM and the router.
+            let (tokens, images) = shared
                 .tokenizer
                 .get()?
-                .encode_chat(&messages, true)
-                .map_err(|e| ApiError::bad(e.to_string()))?
+                .encode_chat_with_images(messages, true)
+                .map_err(|e| ApiError::bad(e.to_string()))?;
+            multimodal = images;
+            tokens
         }
     };
     let cache_salt = match json.get("cache_salt") {
@@ -237,7 +239,7 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         tokens,
         extra: ExtraKeys {
             cache_salt,
-            ..ExtraKeys::default()
+            multimodal,
         },
         max_tokens,
         stream: json.get("stream").and_then(Value::as_bool).unwrap_or(false),

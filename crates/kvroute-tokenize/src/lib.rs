@@ -34,13 +34,14 @@ mod tiktoken;
 
 pub use cache::DEFAULT_CACHE_TOKENS;
 pub use error::TokenizeError;
-pub use prompt::{ChatMessage, Prompt, parse_completion_prompt};
+pub use prompt::{ChatMessage, IMAGE_PLACEHOLDER, Prompt, parse_completion_prompt};
 pub use spec::TokenizerSpec;
 
 use std::fmt;
 
 use cache::{Kind, TokenCache};
 use hf::HfTokenizer;
+use kvroute_index::{MultimodalItem, multimodal_identifier_hash};
 use tiktoken::TiktokenTokenizer;
 
 /// A loaded tokenizer with its chat template and cache. `Send + Sync`: load it
@@ -146,6 +147,51 @@ impl Tokenizer {
                 Ok(ids.to_vec())
             }
         }
+    }
+
+    /// Token ids of a chat's `messages` (as the request's JSON array), and its
+    /// images as the extra keys of the blocks holding them: each keyed by the
+    /// [`multimodal_identifier_hash`] of the part's `uuid`, else of its URL.
+    /// Each image's span starts where the prompt's tokens
+    /// first differ from those of the same chat without that image and the
+    /// ones after it; the router and the simulated engine both place images
+    /// this way, so the blocks before an image are shared by every request
+    /// with that prefix, and the blocks from it on only by requests with the
+    /// same image.
+    pub fn encode_chat_with_images(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, Vec<MultimodalItem>), TokenizeError> {
+        let invalid = |message: String| TokenizeError::InvalidPrompt {
+            message: format!("invalid `messages`: {message}"),
+        };
+        let full: Vec<ChatMessage> =
+            serde_json::from_value(serde_json::Value::Array(messages.to_vec()))
+                .map_err(|e| invalid(e.to_string()))?;
+        let tokens = self.encode_chat(&full, add_generation_prompt)?;
+        let mut spans = Vec::new();
+        for (kept, identifier) in prompt::image_identifiers(messages).into_iter().enumerate() {
+            let mut budget = kept;
+            let mut without = full.clone();
+            for (message, raw) in without.iter_mut().zip(messages) {
+                let content = raw.get("content").unwrap_or(&serde_json::Value::Null);
+                message.content =
+                    prompt::content_from_value(content, &mut budget).map_err(invalid)?;
+            }
+            let other = self.encode_chat(&without, add_generation_prompt)?;
+            let offset = tokens
+                .iter()
+                .zip(&other)
+                .take_while(|(a, b)| a == b)
+                .count();
+            spans.push(MultimodalItem {
+                offset,
+                length: 1,
+                hash: multimodal_identifier_hash(&identifier),
+            });
+        }
+        Ok((tokens, spans))
     }
 
     /// The prompt text the model's chat template makes of `messages`;

@@ -15,8 +15,9 @@ pub struct ChatMessage {
     pub role: String,
     /// The message text. OpenAI clients send a string, an array of content
     /// parts, or `null` (an assistant turn that only calls tools); text parts
-    /// are joined with `"\n"` as vLLM does for string-content templates, other
-    /// parts (images, audio) are skipped, and `null` is the empty string.
+    /// are joined with `"\n"` as vLLM does for string-content templates, an
+    /// image part is [`IMAGE_PLACEHOLDER`], other parts (audio) are skipped,
+    /// and `null` is the empty string.
     #[serde(default, deserialize_with = "content_text")]
     pub content: String,
 }
@@ -30,12 +31,20 @@ impl ChatMessage {
     }
 }
 
+/// What an image part of a message's content becomes in its text. The tokens
+/// it gives mark where the image is in the prompt: the blocks from there on are
+/// keyed by the image (see [`crate::Tokenizer::encode_chat_with_images`]).
+pub const IMAGE_PLACEHOLDER: &str = "<image>";
+
 fn content_text<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
     let value = Value::deserialize(deserializer)?;
-    content_from_value(&value).map_err(serde::de::Error::custom)
+    let mut every_image = usize::MAX;
+    content_from_value(&value, &mut every_image).map_err(serde::de::Error::custom)
 }
 
-fn content_from_value(value: &Value) -> Result<String, String> {
+/// The text of a message's content, keeping the first `images` image parts
+/// (and counting them off); later image parts are left out.
+pub(crate) fn content_from_value(value: &Value, images: &mut usize) -> Result<String, String> {
     match value {
         Value::Null => Ok(String::new()),
         Value::String(text) => Ok(text.clone()),
@@ -45,6 +54,13 @@ fn content_from_value(value: &Value) -> Result<String, String> {
                 let kind = part.get("type").and_then(Value::as_str).ok_or_else(|| {
                     format!("content part {index} is not an object with a string \"type\"")
                 })?;
+                if kind == "image_url" {
+                    if *images > 0 {
+                        *images -= 1;
+                        texts.push(IMAGE_PLACEHOLDER);
+                    }
+                    continue;
+                }
                 if kind != "text" {
                     continue;
                 }
@@ -60,6 +76,27 @@ fn content_from_value(value: &Value) -> Result<String, String> {
             json_kind(other)
         )),
     }
+}
+
+/// The identifiers of a chat's images, in order: an image part's `uuid` (vLLM's
+/// name for a client-given identifier, which is also what vLLM keys the image
+/// by), else its URL (data URLs included), else the empty string.
+pub(crate) fn image_identifiers(messages: &[Value]) -> Vec<String> {
+    messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|part| part.get("type").and_then(Value::as_str) == Some("image_url"))
+        .map(|part| {
+            let url = part.get("image_url");
+            part.get("uuid")
+                .and_then(Value::as_str)
+                .or_else(|| url.and_then(|u| u.get("url")).and_then(Value::as_str))
+                .or_else(|| url.and_then(Value::as_str))
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect()
 }
 
 /// The prompt of a completions request.

@@ -61,7 +61,7 @@ fn chat_messages_accept_strings_parts_and_null() {
         messages,
         [
             ChatMessage::new("system", "Be brief."),
-            ChatMessage::new("user", "first\nsecond"),
+            ChatMessage::new("user", "first\n<image>\nsecond"),
             ChatMessage::new("assistant", ""),
             ChatMessage::new("assistant", ""),
         ]

@@ -184,3 +184,47 @@ fn loading_an_unknown_encoding_is_an_error() {
         "{error}"
     );
 }
+
+#[test]
+fn images_key_the_blocks_from_where_their_placeholder_lands() {
+    let tokenizer = tiktoken("cl100k_base");
+    let chat = |image: serde_json::Value| {
+        serde_json::json!([
+            {"role": "system", "content": "Describe pictures. ".repeat(10)},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                image,
+                {"type": "text", "text": "Be brief."}
+            ]}
+        ])
+    };
+    let url = |u: &str| serde_json::json!({"type": "image_url", "image_url": {"url": u}});
+    let encode = |messages: serde_json::Value| {
+        tokenizer
+            .encode_chat_with_images(messages.as_array().unwrap(), true)
+            .unwrap()
+    };
+    let (cat_tokens, cat) = encode(chat(url("https://x/cat.png")));
+    let (dog_tokens, dog) = encode(chat(url("https://x/dog.png")));
+    assert_eq!(cat_tokens, dog_tokens, "the placeholder is the same text");
+    assert_eq!(cat.len(), 1);
+    assert_eq!(cat[0].offset, dog[0].offset);
+    assert_ne!(cat[0].hash, dog[0].hash);
+    // The image sits after the system message and the question, before the end.
+    let system_only = tokenizer
+        .encode_chat(
+            &[ChatMessage::new("system", "Describe pictures. ".repeat(10))],
+            false,
+        )
+        .unwrap();
+    assert!(cat[0].offset > system_only.len(), "{:?}", cat[0]);
+    assert!(cat[0].offset < cat_tokens.len() - 3, "{:?}", cat[0]);
+    // A client's uuid identifies the image whatever its URL.
+    let mut with_uuid = url("https://x/other.png");
+    with_uuid["uuid"] = "cat-1".into();
+    let (_, named) = encode(chat(with_uuid));
+    assert_eq!(
+        named[0].hash,
+        kvroute_index::multimodal_identifier_hash("cat-1")
+    );
+}
