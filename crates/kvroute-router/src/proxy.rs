@@ -176,3 +176,55 @@ async fn until_response<T>(post: impl Future<Output = T>, booking: &mut Booking)
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kvroute_index::WorkerKey;
+
+    use super::until_response;
+    use crate::registry::tests::{limits, reg};
+    use crate::registry::{Registry, Source};
+
+    const KEY: WorkerKey = WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    };
+
+    fn booked_prefill(registry: &Registry) -> u64 {
+        registry.lock().ranks[&KEY].booked_prefill_tokens
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_non_streaming_requests_prefill_is_released_at_its_estimated_first_token() {
+        let registry = Arc::new(Registry::new(limits()));
+        registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        // A stream on the rank took 1 ms per prefilled token to its first token.
+        let mut stream = registry.book(KEY, 100, 1);
+        stream.first_token(Duration::from_millis(100));
+        drop(stream);
+
+        let mut booking = registry.book(KEY, 200, 1);
+        assert_eq!(
+            booking.first_token_estimate(),
+            Some(Duration::from_millis(200))
+        );
+        // The worker answers only when generation is over, after 5 s.
+        let generation = tokio::time::sleep(Duration::from_secs(5));
+        let observe = async {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let before = booked_prefill(&registry);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            (before, booked_prefill(&registry))
+        };
+        let ((), (before, after)) = tokio::join!(until_response(generation, &mut booking), observe);
+        assert_eq!((before, after), (200, 0));
+        assert_eq!(
+            registry.lock().ranks[&KEY].booked_requests,
+            1,
+            "still in flight"
+        );
+    }
+}

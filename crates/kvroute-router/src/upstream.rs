@@ -185,7 +185,9 @@ impl TrackedBody {
         sse: bool,
         check: Option<Check>,
     ) -> Self {
-        Self {
+        // An empty body is complete before hyper would ever poll it.
+        let empty = inner.is_end_stream();
+        let mut body = Self {
             inner: Some(inner),
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
@@ -197,7 +199,11 @@ impl TrackedBody {
             sent,
             last_frame: None,
             check,
+        };
+        if empty {
+            complete(&mut body.flight, sent, None);
         }
+        body
     }
 }
 
