@@ -137,7 +137,8 @@ const TOKEN_ERROR_BUCKETS: &[f64] = &[
     16384.0,
 ];
 
-fn is_histogram(name: &str) -> bool {
+/// Whether the family `name` is a histogram (exported as `_bucket`, `_sum` and `_count`).
+pub fn is_histogram(name: &str) -> bool {
     name.ends_with("_seconds") || name.ends_with("_ratio") || name == CACHED_TOKENS_ERROR
 }
 
