@@ -221,9 +221,21 @@ fn read_log(path: &std::path::Path) -> String {
 fn serve_refuses_a_public_address_without_tokens_unless_insecure() {
     let public = ["--http-addr", "0.0.0.0:0", "--grpc-addr", "0.0.0.0:0"];
     let (mut command, log) = serve(&public, &[]);
-    let status = command.stdout(Stdio::null()).status().unwrap();
+    let mut child = command.stdout(Stdio::null()).spawn().unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("served without tokens: {}", read_log(&log));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     let text = read_log(&log);
-    assert!(!status.success(), "served without tokens: {text}");
+    assert!(!status.success(), "{text}");
     for expected in ["auth.worker_token", "auth.admin_token", "--insecure"] {
         assert!(text.contains(expected), "{text}");
     }
