@@ -8,7 +8,8 @@
 //! cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties
 //! these together; [`server`] starts the listeners, background tasks and the
-//! graceful shutdown. [`config`], [`error`], [`metrics`] and [`auth`] are shared.
+//! graceful shutdown. [`config`], [`error`], [`metrics`], [`auth`] and
+//! [`worker_url`] are shared.
 
 pub mod api;
 pub mod auth;
@@ -26,6 +27,7 @@ pub mod server;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;
+pub mod worker_url;
 
 pub use config::Config;
 pub use error::RouterError;

@@ -222,17 +222,6 @@ pub struct RankInfo {
     pub reported: ReportedLoad,
 }
 
-/// Checks that a base URL is an absolute http URL; returns it without a trailing slash.
-pub fn parse_base_url(url: &str) -> Result<String, String> {
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| format!("base_url {url:?} is not a URL: {e}"))?;
-    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err(format!("base_url {url:?} must be an absolute http:// URL"));
-    }
-    Ok(url.trim_end_matches('/').to_string())
-}
-
 pub fn worker_label(key: WorkerKey) -> String {
     if key.dp_rank == 0 {
         key.worker_id.to_string()
@@ -265,7 +254,7 @@ impl Registry {
     /// Adds or replaces a worker; returns the registration's generation. A worker
     /// that registers again keeps its ranks' bookings (its requests are still in flight).
     pub fn register(&self, reg: Registration, source: Source) -> Result<u64, String> {
-        let base_url = parse_base_url(&reg.base_url)?;
+        let base_url = crate::worker_url::parse_base_url(&reg.base_url)?;
         if reg.models.is_empty() {
             return Err("a worker must serve at least one model".into());
         }
