@@ -32,7 +32,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers/{id}/drain", post(drain_worker))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
-            require_token,
+            require_admin,
         ));
     Router::new()
         .route("/v1/completions", post(completions))
@@ -68,15 +68,12 @@ async fn count_responses(request: Request, next: Next) -> Response {
     response
 }
 
-async fn require_token(
+async fn require_admin(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
-    if crate::auth::bearer_ok(
-        &state.config.auth_token,
-        request.headers().get(header::AUTHORIZATION),
-    ) {
+    if state.credentials.admin_http(request.headers()) {
         next.run(request).await
     } else {
         RouterError::Unauthorized.into_response()
@@ -230,6 +227,11 @@ fn parse(
                 })?,
         ),
     };
+    if pin.is_some() && !state.credentials.may_see_workers(headers) {
+        return Err(RouterError::Forbidden(format!(
+            "{WORKER_HEADER} needs the admin token (or auth.clients_may_pin = true)"
+        )));
+    }
     if let Some(id) = pin
         && !state.registry.contains(id)
     {
@@ -308,10 +310,9 @@ async fn dry_run(
     } else {
         0.0
     };
-    Ok(axum::Json(json!({
+    let mut answer = json!({
         "worker_id": d.worker.worker_id,
         "dp_rank": d.worker.dp_rank,
-        "base_url": &*d.base_url,
         "policy": state.config.scheduler.policy.as_str(),
         "prompt_tokens": routed.prompt_tokens,
         "request_blocks": d.request_blocks,
@@ -319,7 +320,12 @@ async fn dry_run(
         "predicted_hit_ratio": ratio,
         "untokenized": parsed.untokenized,
         "scores": d.scores,
-    })))
+    });
+    // Worker addresses are the fleet's layout: for operators, not every client.
+    if state.credentials.may_see_workers(&headers) {
+        answer["base_url"] = json!(&*d.base_url);
+    }
+    Ok(axum::Json(answer))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {

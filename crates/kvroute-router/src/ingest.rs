@@ -82,6 +82,7 @@ impl KvRouter for Ingest {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let grant = self.state.credentials.worker(request.metadata())?;
         let mut inbound = request.into_inner();
         let first = inbound
             .message()
@@ -92,6 +93,7 @@ impl KvRouter for Ingest {
                 "the first message of a stream must be Register",
             ));
         };
+        grant.permits(register.worker_id)?;
         let state = Arc::clone(&self.state);
         check_tokenizer(&state, &register).await?;
         let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
@@ -122,6 +124,8 @@ impl KvRouter for Ingest {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<RouteResponse>, Status> {
+        // It writes predictions, which steer everyone's requests: an operator's call.
+        self.state.credentials.admin_grpc(request.metadata())?;
         let request = request.into_inner();
         let name = if request.lora_name.is_empty() {
             request.model.as_str()
@@ -199,6 +203,17 @@ async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(
 }
 
 fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {
+    if state
+        .config
+        .workers
+        .iter()
+        .any(|w| w.id == register.worker_id)
+    {
+        return Err(Status::permission_denied(format!(
+            "worker id {} is a static worker in the router's config; a stream may not take it over",
+            register.worker_id
+        )));
+    }
     let router_block_size = state.config.block_size;
     if register.block_size != router_block_size {
         return Err(Status::failed_precondition(format!(

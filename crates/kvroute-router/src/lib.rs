@@ -8,12 +8,14 @@
 //! cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties
 //! these together; [`server`] starts the listeners, background tasks and the
-//! graceful shutdown. [`config`], [`error`], [`metrics`] and [`auth`] are shared.
+//! graceful shutdown. [`config`], [`error`], [`metrics`], [`auth`] and
+//! [`worker_url`] are shared.
 
 pub mod api;
 pub mod auth;
 pub mod booking;
 pub mod breaker;
+pub mod cached_tokens;
 pub mod config;
 pub mod error;
 pub mod ingest;
@@ -25,6 +27,7 @@ pub mod server;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;
+pub mod worker_url;
 
 pub use config::Config;
 pub use error::RouterError;

@@ -47,6 +47,8 @@ pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
 
 /// Binds both listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, RouterError> {
+    config.log_notices();
+    crate::auth::check_exposure(&config)?;
     // Before binding: a tokenizer that does not load stops the start.
     let state = AppState::new(config, Some(metrics::handle()))?;
     let config = &state.config;
@@ -83,10 +85,7 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         }
     }));
 
-    let ingest = KvRouterServer::with_interceptor(
-        Ingest::new(Arc::clone(&state), stopped.clone()),
-        crate::auth::grpc_interceptor(state.config.auth_token.clone()),
-    );
+    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()));
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
         let result = tonic::transport::Server::builder()
