@@ -176,6 +176,11 @@ pub struct SimFleet {
 impl SimFleet {
     /// `n` workers registering with the router at `router` (its gRPC URL), if any.
     pub fn start(router: Option<&str>, n: usize) -> Self {
+        Self::start_with(router, n, &[])
+    }
+
+    /// The same with `extra` arguments for `kvroute sim`.
+    pub fn start_with(router: Option<&str>, n: usize, extra: &[&str]) -> Self {
         let count = n.to_string();
         let mut args = vec![
             "sim",
@@ -193,6 +198,7 @@ impl SimFleet {
         if let Some(router) = router {
             args.extend(["--router", router]);
         }
+        args.extend(extra);
         let process = Process::spawn(&args, |lines| {
             lines.iter().filter(|l| l.starts_with("worker ")).count() == n
         });

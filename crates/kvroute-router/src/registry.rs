@@ -254,8 +254,10 @@ pub fn parse_base_url(url: &str) -> Result<String, String> {
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("base_url {url:?} is not a URL: {e}"))?;
-    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err(format!("base_url {url:?} must be an absolute http:// URL"));
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err(format!(
+            "base_url {url:?} must be an absolute http:// or https:// URL"
+        ));
     }
     Ok(url.trim_end_matches('/').to_string())
 }
