@@ -72,3 +72,41 @@ fn https_config(
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn bad_files_are_refused_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("kvroute-tls-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let one = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let other = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let cert = write(&dir, "cert.pem", &one.cert.pem());
+        let key = write(&dir, "key.pem", &one.signing_key.serialize_pem());
+        let other_key = write(&dir, "other.key", &other.signing_key.serialize_pem());
+        let not_pem = write(&dir, "notes.txt", "hello");
+
+        assert!(ServerTls::load(&cert, &key, Some(&cert)).is_ok());
+        let error = |result: Result<ServerTls, TlsError>| result.err().unwrap().to_string();
+        let message = error(ServerTls::load(&not_pem, &key, None));
+        assert!(message.contains("notes.txt") && message.contains("no PEM certificate"));
+        let message = error(ServerTls::load(&cert, &not_pem, None));
+        assert!(message.contains("notes.txt") && message.contains("private key"));
+        let message = error(ServerTls::load(&cert, &other_key, None));
+        assert!(
+            message.contains("cert.pem") && message.contains("key"),
+            "{message}"
+        );
+        let message = error(ServerTls::load(&cert, &key, Some(&dir.join("absent.pem"))));
+        assert!(message.contains("absent.pem") && message.contains("cannot read"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
