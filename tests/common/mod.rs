@@ -585,6 +585,7 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
         block_size,
         total_kv_blocks: 1000,
         lora_names: Vec::new(),
+        instance_id: 1,
     }
 }
 
@@ -691,6 +692,23 @@ impl GrpcWorker {
             .await;
         }
         event_id
+    }
+
+    /// Sends one event on a stream the router may have closed already.
+    pub async fn offer(&self, event_id: u64, kind: kv_event::Kind) {
+        let batch = kvroute_proto::EventBatch {
+            dp_rank: 0,
+            events: vec![KvEvent {
+                event_id,
+                kind: Some(kind),
+            }],
+        };
+        let _ = self
+            .tx
+            .send(WorkerMessage {
+                body: Some(worker_message::Body::Events(batch)),
+            })
+            .await;
     }
 
     /// Stores the full blocks of `tokens` and waits for the router's ack.

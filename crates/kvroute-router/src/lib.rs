@@ -6,7 +6,8 @@
 //! API ([`api`]) tokenizes the prompt ([`tokenize`]), hashes it into blocks, asks
 //! the [`scheduler`] for the worker whose cached prefix and load make it
 //! cheapest, books the load and proxies the request ([`upstream`]). [`state`] ties
-//! these together; [`server`] starts the listeners, background tasks and the
+//! these together, and [`writers`] decides which worker stream may write the
+//! index; [`server`] starts the listeners, background tasks and the
 //! graceful shutdown. [`config`], [`error`], [`metrics`] and [`auth`] are shared.
 
 pub mod api;
@@ -21,6 +22,7 @@ pub mod server;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;
+pub mod writers;
 
 pub use config::Config;
 pub use error::RouterError;

@@ -14,6 +14,7 @@ pub const RESYNCS: &str = "kvroute_resyncs_total";
 pub const DUMPS: &str = "kvroute_dumps_applied_total";
 pub const DROPPED_BATCHES: &str = "kvroute_event_batches_dropped_total";
 pub const WORKER_RESTARTS: &str = "kvroute_worker_restarts_total";
+pub const RESYNCS_ABANDONED: &str = "kvroute_resyncs_abandoned_total";
 pub const INDEXED_BLOCKS: &str = "kvroute_indexed_blocks";
 pub const INDEX_MEMBERSHIPS: &str = "kvroute_index_memberships";
 pub const PREDICTED_ENTRIES: &str = "kvroute_predicted_entries";
@@ -59,7 +60,11 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         WORKER_RESTARTS,
-        "Event ids that started over, treated as Cleared",
+        "Registrations of a new worker instance, treated as Cleared for all its ranks",
+    ),
+    (
+        RESYNCS_ABANDONED,
+        "Resync requests never answered after every attempt: the rank was cleared",
     ),
     (
         INDEXED_BLOCKS,

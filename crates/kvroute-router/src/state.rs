@@ -16,6 +16,7 @@ use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::tokenize::Tokenizer;
 use crate::upstream::Upstream;
+use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -26,6 +27,8 @@ pub struct AppState {
     pub tokenizer: Option<Tokenizer>,
     pub upstream: Upstream,
     pub metrics: Option<PrometheusHandle>,
+    /// Which event stream may write each worker's index entries.
+    pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
 }
@@ -88,6 +91,7 @@ impl AppState {
             tokenizer,
             upstream,
             metrics,
+            writers: Writers::default(),
             queued: AtomicUsize::new(0),
         }))
     }
