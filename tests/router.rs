@@ -280,7 +280,7 @@ async fn a_new_instance_clears_the_worker_the_same_instance_keeps_it_and_old_str
 #[tokio::test]
 async fn a_removed_workers_stream_is_closed_and_its_events_stay_out() {
     let router = RouterProcess::start("");
-    let (http_workers, mut grpc) = fleet(&router, 1).await;
+    let (http_workers, mut grpc) = fleet(&router, 2).await;
     let mut worker = grpc.remove(0);
     let (a, b) = (tokens(1000, 64), tokens(2000, 64));
     worker.store(&a).await;
@@ -296,6 +296,7 @@ async fn a_removed_workers_stream_is_closed_and_its_events_stay_out() {
     let (stored_b, _) = worker.chain(&b);
     worker.offer(1, kv_event::Kind::Stored(stored_b)).await;
     assert_eq!(index_memberships(&router).await, 0.0);
+    series_of_worker_1_go_and_worker_2s_stay(&router).await;
     // Registered again, the worker starts from nothing.
     let mut again = GrpcWorker::connect(
         &router.grpc,
@@ -361,6 +362,28 @@ async fn a_disconnected_worker_is_not_routed_and_is_purged_after_the_grace_perio
     let metrics = http.get(&format!("{}/metrics", router.http)).await;
     let text = String::from_utf8_lossy(&metrics.body).to_string();
     assert!(text.contains("kvroute_index_memberships 0"), "{text}");
+    series_of_worker_1_go_and_worker_2s_stay(&router).await;
+}
+
+/// Worker 1 is gone: its series (breaker state, in-flight and prefill gauges,
+/// routed and event counters) leave `/metrics`; worker 2's stay, render after render.
+async fn series_of_worker_1_go_and_worker_2s_stay(router: &RouterProcess) {
+    let http = Http::default();
+    let url = format!("{}/metrics", router.http);
+    eventually("worker 1's series to leave /metrics", || async {
+        !http.get(&url).await.text().contains("worker=\"1")
+    })
+    .await;
+    for _ in 0..3 {
+        let text = http.get(&url).await.text();
+        assert!(!text.contains("worker=\"1"), "{text}");
+        for series in [
+            "kvroute_breaker_state{worker=\"2\"}",
+            "kvroute_worker_inflight_requests{worker=\"2\"}",
+        ] {
+            assert!(text.contains(series), "{series} in {text}");
+        }
+    }
 }
 
 #[tokio::test]

@@ -8,7 +8,8 @@
 //! cheapest, books the load and proxies the request ([`upstream`]). [`state`] ties
 //! these together, and [`writers`] decides which worker stream may write the
 //! index; [`server`] starts the listeners, background tasks and the
-//! graceful shutdown. [`config`], [`error`], [`metrics`] and [`auth`] are shared.
+//! graceful shutdown. [`config`], [`error`], [`metrics`] (with [`series`]) and [`auth`]
+//! are shared.
 
 pub mod api;
 pub mod auth;
@@ -18,6 +19,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod registry;
 pub mod scheduler;
+pub mod series;
 pub mod server;
 pub mod state;
 pub mod tokenize;

@@ -4,7 +4,10 @@
 //! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
 //! Histograms carry no worker label, to keep the series count flat in the fleet size.
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_util::MetricKindMask;
+
+use crate::series::{Expiring, Renderer};
 
 pub const EVENTS: &str = "kvroute_events_total";
 pub const REJECTED_BLOCKS: &str = "kvroute_rejected_blocks_total";
@@ -122,18 +125,34 @@ const SECONDS_BUCKETS: &[f64] = &[
 ];
 const RATIO_BUCKETS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
 
+static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
+
 /// The process's recorder, installed (and every family described) on first use.
-pub fn handle() -> PrometheusHandle {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+pub fn handle() -> Renderer {
     HANDLE.get_or_init(install).clone()
 }
 
-fn install() -> PrometheusHandle {
-    let handle = PrometheusBuilder::new()
+/// The worker is gone: its series leave `/metrics` (see [`crate::series`]).
+pub fn forget_worker(worker_id: u64) {
+    if let Some(handle) = HANDLE.get() {
+        handle.forget_worker(worker_id);
+    }
+}
+
+fn install() -> Renderer {
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
         .expect("bucket lists are non-empty")
-        .install_recorder()
+        // Counters and gauges not touched before a render go: series::Expiring
+        // touches all but those of forgotten workers.
+        .idle_timeout(
+            MetricKindMask::COUNTER | MetricKindMask::GAUGE,
+            Some(std::time::Duration::ZERO),
+        )
+        .build_recorder();
+    let (recorder, handle) = Expiring::new(recorder);
+    metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");
     for &(name, help) in FAMILIES {
         if name.ends_with("_total") {

@@ -729,11 +729,10 @@ impl Fleet {
         }
         if drop_ranks {
             for &dp_rank in &worker.dp_ranks {
-                if let Some(rank) = self.ranks.remove(&WorkerKey::new(worker_id, dp_rank)) {
-                    rank.inflight_gauge.set(0.0);
-                    rank.prefill_gauge.set(0.0);
-                }
+                self.ranks.remove(&WorkerKey::new(worker_id, dp_rank));
             }
+            // Under the fleet lock, so a newer registration's series are not forgotten.
+            metrics::forget_worker(worker_id);
         }
     }
 }

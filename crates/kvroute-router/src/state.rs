@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
-use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::series::Renderer;
 use crate::tokenize::Tokenizer;
 use crate::upstream::Upstream;
 use crate::writers::Writers;
@@ -26,7 +26,7 @@ pub struct AppState {
     pub scheduler: Scheduler,
     pub tokenizer: Option<Tokenizer>,
     pub upstream: Upstream,
-    pub metrics: Option<PrometheusHandle>,
+    pub metrics: Option<Renderer>,
     /// Which event stream may write each worker's index entries.
     pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
@@ -51,7 +51,7 @@ impl AppState {
     pub fn new(
         config: Config,
         tokenizer: Option<Tokenizer>,
-        metrics: Option<PrometheusHandle>,
+        metrics: Option<Renderer>,
     ) -> Result<Arc<Self>, RouterError> {
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig::default()));
