@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
 
+use crate::auth::Credentials;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
@@ -20,6 +21,7 @@ use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
+    pub credentials: Credentials,
     pub registry: Arc<Registry>,
     pub index: Arc<KvIndex>,
     pub predicted: Arc<PredictedIndex>,
@@ -83,6 +85,7 @@ impl AppState {
         };
         let upstream = Upstream::new(&config.upstream);
         Ok(Arc::new(Self {
+            credentials: Credentials::new(&config),
             config,
             registry,
             index,
