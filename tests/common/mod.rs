@@ -521,6 +521,8 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
         let delay = Duration::from_millis(request["chunk_delay_ms"].as_u64().unwrap_or(5));
         // A worker that hangs mid-stream: silent for good after this many chunks.
         let stall_after = request["stall_after_chunks"].as_u64().map(|n| n as usize);
+        // A worker that fails mid-stream: the connection breaks after this many chunks.
+        let abort_after = request["abort_after_chunks"].as_u64().map(|n| n as usize);
         let id = state.id;
         let stream = futures_util::stream::unfold(
             (
@@ -538,6 +540,10 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
                 if stall_after == Some(i) {
                     std::future::pending::<()>().await;
                 }
+                if abort_after == Some(i) {
+                    let error = std::io::Error::other("the worker failed mid-stream");
+                    return Some((Err(error), (chunks + 1, stream_guard, guard)));
+                }
                 tokio::time::sleep(delay).await;
                 let text = if i == chunks {
                     stream_guard.done = true;
@@ -546,7 +552,7 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
                     sse_chunk(id, i)
                 };
                 Some((
-                    Ok::<_, std::convert::Infallible>(Bytes::from(text)),
+                    Ok::<_, std::io::Error>(Bytes::from(text)),
                     (i + 1, stream_guard, guard),
                 ))
             },

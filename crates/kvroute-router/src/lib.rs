@@ -15,6 +15,7 @@ pub mod api;
 pub mod auth;
 pub mod booking;
 pub mod breaker;
+pub mod cached_tokens;
 pub mod config;
 pub mod error;
 pub mod ingest;

@@ -27,6 +27,9 @@ pub const ROUTED: &str = "kvroute_routed_requests_total";
 pub const PREDICTED_OVERLAP: &str = "kvroute_predicted_overlap_ratio";
 pub const ROUTED_PROMPT_TOKENS: &str = "kvroute_routed_prompt_tokens_total";
 pub const PREDICTED_CACHED_TOKENS: &str = "kvroute_predicted_cached_tokens_total";
+pub const ACTUAL_CACHED_TOKENS: &str = "kvroute_actual_cached_tokens_total";
+pub const CACHED_TOKENS_ERROR: &str = "kvroute_cached_tokens_error_tokens";
+pub const CACHED_TOKENS_GAP: &str = "kvroute_cached_tokens_gap";
 pub const TTFT: &str = "kvroute_upstream_ttft_seconds";
 pub const INTER_TOKEN: &str = "kvroute_upstream_inter_token_seconds";
 pub const E2E: &str = "kvroute_upstream_e2e_seconds";
@@ -91,6 +94,18 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Prompt tokens the chosen worker was expected to hold in its prefix cache",
     ),
     (
+        ACTUAL_CACHED_TOKENS,
+        "Prompt tokens workers reported serving from their prefix cache (usage.prompt_tokens_details.cached_tokens)",
+    ),
+    (
+        CACHED_TOKENS_ERROR,
+        "Per request that reported it: predicted minus actual cached prompt tokens",
+    ),
+    (
+        CACHED_TOKENS_GAP,
+        "Rolling mean (about 100 requests) of |predicted - actual| cached tokens over prompt tokens: 0 exact, 1 always wrong",
+    ),
+    (
         TTFT,
         "Time from sending upstream to the first response byte",
     ),
@@ -124,6 +139,16 @@ const SECONDS_BUCKETS: &[f64] = &[
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 const RATIO_BUCKETS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+/// Signed token differences: 0 is exact, a block or two either way is rounding.
+const TOKEN_ERROR_BUCKETS: &[f64] = &[
+    -16384.0, -4096.0, -1024.0, -256.0, -64.0, -16.0, 0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0,
+    16384.0,
+];
+
+/// Whether the family `name` is a histogram (exported as `_bucket`, `_sum` and `_count`).
+pub fn is_histogram(name: &str) -> bool {
+    name.ends_with("_seconds") || name.ends_with("_ratio") || name == CACHED_TOKENS_ERROR
+}
 
 static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
 
@@ -143,6 +168,12 @@ fn install() -> Renderer {
     let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(CACHED_TOKENS_ERROR.into()),
+                TOKEN_ERROR_BUCKETS,
+            )
+        })
         .expect("bucket lists are non-empty")
         // Counters and gauges not touched before a render go: series::Expiring
         // touches all but those of forgotten workers.
@@ -157,7 +188,7 @@ fn install() -> Renderer {
     for &(name, help) in FAMILIES {
         if name.ends_with("_total") {
             metrics::describe_counter!(name, help);
-        } else if name.ends_with("_seconds") || name.ends_with("_ratio") {
+        } else if is_histogram(name) {
             metrics::describe_histogram!(name, help);
         } else {
             metrics::describe_gauge!(name, help);
@@ -181,12 +212,14 @@ fn install() -> Renderer {
         TTFT,
         INTER_TOKEN,
         E2E,
+        CACHED_TOKENS_ERROR,
+        CACHED_TOKENS_GAP,
         INDEXED_BLOCKS,
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
     ] {
-        if name.ends_with("_seconds") || name.ends_with("_ratio") {
+        if is_histogram(name) {
             let _ = metrics::histogram!(name);
         } else {
             let _ = metrics::gauge!(name);

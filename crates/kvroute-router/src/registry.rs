@@ -99,7 +99,7 @@ impl Worker {
         match (self.connection, self.draining, self.source) {
             (Connection::Disconnected { .. }, _, _) => "disconnected",
             (_, true, _) => "draining",
-            _ if matches!(self.breaker, Breaker::Open { .. }) => "breaker_open",
+            _ if self.breaker.is_open() => "breaker_open",
             (_, _, Source::Static) => "static",
             (_, _, Source::Stream) => "connected",
         }
@@ -113,6 +113,9 @@ pub struct Rank {
     pub reported: ReportedLoad,
     /// The rank's position in its groups' load order.
     pub load_key: u64,
+    /// Recent time to first token per prefilled token, from its streams
+    /// (see [`crate::booking`]); `None` until one is measured.
+    pub prefill_seconds_per_token: Option<f64>,
     inflight_gauge: ::metrics::Gauge,
     prefill_gauge: ::metrics::Gauge,
     pub routed: ::metrics::Counter,
@@ -280,7 +283,7 @@ impl Registry {
             connection: Connection::Connected,
             draining: false,
             generation,
-            breaker: Breaker::Closed { failures: 0 },
+            breaker: Breaker::default(),
             last_request: Instant::now(),
             breaker_gauge: ::metrics::gauge!(metrics::BREAKER_STATE, "worker" => reg.worker_id.to_string()),
         };
@@ -485,6 +488,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         booked_blocks: 0,
         reported: ReportedLoad::default(),
         load_key: 0,
+        prefill_seconds_per_token: None,
         inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
         prefill_gauge: ::metrics::gauge!(metrics::WORKER_PREFILL, "worker" => label.clone()),
         routed: ::metrics::counter!(metrics::ROUTED, "worker" => label, "policy" => policy.as_str()),
@@ -494,34 +498,56 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
 impl Fleet {
     /// Whether `key` can take a new request now: its worker is routable, its
     /// breaker lets a request through and it is under its busy thresholds.
-    pub fn available(&self, key: WorkerKey, limits: &Limits, now: Instant) -> bool {
+    pub fn available(&self, key: WorkerKey, limits: &Limits, now: tokio::time::Instant) -> bool {
         let (Some(worker), Some(rank)) = (self.workers.get(&key.worker_id), self.ranks.get(&key))
         else {
             return false;
         };
-        worker.routable()
-            && worker.breaker.available(now, limits.breaker_cooldown)
-            && !is_busy(worker, rank, limits)
+        worker.routable() && worker.breaker.available(now) && !is_busy(worker, rank, limits)
     }
 
     /// A rank for `group` whose worker's breaker is due a probe (open past its
-    /// cool-down, or half-open with its probe lost) and that `usable` accepts.
+    /// cool-down) and that `usable` accepts.
     /// The scheduler sends it the next request whatever its cost: otherwise a
     /// worker that is never the cheapest would never be probed, and its breaker
     /// never closed. O(tripped workers), which is almost always none.
     pub fn probe_due(
         &self,
         group: &Group,
-        limits: &Limits,
-        now: Instant,
+        now: tokio::time::Instant,
         usable: impl Fn(WorkerKey) -> bool,
     ) -> Option<WorkerKey> {
         self.tripped
             .iter()
             .filter_map(|id| self.workers.get(id))
-            .filter(|w| w.breaker.available(now, limits.breaker_cooldown))
+            .filter(|w| w.breaker.available(now))
             .flat_map(|w| w.dp_ranks.iter().map(|&r| WorkerKey::new(w.id, r)))
             .find(|&k| group.members.binary_search(&k).is_ok() && usable(k))
+    }
+
+    /// When the first cool-down of a tripped worker serving `group` (and not
+    /// in `exclude`) ends: a request that found every rank busy waits at most
+    /// until then, as that worker's probe may be due.
+    pub fn next_probe_at(
+        &self,
+        group: &Group,
+        exclude: &[u64],
+        now: tokio::time::Instant,
+    ) -> Option<tokio::time::Instant> {
+        self.tripped
+            .iter()
+            .filter(|id| !exclude.contains(id))
+            .filter_map(|id| self.workers.get(id))
+            .filter(|w| {
+                w.dp_ranks.iter().any(|&r| {
+                    group
+                        .members
+                        .binary_search(&WorkerKey::new(w.id, r))
+                        .is_ok()
+                })
+            })
+            .filter_map(|w| w.breaker.probe_at(now))
+            .min()
     }
 
     /// The part of the `kv` cost that depends on the rank alone, scaled to an integer
