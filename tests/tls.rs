@@ -62,6 +62,7 @@ async fn https_api_mtls_ingest_and_https_workers_end_to_end() {
             "--tls-key-file",
             &path(&certs.server_key),
         ],
+        &[],
     );
     let (worker, base_url) = fleet.workers[0].clone();
     assert!(base_url.starts_with("https://"), "{base_url}");

@@ -31,7 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers/{id}/drain", post(drain_worker))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
-            require_token,
+            require_admin,
         ));
     Router::new()
         .route("/v1/completions", post(completions))
@@ -67,15 +67,12 @@ async fn count_responses(request: Request, next: Next) -> Response {
     response
 }
 
-async fn require_token(
+async fn require_admin(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
-    if crate::auth::bearer_ok(
-        &state.config.auth_token,
-        request.headers().get(header::AUTHORIZATION),
-    ) {
+    if state.credentials.admin_http(request.headers()) {
         next.run(request).await
     } else {
         RouterError::Unauthorized.into_response()
@@ -190,6 +187,11 @@ fn parse(
                 })?,
         ),
     };
+    if pin.is_some() && !state.credentials.may_see_workers(headers) {
+        return Err(RouterError::Forbidden(format!(
+            "{WORKER_HEADER} needs the admin token (or auth.clients_may_pin = true)"
+        )));
+    }
     if let Some(id) = pin
         && !state.registry.contains(id)
     {
@@ -267,17 +269,21 @@ async fn dry_run(
     } else {
         0.0
     };
-    Ok(axum::Json(json!({
+    let mut answer = json!({
         "worker_id": d.worker.worker_id,
         "dp_rank": d.worker.dp_rank,
-        "base_url": &*d.base_url,
         "policy": state.config.scheduler.policy.as_str(),
         "prompt_tokens": routed.prompt_tokens,
         "request_blocks": d.request_blocks,
         "overlap_blocks": d.overlap_blocks,
         "predicted_hit_ratio": ratio,
         "scores": d.scores,
-    })))
+    });
+    // Worker addresses are the fleet's layout: for operators, not every client.
+    if state.credentials.may_see_workers(&headers) {
+        answer["base_url"] = json!(&*d.base_url);
+    }
+    Ok(axum::Json(answer))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
@@ -368,6 +374,8 @@ async fn delete_worker(
         .registry
         .remove(id)
         .ok_or_else(|| RouterError::UnknownWorker(id.to_string()))?;
+    // Its stream is closed first, so that no event of it lands after the purge.
+    state.writers.remove(id).await;
     for key in keys {
         state.index.remove_worker(key);
         state.predicted.remove_worker(key);
