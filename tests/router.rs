@@ -159,16 +159,156 @@ async fn a_gap_triggers_a_resync_that_restores_the_index() {
     worker.wait_ack(4).await;
     assert_eq!(dry_run(&router, &prompt(&a, 1)).await["overlap_blocks"], 0);
     assert_eq!(dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"], 4);
+}
 
-    // Ids that start over mean a restart: the old state is cleared.
-    let e = tokens(5000, 64);
-    let (stored_e, _) = worker.chain(&e);
+/// Reads the stream until the router ends it; returns its status.
+async fn closed_with(worker: &mut GrpcWorker) -> tonic::Status {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match worker.rx.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => return status,
+            }
+        }
+    })
+    .await
+    .expect("the router closes the stream within 10 s")
+}
+
+/// The index's (worker, block) pairs, as `/metrics` reports them.
+async fn index_memberships(router: &RouterProcess) -> f64 {
+    let text = Http::default()
+        .get(&format!("{}/metrics", router.http))
+        .await
+        .text();
+    metric(&text, "kvroute_index_memberships", &[])
+}
+
+#[tokio::test]
+async fn a_stale_resend_from_the_first_id_leaves_a_healthy_rank_alone() {
+    let router = RouterProcess::start("");
+    let (_http, mut grpc) = fleet(&router, 1).await;
+    let worker = &mut grpc[0];
+    let (a, b, c) = (tokens(1000, 64), tokens(2000, 64), tokens(3000, 64));
+    let (stored_a, _) = worker.chain(&a);
     worker
-        .event(Some(0), kv_event::Kind::Stored(stored_e))
+        .event(Some(0), kv_event::Kind::Stored(stored_a.clone()))
+        .await;
+    worker.store(&b).await;
+    worker.store(&c).await;
+    // A late duplicate of the first event (a resend overtaken by the rest) is
+    // stale, not a restart: nothing is cleared.
+    worker
+        .event(Some(0), kv_event::Kind::Stored(stored_a))
         .await;
     worker.wait_ack(0).await;
-    assert_eq!(dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"], 0);
-    assert_eq!(dry_run(&router, &prompt(&e, 1)).await["worker_id"], 1);
+    for t in [&a, &b, &c] {
+        assert_eq!(dry_run(&router, &prompt(t, 1)).await["overlap_blocks"], 4);
+    }
+}
+
+#[tokio::test]
+async fn a_new_instance_clears_the_worker_the_same_instance_keeps_it_and_old_streams_are_fenced() {
+    let router = RouterProcess::start("");
+    let http_worker = TestWorker::start(1).await;
+    let connect = |instance_id: u64| {
+        let mut register = register(1, &http_worker.url, &["m"], BLOCK_SIZE as u32);
+        register.instance_id = instance_id;
+        GrpcWorker::connect(&router.grpc, None, register)
+    };
+    let mut first = connect(7).await.unwrap();
+    let (a, b, c, d) = (
+        tokens(1000, 64),
+        tokens(2000, 64),
+        tokens(3000, 64),
+        tokens(4000, 64),
+    );
+    first.store(&a).await; // event 0: the router has seen no id above 0
+    // A proxied request leaves predicted entries for its prefix.
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/completions", router.http),
+            &completion("m", &prompt(&d, 1)),
+        )
+        .await;
+    assert_eq!(reply.status, 200);
+    let predicted = dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"].clone();
+    assert_eq!(predicted, 6, "the whole prompt's blocks are predicted");
+
+    // The same instance registers again (a new connection): the old stream is
+    // closed with a clear status, and the state is kept.
+    let mut second = connect(7).await.unwrap();
+    let status = closed_with(&mut first).await;
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert!(status.message().contains("registered again"), "{status:?}");
+    assert_eq!(dry_run(&router, &prompt(&a, 1)).await["overlap_blocks"], 4);
+    assert_eq!(
+        dry_run(&router, &prompt(&d, 1)).await["overlap_blocks"],
+        predicted
+    );
+    // Its events continue where the old stream left off, without a resync.
+    let (stored_b, _) = second.chain(&b);
+    second
+        .event(Some(1), kv_event::Kind::Stored(stored_b))
+        .await;
+    second.wait_ack(1).await;
+    assert_eq!(dry_run(&router, &prompt(&b, 1)).await["overlap_blocks"], 4);
+
+    // A new instance (a restarted engine) reuses ids the router has seen: all
+    // it held before, predicted entries included, is gone.
+    let mut third = connect(8).await.unwrap();
+    assert_eq!(closed_with(&mut second).await.code(), tonic::Code::Aborted);
+    let (stored_c, _) = third.chain(&c);
+    third.event(Some(0), kv_event::Kind::Stored(stored_c)).await;
+    third.wait_ack(0).await;
+    assert_eq!(dry_run(&router, &prompt(&c, 1)).await["overlap_blocks"], 4);
+    for t in [&a, &b, &d] {
+        assert_eq!(dry_run(&router, &prompt(t, 1)).await["overlap_blocks"], 0);
+    }
+    assert_eq!(index_memberships(&router).await, 4.0);
+    let text = Http::default()
+        .get(&format!("{}/metrics", router.http))
+        .await
+        .text();
+    assert_eq!(
+        metric(&text, "kvroute_worker_restarts_total", &[("worker", "1")]),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn a_removed_workers_stream_is_closed_and_its_events_stay_out() {
+    let router = RouterProcess::start("");
+    let (http_workers, mut grpc) = fleet(&router, 2).await;
+    let mut worker = grpc.remove(0);
+    let (a, b) = (tokens(1000, 64), tokens(2000, 64));
+    worker.store(&a).await;
+    let http = Http::default();
+    let reply = http
+        .call("DELETE", &format!("{}/workers/1", router.http), &[], "")
+        .await;
+    assert_eq!(reply.status, 204, "{}", reply.text());
+    let status = closed_with(&mut worker).await;
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert!(status.message().contains("removed"), "{status:?}");
+    // Whatever the old stream still sends goes nowhere.
+    let (stored_b, _) = worker.chain(&b);
+    worker.offer(1, kv_event::Kind::Stored(stored_b)).await;
+    assert_eq!(index_memberships(&router).await, 0.0);
+    series_of_worker_1_go_and_worker_2s_stay(&router).await;
+    // Registered again, the worker starts from nothing.
+    let mut again = GrpcWorker::connect(
+        &router.grpc,
+        None,
+        register(1, &http_workers[0].url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    again.store(&tokens(3000, 64)).await;
+    for t in [&a, &b] {
+        assert_eq!(dry_run(&router, &prompt(t, 1)).await["overlap_blocks"], 0);
+    }
 }
 
 #[tokio::test]
@@ -222,6 +362,28 @@ async fn a_disconnected_worker_is_not_routed_and_is_purged_after_the_grace_perio
     let metrics = http.get(&format!("{}/metrics", router.http)).await;
     let text = String::from_utf8_lossy(&metrics.body).to_string();
     assert!(text.contains("kvroute_index_memberships 0"), "{text}");
+    series_of_worker_1_go_and_worker_2s_stay(&router).await;
+}
+
+/// Worker 1 is gone: its series (breaker state, in-flight and prefill gauges,
+/// routed and event counters) leave `/metrics`; worker 2's stay, render after render.
+async fn series_of_worker_1_go_and_worker_2s_stay(router: &RouterProcess) {
+    let http = Http::default();
+    let url = format!("{}/metrics", router.http);
+    eventually("worker 1's series to leave /metrics", || async {
+        !http.get(&url).await.text().contains("worker=\"1")
+    })
+    .await;
+    for _ in 0..3 {
+        let text = http.get(&url).await.text();
+        assert!(!text.contains("worker=\"1"), "{text}");
+        for series in [
+            "kvroute_breaker_state{worker=\"2\"}",
+            "kvroute_worker_inflight_requests{worker=\"2\"}",
+        ] {
+            assert!(text.contains(series), "{series} in {text}");
+        }
+    }
 }
 
 #[tokio::test]

@@ -8,8 +8,9 @@
 //!   mirror of each data-parallel rank's cache ([`rank`]),
 //! - follows each rank's publisher, recovering lost batches from the engine's
 //!   replay socket and clearing the rank when that is not possible ([`engine`]),
-//! - registers the engine with the router, streams the events, and answers the
-//!   router's resync requests with full dumps of the mirror ([`router`]),
+//! - registers the engine with the router (again, as a new instance, when the
+//!   engine restarted), streams the events, and answers the router's resync
+//!   requests with full dumps of the mirror ([`router`]),
 //! - reports the engine's load, scraped from its Prometheus endpoint ([`load`]),
 //! - and exports its own counters at `/metrics` ([`metrics`]).
 //!
@@ -81,6 +82,8 @@ pub struct BridgeConfig {
     pub router: String,
     /// Bearer token for the router's gRPC ingest, when it requires one.
     pub router_token: Option<String>,
+    /// CA and client certificate for an `https://` router.
+    pub router_tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
     /// The engine's OpenAI-compatible HTTP server: registered with the router, and
     /// where `/v1/models` and `/metrics` are read.
@@ -103,6 +106,9 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         ));
     }
     let ranks = rank_endpoints(&config)?;
+    // Bad TLS files stop the bridge here instead of failing every reconnect.
+    kvroute_tls::grpc_endpoint(&config.router, &config.router_tls)
+        .map_err(|e| BridgeError::Config(format!("--router: {e}")))?;
     let engine_uri: hyper::Uri = config
         .engine_url
         .parse()
@@ -126,6 +132,10 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
     };
     let (events_tx, events_rx) = mpsc::channel(OUTBOX_BATCHES);
     let (loads_tx, loads_rx) = mpsc::channel(16);
+    // This life of the engine, as the router knows it: a follower that sees the
+    // engine restart draws a new one, and the link registers it.
+    let (instance, instance_rx) = tokio::sync::watch::channel(rand::random::<u64>());
+    let instance = Arc::new(instance);
     let mut mirrors = Vec::new();
     for endpoints in ranks {
         let mirror = Arc::new(Mutex::new(RankMirror::new(
@@ -139,6 +149,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
             filter.clone(),
             mirror,
             events_tx.clone(),
+            Arc::clone(&instance),
         );
         tokio::spawn(follower.run());
     }
@@ -152,12 +163,14 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
     let link = RouterLink {
         url: config.router.clone(),
         token: config.router_token.clone(),
+        tls: config.router_tls.clone(),
         worker_id: config.worker_id,
         engine_url: config.engine_url.clone(),
         block_size: config.block_size,
         tokenizer,
         mirrors,
         engine,
+        instance: instance_rx,
     };
     tokio::select! {
         refused = link.run(events_rx, loads_rx) => Err(refused),

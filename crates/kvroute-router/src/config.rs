@@ -88,6 +88,7 @@ pub struct Config {
     pub tokenizer: TokenizerSpec,
     /// Accept workers that declare another tokenizer than the router's.
     pub allow_tokenizer_mismatch: bool,
+    pub tls: TlsConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -204,6 +205,10 @@ pub struct IngestConfig {
     pub grace_period_ms: u64,
     /// Event batches buffered per worker stream before the router drops and resyncs.
     pub event_queue_batches: usize,
+    /// How long a resync request may go unanswered before it is asked again.
+    pub resync_timeout_ms: u64,
+    /// Resync requests sent for one gap before the rank is cleared instead.
+    pub resync_attempts: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -225,6 +230,27 @@ pub struct UpstreamConfig {
     pub health_timeout_ms: u64,
     /// On shutdown, how long in-flight responses may take to finish.
     pub shutdown_grace_ms: u64,
+    /// PEM CA certificates trusted for `https://` workers, beside the system's roots.
+    pub ca_file: String,
+}
+
+/// TLS on both listeners; empty paths: plain TCP.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain of both listeners.
+    pub cert_file: String,
+    /// PEM private key of `cert_file`.
+    pub key_file: String,
+    /// PEM CA certificates; when set, gRPC ingest requires a client certificate
+    /// signed by one of them (mTLS).
+    pub client_ca_file: String,
+}
+
+impl TlsConfig {
+    pub fn enabled(&self) -> bool {
+        !self.cert_file.is_empty()
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -258,6 +284,7 @@ impl Default for Config {
             upstream: UpstreamConfig::default(),
             tokenizer: TokenizerSpec::None,
             allow_tokenizer_mismatch: false,
+            tls: TlsConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -295,6 +322,8 @@ impl Default for IngestConfig {
         Self {
             grace_period_ms: 30_000,
             event_queue_batches: 1024,
+            resync_timeout_ms: 5_000,
+            resync_attempts: 3,
         }
     }
 }
@@ -311,9 +340,13 @@ impl Default for UpstreamConfig {
             health_interval_ms: 5_000,
             health_timeout_ms: 1_000,
             shutdown_grace_ms: 30_000,
+            ca_file: String::new(),
         }
     }
 }
+
+/// The longest timeout accepted (a day), so that deadlines never overflow.
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
 
 impl Config {
     /// Defaults, then the TOML file (if any), then `KVROUTE_...` variables from `env`.
@@ -418,8 +451,24 @@ impl Config {
         if self.ingest.event_queue_batches == 0 {
             return fail("ingest.event_queue_batches must be at least 1".into());
         }
+        if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.resync_timeout_ms) {
+            return fail(format!(
+                "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
+                self.ingest.resync_timeout_ms
+            ));
+        }
+        if self.ingest.resync_attempts == 0 {
+            return fail("ingest.resync_attempts must be at least 1".into());
+        }
         if self.upstream.breaker_failures == 0 {
             return fail("upstream.breaker_failures must be at least 1".into());
+        }
+        let tls = &self.tls;
+        if tls.cert_file.is_empty() != tls.key_file.is_empty() {
+            return fail("tls.cert_file and tls.key_file are set together or not at all".into());
+        }
+        if !tls.client_ca_file.is_empty() && !tls.enabled() {
+            return fail("tls.client_ca_file needs tls.cert_file and tls.key_file".into());
         }
         let mut tokens = std::collections::HashSet::new();
         for bound in &self.auth.bound_worker_tokens {
@@ -718,6 +767,14 @@ mod tests {
         assert_eq!(
             config.allow_tokenizer_mismatch,
             defaults.allow_tokenizer_mismatch
+        );
+        assert_eq!(
+            config.ingest.resync_timeout_ms,
+            defaults.ingest.resync_timeout_ms
+        );
+        assert_eq!(
+            config.ingest.resync_attempts,
+            defaults.ingest.resync_attempts
         );
     }
 }

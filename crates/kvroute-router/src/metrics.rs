@@ -4,7 +4,10 @@
 //! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
 //! Histograms carry no worker label, to keep the series count flat in the fleet size.
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_util::MetricKindMask;
+
+use crate::series::{Expiring, Renderer};
 
 pub const EVENTS: &str = "kvroute_events_total";
 pub const REJECTED_BLOCKS: &str = "kvroute_rejected_blocks_total";
@@ -14,6 +17,7 @@ pub const RESYNCS: &str = "kvroute_resyncs_total";
 pub const DUMPS: &str = "kvroute_dumps_applied_total";
 pub const DROPPED_BATCHES: &str = "kvroute_event_batches_dropped_total";
 pub const WORKER_RESTARTS: &str = "kvroute_worker_restarts_total";
+pub const RESYNCS_ABANDONED: &str = "kvroute_resyncs_abandoned_total";
 pub const INDEXED_BLOCKS: &str = "kvroute_indexed_blocks";
 pub const INDEX_MEMBERSHIPS: &str = "kvroute_index_memberships";
 pub const PREDICTED_ENTRIES: &str = "kvroute_predicted_entries";
@@ -67,7 +71,11 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         WORKER_RESTARTS,
-        "Event ids that started over, treated as Cleared",
+        "Registrations of a new worker instance, treated as Cleared for all its ranks",
+    ),
+    (
+        RESYNCS_ABANDONED,
+        "Resync requests never answered after every attempt: the rank was cleared",
     ),
     (
         INDEXED_BLOCKS,
@@ -147,14 +155,22 @@ pub fn is_histogram(name: &str) -> bool {
     name.ends_with("_seconds") || name.ends_with("_ratio") || name == CACHED_TOKENS_ERROR
 }
 
+static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
+
 /// The process's recorder, installed (and every family described) on first use.
-pub fn handle() -> PrometheusHandle {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+pub fn handle() -> Renderer {
     HANDLE.get_or_init(install).clone()
 }
 
-fn install() -> PrometheusHandle {
-    let handle = PrometheusBuilder::new()
+/// The worker is gone: its series leave `/metrics` (see [`crate::series`]).
+pub fn forget_worker(worker_id: u64) {
+    if let Some(handle) = HANDLE.get() {
+        handle.forget_worker(worker_id);
+    }
+}
+
+fn install() -> Renderer {
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
         .and_then(|b| {
@@ -164,7 +180,15 @@ fn install() -> PrometheusHandle {
             )
         })
         .expect("bucket lists are non-empty")
-        .install_recorder()
+        // Counters and gauges not touched before a render go: series::Expiring
+        // touches all but those of forgotten workers.
+        .idle_timeout(
+            MetricKindMask::COUNTER | MetricKindMask::GAUGE,
+            Some(std::time::Duration::ZERO),
+        )
+        .build_recorder();
+    let (recorder, handle) = Expiring::new(recorder);
+    metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");
     for &(name, help) in FAMILIES {
         if name.ends_with("_total") {

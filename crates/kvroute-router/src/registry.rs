@@ -21,6 +21,7 @@
 //! worker out of routing).
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -197,6 +198,8 @@ pub struct Registry {
     fleet: Mutex<Fleet>,
     /// Signalled whenever load is released, to wake requests queued on busy workers.
     pub released: tokio::sync::Notify,
+    /// The last registration's generation.
+    generations: AtomicU64,
 }
 
 /// A worker as `/workers` shows it.
@@ -242,6 +245,7 @@ impl Registry {
                 tripped: BTreeSet::new(),
             }),
             released: tokio::sync::Notify::new(),
+            generations: AtomicU64::new(0),
         }
     }
 
@@ -264,9 +268,10 @@ impl Registry {
             reg.dp_ranks
         };
         let mut fleet = self.lock();
-        let generation = fleet
-            .remove_worker_entry(reg.worker_id, false)
-            .map_or(1, |g| g + 1);
+        fleet.remove_worker_entry(reg.worker_id, false);
+        // Unique across workers and removals, so a later registration always has a
+        // greater generation, even after the worker was forgotten in between.
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         let worker = Worker {
             id: reg.worker_id,
             base_url: base_url.into(),
@@ -609,9 +614,10 @@ impl Fleet {
     }
 
     /// Takes a worker out entirely; `drop_ranks` also forgets its ranks' load.
-    /// Returns the removed registration's generation.
-    fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) -> Option<u64> {
-        let worker = self.workers.remove(&worker_id)?;
+    fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) {
+        let Some(worker) = self.workers.remove(&worker_id) else {
+            return;
+        };
         self.tripped.remove(&worker_id);
         for name in worker.names() {
             if let Some(group) = self.groups.get_mut(name) {
@@ -634,13 +640,11 @@ impl Fleet {
         }
         if drop_ranks {
             for &dp_rank in &worker.dp_ranks {
-                if let Some(rank) = self.ranks.remove(&WorkerKey::new(worker_id, dp_rank)) {
-                    rank.inflight_gauge.set(0.0);
-                    rank.prefill_gauge.set(0.0);
-                }
+                self.ranks.remove(&WorkerKey::new(worker_id, dp_rank));
             }
+            // Under the fleet lock, so a newer registration's series are not forgotten.
+            metrics::forget_worker(worker_id);
         }
-        Some(worker.generation)
     }
 }
 

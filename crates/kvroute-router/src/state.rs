@@ -9,7 +9,6 @@ use std::time::Instant;
 use kvroute_index::{
     BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex,
 };
-use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::auth::Credentials;
 use crate::booking::Booking;
@@ -18,8 +17,10 @@ use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::series::Renderer;
 use crate::tokenize::RouterTokenizer;
 use crate::upstream::Upstream;
+use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -30,7 +31,9 @@ pub struct AppState {
     pub scheduler: Scheduler,
     pub tokenizer: RouterTokenizer,
     pub upstream: Upstream,
-    pub metrics: Option<PrometheusHandle>,
+    pub metrics: Option<Renderer>,
+    /// Which event stream may write each worker's index entries.
+    pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
 }
@@ -58,10 +61,7 @@ pub struct Routed<B = ()> {
 
 impl AppState {
     /// Loads the configured tokenizer (an error if it does not load).
-    pub fn new(
-        config: Config,
-        metrics: Option<PrometheusHandle>,
-    ) -> Result<Arc<Self>, RouterError> {
+    pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
         let tokenizer = RouterTokenizer::new(&config.tokenizer, config.allow_tokenizer_mismatch)?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig::default()));
@@ -91,7 +91,7 @@ impl AppState {
             policy: config.scheduler.policy,
             temperature: config.scheduler.temperature,
         };
-        let upstream = Upstream::new(&config.upstream);
+        let upstream = Upstream::new(&config.upstream)?;
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -102,6 +102,7 @@ impl AppState {
             tokenizer,
             upstream,
             metrics,
+            writers: Writers::default(),
             queued: AtomicUsize::new(0),
         }))
     }

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvroute_index::ExtraKeys;
+use kvroute_tls::{GrpcClientTls, ServerConfig};
 use kvroute_tokenize::TokenizerSpec;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc, watch};
@@ -36,6 +37,10 @@ pub struct WorkerConfig {
     pub router: Option<String>,
     /// Bearer token for the router's gRPC ingest, if it requires one.
     pub auth_token: Option<String>,
+    /// CA and client certificate for an `https://` router.
+    pub router_tls: GrpcClientTls,
+    /// Serve HTTPS with this config instead of plain HTTP.
+    pub http_tls: Option<Arc<ServerConfig>>,
     /// How text prompts are tokenized: must be the router's tokenizer.
     pub tokenizer: TokenizerSpec,
     pub load_report_interval: Duration,
@@ -52,6 +57,8 @@ impl WorkerConfig {
             http_addr: ([127, 0, 0, 1], 0).into(),
             router: None,
             auth_token: None,
+            router_tls: GrpcClientTls::default(),
+            http_tls: None,
             tokenizer: TokenizerSpec::Tiktoken {
                 encoding: "cl100k_base".into(),
             },
@@ -70,7 +77,8 @@ pub enum Fault {
     ResumeEvents,
     /// Never send the next `n` events: the router sees a gap.
     DropEvents(u64),
-    /// Forget every request and cached block; event ids start over.
+    /// Forget every request and cached block, as a new engine process: event
+    /// ids start over and the worker registers again as a new instance.
     Restart,
     /// Stop serving HTTP and close the event stream, as if the process died.
     Die,
@@ -79,8 +87,9 @@ pub enum Fault {
 pub(crate) struct Core {
     pub engine: Engine,
     pub log: EventLog,
-    /// Bumped by every restart, so the publisher knows ids started over.
-    pub epoch: u64,
+    /// This life of the engine (`Register.instance_id`): drawn at start and at
+    /// every restart, so the router knows everything it held is gone.
+    pub instance_id: u64,
     pub streams: HashMap<SeqId, mpsc::UnboundedSender<Emitted>>,
     pub publishing: bool,
     pub drop_next: u64,
@@ -204,13 +213,16 @@ impl Worker {
             log.append(event);
         }
         let shared = Arc::new(Shared {
-            base_url: format!("http://{http_addr}"),
+            base_url: match config.http_tls {
+                Some(_) => format!("https://{http_addr}"),
+                None => format!("http://{http_addr}"),
+            },
             tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
             config,
             core: Mutex::new(Core {
                 engine,
                 log,
-                epoch: 0,
+                instance_id: rand::random(),
                 streams: HashMap::new(),
                 publishing: true,
                 drop_next: 0,
@@ -294,8 +306,10 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
                 tracing::error!("restart failed: {e}");
             }
             core.log.restart();
-            core.epoch += 1;
+            core.instance_id = rand::random();
             shared.log_events(&mut core);
+            // The publisher registers the new instance even if no event follows.
+            shared.events_ready.notify_one();
         }
         Fault::Die => {
             shared.stop.send_replace(true);
