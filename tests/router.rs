@@ -134,6 +134,7 @@ async fn a_gap_triggers_a_resync_that_restores_the_index() {
             dp_rank: 0,
             last_event_id: 2,
             chains: vec![stored_a, stored_b, stored_c],
+            more: false,
         }))
         .await;
     worker.wait_ack(2).await;
@@ -930,7 +931,10 @@ async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
 
 #[tokio::test]
 async fn an_overflowing_event_queue_drops_nothing_silently() {
-    let router = RouterProcess::start("[ingest]\nevent_queue_batches = 1\n");
+    // About 380 kB per 20 000-block chain: the queue holds one, not two.
+    let router = RouterProcess::start(
+        "[ingest]\nevent_queue_bytes = 500000\n[limits]\nmax_grpc_message_bytes = 500000\n",
+    );
     let http_worker = TestWorker::start(1).await;
     let mut registration = register(1, &http_worker.url, &["m"], BLOCK_SIZE as u32);
     registration.dp_ranks = vec![0, 1];
@@ -979,14 +983,17 @@ async fn an_overflowing_event_queue_drops_nothing_silently() {
             }
             worker.answer_resync(&resync).await;
         };
-        // Rank 1 keeps the index busy with a long chain, one-event batches pile
-        // up behind it, and the answer to rank 0 comes last, into a full queue.
-        let kind = store(
-            &mut worker,
-            &mut live[1],
-            tokens(base + 100_000, BLOCK_SIZE * 20_000),
-        );
-        worker.event_on(1, None, kind, false).await;
+        // Rank 1 keeps the index busy with a long chain, a second one and
+        // one-event batches pile up behind it, and the answer to rank 0 comes
+        // last, into a full queue.
+        for chain in 0..2 {
+            let kind = store(
+                &mut worker,
+                &mut live[1],
+                tokens(base + 100_000 + chain * 400_000, BLOCK_SIZE * 20_000),
+            );
+            worker.event_on(1, None, kind, false).await;
+        }
         for i in 0..8 {
             let kind = if i == 5 {
                 let (prompt, block_hashes) = live[1].pop().unwrap();

@@ -22,5 +22,7 @@ pub mod timeline;
 
 pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
 pub use hash::{BlockHasher, sequence_hash, sequence_hashes};
-pub use index::{IndexConfig, IndexStats, KvIndex, PinnedPath, WorkerDump, WorkerMatch};
+pub use index::{
+    IndexConfig, IndexStats, KvIndex, OwnedPinnedPath, PinnedPath, WorkerDump, WorkerMatch,
+};
 pub use predicted::{PredictedConfig, PredictedIndex};

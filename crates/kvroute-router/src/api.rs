@@ -14,8 +14,10 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::{Value, json};
+use tokio::sync::Semaphore;
 
 use crate::error::RouterError;
+use crate::limits;
 use crate::metrics;
 use crate::state::{AppState, RouteInput, Routed};
 use crate::tokenize::{Prompt, completion_prompt};
@@ -33,11 +35,21 @@ pub fn router(state: Arc<AppState>) -> Router {
             Arc::clone(&state),
             require_token,
         ));
-    Router::new()
+    let max_inflight = state.config.limits.max_inflight_requests;
+    let routed = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
         .route("/v1/route", post(dry_run))
+        .route_layer(middleware::from_fn_with_state(
+            Inflight {
+                permits: Arc::new(Semaphore::new(max_inflight)),
+                max: max_inflight,
+            },
+            limit_inflight,
+        ));
+    Router::new()
+        .merge(routed)
+        .route("/v1/models", get(models))
         .route(
             "/healthz",
             get(|| async { axum::Json(json!({"status": "ok"})) }),
@@ -65,6 +77,37 @@ async fn count_responses(request: Request, next: Next) -> Response {
     ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => response.status().as_u16().to_string())
         .increment(1);
     response
+}
+
+/// The router's requests in flight, against `limits.max_inflight_requests`.
+#[derive(Clone)]
+struct Inflight {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+/// Caps requests in flight across the router, from arrival to the end of the
+/// response body: beyond `limits.max_inflight_requests`, 503 with Retry-After.
+/// Not tower's `ConcurrencyLimit`: it lets its permit go once the response
+/// headers are out, so streams — the long part of a request — would escape it.
+async fn limit_inflight(
+    State(inflight): State<Inflight>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Ok(permit) = inflight.permits.try_acquire_owned() else {
+        limits::count(limits::INFLIGHT_REQUESTS);
+        return RouterError::Overloaded(inflight.max).into_response();
+    };
+    next.run(request).await.map(|body| holding(body, permit))
+}
+
+/// `body`, keeping `guard` alive until the body is dropped.
+fn holding<G: Send + 'static>(body: Body, guard: G) -> Body {
+    Body::new(body.map_frame(move |frame| {
+        let _held = &guard;
+        frame
+    }))
 }
 
 async fn require_token(
@@ -243,6 +286,8 @@ async fn proxy(
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
         state.record_prediction(&routed);
+        // The worker uses these blocks until the response ends: keep them indexed.
+        let pinned = state.index.pin_path_owned(&routed.local_hashes);
         let Routed { decision, .. } = routed;
         let worker = decision.worker;
         let booking =
@@ -284,7 +329,10 @@ async fn proxy(
                     .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
                 let body =
                     TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
-                return Ok(Response::from_parts(parts, Body::new(body)));
+                return Ok(Response::from_parts(
+                    parts,
+                    holding(Body::new(body), pinned),
+                ));
             }
             Ok(response) => {
                 last_error = Some(RouterError::Upstream(format!(

@@ -24,6 +24,8 @@ pub enum RouterError {
     UnknownWorker(String),
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
+    #[error("the router has {0} requests in flight already (limits.max_inflight_requests)")]
+    Overloaded(usize),
     #[error("{0}")]
     Upstream(String),
     #[error("{0}")]
@@ -40,7 +42,9 @@ impl RouterError {
             RouterError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
             RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-            RouterError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::Unavailable { .. } | RouterError::Overloaded(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             RouterError::Upstream(_) => StatusCode::BAD_GATEWAY,
             RouterError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -57,6 +61,7 @@ impl RouterError {
             RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             RouterError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             RouterError::Unavailable { .. } => ("server_error", "no_worker_available"),
+            RouterError::Overloaded(_) => ("server_error", "overloaded"),
             RouterError::Upstream(_) => ("server_error", "upstream_error"),
             RouterError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
         }
@@ -74,10 +79,15 @@ impl RouterError {
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), axum::Json(self.body())).into_response();
-        if let RouterError::Unavailable { retry_after_s, .. } = self {
+        let retry_after_s = match self {
+            RouterError::Unavailable { retry_after_s, .. } => Some(retry_after_s),
+            RouterError::Overloaded(_) => Some(1),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after_s {
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }

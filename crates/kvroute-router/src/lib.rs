@@ -14,6 +14,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod ingest;
+pub mod limits;
 pub mod metrics;
 pub mod registry;
 pub mod scheduler;

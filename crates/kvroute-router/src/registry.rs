@@ -203,6 +203,7 @@ pub struct Limits {
     pub breaker_failures: u32,
     pub breaker_cooldown: Duration,
     pub policy: Policy,
+    pub max_workers: usize,
 }
 
 impl Limits {
@@ -215,6 +216,7 @@ impl Limits {
             breaker_failures: config.upstream.breaker_failures,
             breaker_cooldown: Duration::from_millis(config.upstream.breaker_cooldown_ms),
             policy: config.scheduler.policy,
+            max_workers: config.limits.max_workers,
         }
     }
 }
@@ -302,6 +304,13 @@ impl Registry {
             reg.dp_ranks
         };
         let mut fleet = self.lock();
+        let max = self.limits.max_workers;
+        if !fleet.workers.contains_key(&reg.worker_id) && fleet.workers.len() >= max {
+            crate::limits::count(crate::limits::WORKERS);
+            return Err(format!(
+                "{max} workers are registered already (limits.max_workers)"
+            ));
+        }
         let generation = fleet
             .remove_worker_entry(reg.worker_id, false)
             .map_or(1, |g| g + 1);

@@ -83,13 +83,23 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         }
     }));
 
-    let ingest = KvRouterServer::with_interceptor(
-        Ingest::new(Arc::clone(&state), stopped.clone()),
+    let max_message = state.config.limits.max_grpc_message_bytes;
+    let ingest = tonic::service::interceptor::InterceptedService::new(
+        KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()))
+            .max_decoding_message_size(max_message),
         crate::auth::grpc_interceptor(state.config.auth_token.clone()),
     );
+    // Pings find half-open connections (a worker host gone without a FIN): an
+    // unanswered one closes the connection, which ends the worker's stream.
+    let keepalive = &state.config.ingest;
+    let interval = (keepalive.keepalive_interval_ms > 0)
+        .then(|| Duration::from_millis(keepalive.keepalive_interval_ms));
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(interval)
+        .http2_keepalive_timeout(Some(Duration::from_millis(keepalive.keepalive_timeout_ms)));
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
-        let result = tonic::transport::Server::builder()
+        let result = server
             .add_service(ingest)
             .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
                 let _ = grpc_stop.wait_for(|&s| s).await;

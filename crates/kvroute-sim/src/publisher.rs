@@ -1,6 +1,6 @@
 //! The worker's side of the router's gRPC stream.
 //!
-//! Each connection starts with `Register`, then a full `Dump` of the pool taken
+//! Each connection starts with `Register`, then a full `Dump` (in parts) of the pool taken
 //! under the same lock as the event log's last id, so the router's view is
 //! exact whatever it knew before (it may have restarted, or purged this
 //! worker). Events after that id follow in batches as the engine produces them,
@@ -77,9 +77,13 @@ impl<'a> Session<'a> {
     async fn run(mut self, router: &str) -> Result<(), String> {
         let shared = self.shared;
         let config = &shared.config;
-        let mut client = KvRouterClient::connect(router.to_string())
+        let endpoint = tonic::transport::Endpoint::from_shared(router.to_string())
+            .map_err(|e| format!("bad router URL: {e}"))?;
+        let channel = kvroute_proto::with_keepalive(endpoint)
+            .connect()
             .await
             .map_err(|e| format!("cannot connect: {e}"))?;
+        let mut client = KvRouterClient::new(channel);
         let (tx, rx) = mpsc::channel::<WorkerMessage>(256);
         let register = Register {
             worker_id: config.worker_id,
@@ -92,7 +96,6 @@ impl<'a> Session<'a> {
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
         let dump = self.dump();
-        let _ = tx.try_send(dump);
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         if let Some(token) = &config.auth_token {
             let value = MetadataValue::try_from(format!("Bearer {token}"))
@@ -105,14 +108,13 @@ impl<'a> Session<'a> {
             .map_err(|status| format!("the router refused the stream: {}", status.message()))?
             .into_inner();
         tracing::info!(worker = config.worker_id, "registered with {router}");
+        send_all(&tx, dump).await?;
         let mut stopped = shared.stop.subscribe();
         let mut load_tick = tokio::time::interval(config.load_report_interval);
         loop {
             tokio::select! {
                 _ = shared.events_ready.notified() => {
-                    if let Some(batch) = self.pending() {
-                        send(&tx, batch).await?;
-                    }
+                    send_all(&tx, self.pending()).await?;
                 }
                 reply = inbound.message() => {
                     let reply = reply.map_err(|status| format!("stream error: {}", status.message()))?
@@ -121,7 +123,7 @@ impl<'a> Session<'a> {
                         Some(router_message::Body::Resync(resync)) => {
                             tracing::debug!(worker = config.worker_id, from = resync.from_event_id, "resync requested");
                             let answer = self.resync(resync.from_event_id);
-                            send(&tx, answer).await?;
+                            send_all(&tx, answer).await?;
                         }
                         Some(router_message::Body::Error(error)) => {
                             tracing::warn!(worker = config.worker_id, "router error: {}", error.message);
@@ -137,30 +139,31 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// A dump of the pool and the id it is current to; later events follow it.
-    fn dump(&mut self) -> WorkerMessage {
+    /// A dump of the pool and the id it is current to, in parts; later events follow it.
+    fn dump(&mut self) -> Vec<WorkerMessage> {
         let core = self.shared.core();
         self.epoch = core.epoch;
         self.sent_upto = core.log.last_id();
-        message(worker_message::Body::Dump(dump_of(
-            &core.engine.dump(),
-            core.log.last_id(),
-        )))
+        dump_of(&core.engine.dump(), core.log.last_id())
+            .into_parts(kvroute_proto::DUMP_PART_BLOCKS)
+            .into_iter()
+            .map(|part| message(worker_message::Body::Dump(part)))
+            .collect()
     }
 
     /// The events not yet sent, minus any the `DropEvents` fault swallows.
-    fn pending(&mut self) -> Option<WorkerMessage> {
+    fn pending(&mut self) -> Vec<WorkerMessage> {
         let mut core = self.shared.core();
         if core.epoch != self.epoch {
             self.epoch = core.epoch;
             self.sent_upto = 0;
         }
         if !core.publishing {
-            return None;
+            return Vec::new();
         }
         let Some(mut events) = core.log.since(self.sent_upto + 1) else {
             drop(core);
-            return Some(self.dump());
+            return self.dump();
         };
         self.sent_upto = core.log.last_id();
         let dropped = (core.drop_next as usize).min(events.len());
@@ -170,15 +173,18 @@ impl<'a> Session<'a> {
             let start = usize::from(events.len() > dropped);
             events.drain(start..start + dropped);
         }
-        (!events.is_empty()).then(|| batch(events))
+        (!events.is_empty())
+            .then(|| batch(events))
+            .into_iter()
+            .collect()
     }
 
-    fn resync(&mut self, from: u64) -> WorkerMessage {
+    fn resync(&mut self, from: u64) -> Vec<WorkerMessage> {
         let core = self.shared.core();
         match core.log.since(from) {
             Some(events) => {
                 self.sent_upto = self.sent_upto.max(core.log.last_id());
-                batch(events)
+                vec![batch(events)]
             }
             None => {
                 drop(core);
@@ -206,6 +212,16 @@ async fn send(tx: &mpsc::Sender<WorkerMessage>, message: WorkerMessage) -> Resul
         .map_err(|_| "the stream to the router closed".to_string())
 }
 
+async fn send_all(
+    tx: &mpsc::Sender<WorkerMessage>,
+    messages: Vec<WorkerMessage>,
+) -> Result<(), String> {
+    for message in messages {
+        send(tx, message).await?;
+    }
+    Ok(())
+}
+
 fn batch(events: Vec<KvEvent>) -> WorkerMessage {
     message(worker_message::Body::Events(EventBatch {
         dp_rank: 0,
@@ -229,5 +245,6 @@ fn dump_of(blocks: &[PoolEvent], last_event_id: u64) -> Dump {
         dp_rank: 0,
         last_event_id,
         chains,
+        more: false,
     }
 }
