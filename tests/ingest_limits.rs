@@ -391,3 +391,52 @@ async fn a_frozen_worker_leaves_routing_within_the_keepalive_and_resyncs_when_it
     assert_eq!(indexed().await, (cached, last_id));
     assert_eq!(http.post(&completions, &body).await.status, 200);
 }
+
+#[tokio::test]
+async fn a_request_in_flight_keeps_its_path_indexed_past_the_cap() {
+    let router = RouterProcess::start("[index]\nmax_blocks = 40\n");
+    let http_worker = TestWorker::start(1).await;
+    let mut owner = GrpcWorker::connect(
+        &router.grpc,
+        None,
+        register(1, &http_worker.url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    let mut other = connect(&router, 2).await.unwrap();
+    let prompt = tokens(0, 128);
+    owner.store(&prompt).await;
+    let indexed = |id: u64| {
+        let url = format!("{}/workers/{id}", router.http);
+        async move {
+            Http::default().get(&url).await.json()["index"][0]["indexed_blocks"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    http_worker.set_mode(Mode::Hold);
+    let url = format!("{}/v1/completions", router.http);
+    let held = tokio::spawn(async move {
+        Http::default()
+            .post(&url, &completion("m", &prompt))
+            .await
+            .status
+    });
+    eventually("the request to reach its worker", || async {
+        http_worker.inflight() == 1
+    })
+    .await;
+    // Twice the cap of newer blocks: the held request's 8 stay.
+    for i in 0..10 {
+        other.store(&tokens(100_000 + i * 1000, 128)).await;
+    }
+    assert_eq!(indexed(1).await, 8);
+    assert!(indexed(2).await <= 32);
+    http_worker.release();
+    assert_eq!(held.await.unwrap(), 200);
+    // Unpinned, they are the oldest and go first.
+    for i in 10..15 {
+        other.store(&tokens(100_000 + i * 1000, 128)).await;
+    }
+    assert_eq!(indexed(1).await, 0);
+}

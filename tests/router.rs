@@ -990,7 +990,7 @@ async fn an_overflowing_event_queue_drops_nothing_silently() {
             let kind = store(
                 &mut worker,
                 &mut live[1],
-                tokens(base + 100_000 + chain * 400_000, BLOCK_SIZE * 20_000),
+                tokens(base + 100_000 + chain * 900_000, BLOCK_SIZE * 20_000),
             );
             worker.event_on(1, None, kind, false).await;
         }
