@@ -807,7 +807,7 @@ fn bad_endpoints_are_clear_errors_at_start() {
 /// also after the router restarts and the bridge resends it as a dump in parts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirror_over_the_message_size_registers_and_resyncs() {
-    mirror_registers_and_resyncs(300_000, DEADLINE).await;
+    mirror_registers_and_resyncs(300_000, DEADLINE, "").await;
 }
 
 /// The same with 2M blocks: minutes in a debug build, so not in CI. Run with
@@ -815,18 +815,23 @@ async fn a_mirror_over_the_message_size_registers_and_resyncs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn a_mirror_of_two_million_blocks_registers_and_resyncs() {
-    mirror_registers_and_resyncs(2_000_000, Duration::from_secs(600)).await;
+    // A debug build applies the 2M-block dump in about 20 s, and index readers
+    // (the test's polling included) wait for it: a keepalive timeout shorter
+    // than that would close the connection it arrived on.
+    let keepalive = "[ingest]\nkeepalive_timeout_ms = 120000\n";
+    mirror_registers_and_resyncs(2_000_000, Duration::from_secs(600), keepalive).await;
 }
 
-async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration) {
+async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration, extra_config: &str) {
     const CHAIN: u64 = 10_000;
     let grpc = format!("127.0.0.1:{}", free_ports(1));
-    let config = format!("block_size = {ROUTER_BLOCK_SIZE}\nauth_token = \"{TOKEN}\"");
+    let config =
+        format!("block_size = {ROUTER_BLOCK_SIZE}\nauth_token = \"{TOKEN}\"\n{extra_config}");
     let router = RouterProcess::start_on(&grpc, &config);
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
     let mut publisher = Publisher::bind(events_port, None, "kv").await;
-    let bridge = Bridge::spawn(
+    let mut bridge = Bridge::spawn(
         &[
             format!("--engine-events=tcp://127.0.0.1:{events_port}"),
             "--topic=kv".into(),
@@ -836,6 +841,9 @@ async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration) {
         &engine_url,
         ROUTER_BLOCK_SIZE,
     );
+    // Read the bridge's log as it comes, so that it never blocks on a full pipe.
+    let mut log = bridge.process.child.stderr.take().unwrap();
+    std::thread::spawn(move || std::io::copy(&mut log, &mut std::io::stderr()));
     until_subscribed(&mut publisher, &bridge, Encoding::Array, 0).await;
     for c in 0..blocks / CHAIN {
         let ids: Vec<u64> = (c * CHAIN + 1..=(c + 1) * CHAIN).collect();

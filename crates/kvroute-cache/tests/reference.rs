@@ -2,7 +2,7 @@
 //! random mixes of accesses and worker-pool operations; and sanity properties
 //! of the replay on random traces.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 
 use kvroute_cache::{
     Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, PreparedTrace,
@@ -155,120 +155,160 @@ impl BlockCache for NaiveLfu {
 
 // ------------------------------------------------------------------- S3FIFO
 
-/// The S3FIFO rules, written out with VecDeques.
+/// S3-FIFO as the paper (Yang et al., SOSP'23) describes it, with the
+/// project's documented choices (s3fifo.rs): a small FIFO S of
+/// `round_half_even(capacity × small_ratio)` (at least 1) slots, a main FIFO M
+/// of the rest, a ghost FIFO G of as many ids as M; access counts capped at
+/// `max_freq`.
+/// - A hit in S or M counts the access.
+/// - A miss whose id is in G leaves G and joins M's tail with count 0.
+/// - Any other miss joins S's tail with count 0, after S's head moves on while
+///   S is full: to M's tail with its count if it was accessed in S, else out
+///   (evicted) to G.
+/// - Joining a full M first evicts from M: its head goes round to the tail
+///   with its count lowered while it has one; the first head with none leaves
+///   to G. An M eviction caused by an S promotion is reported as well.
+/// - G forgets its oldest id when full.
+/// - A pool's `evict_one` takes from S while S is at its size (or M is empty),
+///   otherwise from M.
+///
+/// Written independently of the real one: all blocks in one list, every queue
+/// position a global arrival stamp, a queue's head the lowest stamp in it.
 struct NaiveS3Fifo {
     small_cap: usize,
     main_cap: usize,
     ghost_cap: usize,
     max_freq: u8,
-    small: VecDeque<(u64, u8)>,
-    main: VecDeque<(u64, u8)>,
-    ghost: VecDeque<u64>,
+    clock: u64,
+    /// (block, where, count, stamp).
+    entries: Vec<(u64, Where, u8, u64)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Where {
+    Small,
+    Main,
+    Ghost,
 }
 
 impl NaiveS3Fifo {
     fn new(capacity: usize, small_ratio: f64, max_freq: u8) -> Self {
         let small_cap = ((capacity as f64 * small_ratio).round_ties_even() as usize).max(1);
-        let main_cap = capacity - small_cap;
         NaiveS3Fifo {
             small_cap,
-            main_cap,
-            ghost_cap: main_cap,
+            main_cap: capacity - small_cap,
+            ghost_cap: capacity - small_cap,
             max_freq,
-            small: VecDeque::new(),
-            main: VecDeque::new(),
-            ghost: VecDeque::new(),
+            clock: 0,
+            entries: Vec::new(),
         }
     }
 
-    fn insert_ghost(&mut self, block: u64) {
-        if let Some(at) = self.ghost.iter().position(|&b| b == block) {
-            self.ghost.remove(at);
-        } else if self.ghost.len() >= self.ghost_cap {
-            self.ghost.pop_front();
-        }
-        self.ghost.push_back(block);
+    fn size(&self, queue: Where) -> usize {
+        self.entries.iter().filter(|e| e.1 == queue).count()
     }
 
-    /// Second chance over M until one block goes to G.
-    fn evict_main(&mut self) -> Option<u64> {
-        while let Some((block, count)) = self.main.pop_front() {
-            if count >= 1 {
-                self.main.push_back((block, count - 1));
-            } else {
-                self.insert_ghost(block);
+    /// Takes the head (lowest stamp) of `queue` out of the list.
+    fn pop_head(&mut self, queue: Where) -> Option<(u64, u8)> {
+        let at = (0..self.entries.len())
+            .filter(|&i| self.entries[i].1 == queue)
+            .min_by_key(|&i| self.entries[i].3)?;
+        let (block, _, count, _) = self.entries.remove(at);
+        Some((block, count))
+    }
+
+    fn push_tail(&mut self, block: u64, queue: Where, count: u8) {
+        if queue == Where::Ghost && self.size(Where::Ghost) >= self.ghost_cap {
+            self.pop_head(Where::Ghost);
+        }
+        self.clock += 1;
+        self.entries.push((block, queue, count, self.clock));
+    }
+
+    fn evict_from_main(&mut self) -> Option<u64> {
+        loop {
+            let (block, count) = self.pop_head(Where::Main)?;
+            if count == 0 {
+                self.push_tail(block, Where::Ghost, 0);
                 return Some(block);
             }
+            self.push_tail(block, Where::Main, count - 1);
         }
-        None
     }
 
-    fn admit_main(&mut self, entry: (u64, u8), evicted: &mut Vec<u64>) {
-        // "While |M| ≥ main_cap" ends after exactly one real eviction.
-        if self.main.len() >= self.main_cap {
-            evicted.extend(self.evict_main());
+    /// Puts a block at M's tail, evicting from M first if M is full.
+    fn join_main(&mut self, block: u64, count: u8) -> Option<u64> {
+        let victim = if self.size(Where::Main) >= self.main_cap {
+            self.evict_from_main()
+        } else {
+            None
+        };
+        self.push_tail(block, Where::Main, count);
+        victim
+    }
+
+    /// S's head moves on: to M if accessed in S (returning whatever M lost),
+    /// else out to G (returning it).
+    fn move_small_head(&mut self) -> Option<u64> {
+        let (block, count) = self.pop_head(Where::Small)?;
+        if count > 0 {
+            self.join_main(block, count)
+        } else {
+            self.push_tail(block, Where::Ghost, 0);
+            Some(block)
         }
-        self.main.push_back(entry);
     }
 }
 
 impl BlockCache for NaiveS3Fifo {
     fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
         let max = self.max_freq;
-        for queue in [&mut self.small, &mut self.main] {
-            if let Some(entry) = queue.iter_mut().find(|e| e.0 == block) {
-                entry.1 = (entry.1 + 1).min(max);
-                return Access::Hit;
+        let found = self.entries.iter().position(|e| e.0 == block);
+        match found.map(|at| (at, self.entries[at].1)) {
+            Some((at, Where::Small | Where::Main)) => {
+                let count = &mut self.entries[at].2;
+                *count = (*count + 1).min(max);
+                Access::Hit
+            }
+            Some((at, Where::Ghost)) => {
+                self.entries.remove(at);
+                evicted.extend(self.join_main(block, 0));
+                Access::Miss
+            }
+            None => {
+                while self.size(Where::Small) >= self.small_cap {
+                    evicted.extend(self.move_small_head());
+                }
+                self.push_tail(block, Where::Small, 0);
+                Access::Miss
             }
         }
-        if let Some(at) = self.ghost.iter().position(|&b| b == block) {
-            self.ghost.remove(at);
-            self.admit_main((block, 0), evicted);
-            return Access::Miss;
-        }
-        while self.small.len() >= self.small_cap {
-            let (head, count) = self.small.pop_front().unwrap();
-            if count >= 1 {
-                self.admit_main((head, count), evicted);
-            } else {
-                self.insert_ghost(head);
-                evicted.push(head);
-            }
-        }
-        self.small.push_back((block, 0));
-        Access::Miss
     }
     fn contains(&self, block: u64) -> bool {
-        self.small.iter().chain(&self.main).any(|e| e.0 == block)
+        self.entries
+            .iter()
+            .any(|e| e.0 == block && e.1 != Where::Ghost)
     }
     fn remove(&mut self, block: u64) -> bool {
-        let before = self.len();
-        self.small.retain(|e| e.0 != block);
-        self.main.retain(|e| e.0 != block);
-        self.len() != before
+        let at = self
+            .entries
+            .iter()
+            .position(|e| e.0 == block && e.1 != Where::Ghost);
+        at.map(|at| self.entries.remove(at)).is_some()
     }
     fn evict_one(&mut self) -> Option<u64> {
         loop {
-            if !self.small.is_empty()
-                && (self.small.len() >= self.small_cap || self.main.is_empty())
-            {
-                let (head, count) = self.small.pop_front().unwrap();
-                if count == 0 {
-                    self.insert_ghost(head);
-                    return Some(head);
-                }
-                let mut evicted = Vec::new();
-                self.admit_main((head, count), &mut evicted);
-                if let Some(victim) = evicted.pop() {
-                    return Some(victim);
-                }
-            } else {
-                return self.evict_main();
+            let small = self.size(Where::Small);
+            if small == 0 || (small < self.small_cap && self.size(Where::Main) > 0) {
+                return self.evict_from_main();
+            }
+            if let Some(victim) = self.move_small_head() {
+                return Some(victim);
             }
         }
     }
     fn len(&self) -> usize {
-        self.small.len() + self.main.len()
+        self.entries.iter().filter(|e| e.1 != Where::Ghost).count()
     }
     fn capacity(&self) -> Option<usize> {
         Some(self.small_cap + self.main_cap)

@@ -3,7 +3,7 @@
 
 mod model;
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 
 use kvroute_index::{
     EventKind, IndexConfig, KvEvent, KvIndex, StoredBlock, WorkerKey, WorkerMatch,
@@ -109,13 +109,9 @@ fn check_all(index: &KvIndex, model: &Model, paths: &[Vec<u64>]) -> Result<(), T
     prop_assert_eq!(stats.blocks, model.distinct_blocks());
     for w in 0..4 {
         let key = worker(w);
-        let held = model.workers.get(&key).map_or(0, |m| m.held.len() as u64);
-        prop_assert_eq!(index.worker_blocks(key), held);
-        prop_assert_eq!(
-            index.last_event_id(key),
-            model.workers.get(&key).and_then(|m| m.last_event_id)
-        );
-        let dumped: HashSet<u64> = index
+        prop_assert_eq!(index.worker_blocks(key), model.held(key));
+        prop_assert_eq!(index.last_event_id(key), model.last_event_id(key));
+        let dumped: BTreeSet<u64> = index
             .dump(key)
             .map(|d| {
                 d.events
@@ -146,8 +142,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 kind,
             } => {
                 let key = worker(w);
-                let last = model.workers.get(&key).and_then(|m| m.last_event_id);
-                let event_id = match (last, id_step) {
+                let event_id = match (model.last_event_id(key), id_step) {
                     (None, _) => 5,
                     (Some(l), 0) => l,
                     (Some(l), step) => l + u64::from(step),
@@ -229,19 +224,12 @@ fn run_limited(ops: Vec<Op>, max_blocks: usize) -> Result<(), TestCaseError> {
                 kind,
             } => {
                 let key = worker(w);
-                let event_id = match (
-                    model.workers.get(&key).and_then(|m| m.last_event_id),
-                    id_step,
-                ) {
+                let event_id = match (model.last_event_id(key), id_step) {
                     (None, _) => 5,
                     (Some(l), 0) => l,
                     (Some(l), step) => l + u64::from(step),
                 };
-                let known: Vec<u64> = model.workers.get(&key).map_or(Vec::new(), |m| {
-                    let mut known: Vec<u64> = m.by_engine.keys().copied().collect();
-                    known.sort_unstable();
-                    known
-                });
+                let known = model.engine_hashes(key);
                 let event = KvEvent {
                     event_id,
                     kind: content_named(kind, &known),
@@ -352,5 +340,6 @@ fn wide_fleets_match_the_model() {
         assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
     }
     assert_eq!(index.stats().memberships, model.memberships());
-    assert_eq!(index.stats().workers, model.workers.len() as u64);
+    let workers = (0..1010).filter(|&w| model.last_event_id(WorkerKey::new(w, 0)).is_some());
+    assert_eq!(index.stats().workers, workers.count() as u64);
 }

@@ -9,10 +9,12 @@
 tonic::include_proto!("kvroute.v1");
 
 /// HTTP/2 pings from a worker to the router, so that a router host gone without
-/// closing the connection is noticed and the worker reconnects elsewhere.
-pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// closing the connection is noticed and the worker reconnects. Lenient: the
+/// router's own pings (configurable there) are what take a dead worker out of
+/// routing quickly, and a router applying a huge dump can be slow to answer.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long a ping may go unanswered before the connection is dropped.
-pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// `endpoint` with the workers' keepalive, pinging even with no call in flight.
 pub fn with_keepalive(endpoint: tonic::transport::Endpoint) -> tonic::transport::Endpoint {

@@ -438,10 +438,14 @@ impl Stream {
         let Some(parts) = self.gather(key, parts, dump, dumps).await else {
             return;
         };
-        let orphans = self
-            .state
-            .index
-            .replace_worker(key, parts.last_event_id, &parts.chains);
+        // Seconds for millions of blocks: off the async threads, so that other
+        // streams and the connections' keepalive pings go on meanwhile.
+        let index = Arc::clone(&self.state.index);
+        let orphans = tokio::task::spawn_blocking(move || {
+            index.replace_worker(key, parts.last_event_id, &parts.chains)
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         dumps.applied.insert(rank);
         self.pending.lock().unwrap().remove(&rank);
         let label = worker_label(key);
