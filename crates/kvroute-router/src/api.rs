@@ -32,7 +32,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers/{id}/drain", post(drain_worker))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
-            require_token,
+            require_admin,
         ));
     let max_inflight = state.config.limits.max_inflight_requests;
     let routed = Router::new()
@@ -103,15 +103,12 @@ async fn limit_inflight(
         .map(|body| crate::proxy::holding(body, permit))
 }
 
-async fn require_token(
+async fn require_admin(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
-    if crate::auth::bearer_ok(
-        &state.config.auth_token,
-        request.headers().get(header::AUTHORIZATION),
-    ) {
+    if state.credentials.admin_http(request.headers()) {
         next.run(request).await
     } else {
         RouterError::Unauthorized.into_response()
@@ -226,6 +223,11 @@ fn parse(
                 })?,
         ),
     };
+    if pin.is_some() && !state.credentials.may_see_workers(headers) {
+        return Err(RouterError::Forbidden(format!(
+            "{WORKER_HEADER} needs the admin token (or auth.clients_may_pin = true)"
+        )));
+    }
     if let Some(id) = pin
         && !state.registry.contains(id)
     {
@@ -303,17 +305,21 @@ async fn dry_run(
     } else {
         0.0
     };
-    Ok(axum::Json(json!({
+    let mut answer = json!({
         "worker_id": d.worker.worker_id,
         "dp_rank": d.worker.dp_rank,
-        "base_url": &*d.base_url,
         "policy": state.config.scheduler.policy.as_str(),
         "prompt_tokens": routed.prompt_tokens,
         "request_blocks": d.request_blocks,
         "overlap_blocks": d.overlap_blocks,
         "predicted_hit_ratio": ratio,
         "scores": d.scores,
-    })))
+    });
+    // Worker addresses are the fleet's layout: for operators, not every client.
+    if state.credentials.may_see_workers(&headers) {
+        answer["base_url"] = json!(&*d.base_url);
+    }
+    Ok(axum::Json(answer))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
@@ -404,6 +410,8 @@ async fn delete_worker(
         .registry
         .remove(id)
         .ok_or_else(|| RouterError::UnknownWorker(id.to_string()))?;
+    // Its stream is closed first, so that no event of it lands after the purge.
+    state.writers.remove(id).await;
     for key in keys {
         state.index.remove_worker(key);
         state.predicted.remove_worker(key);

@@ -112,6 +112,7 @@ mod tests {
             block_size: 16,
             total_kv_blocks: 1,
             lora_names: Vec::new(),
+            ..Register::default()
         }
     }
 

@@ -48,6 +48,8 @@ pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
 
 /// Binds both listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, RouterError> {
+    config.log_notices();
+    crate::auth::check_exposure(&config)?;
     let tokenizer = Tokenizer::load(&config.tokenizer)?;
     let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
         RouterError::Config(format!(
@@ -84,11 +86,8 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     }));
 
     let max_message = state.config.limits.max_grpc_message_bytes;
-    let ingest = tonic::service::interceptor::InterceptedService::new(
-        KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()))
-            .max_decoding_message_size(max_message),
-        crate::auth::grpc_interceptor(state.config.auth_token.clone()),
-    );
+    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()))
+        .max_decoding_message_size(max_message);
     // Pings find half-open connections (a worker host gone without a FIN): an
     // unanswered one closes the connection, which ends the worker's stream.
     let keepalive = &state.config.ingest;

@@ -9,8 +9,9 @@
 //! connection is retried with exponential backoff (50 ms doubling to 5 s).
 //!
 //! Faults act here: events can be held back (`StopEvents`) or skipped
-//! (`DropEvents`, which leaves a gap the router must detect), and a restart
-//! (ids start over, the first event is `Cleared`) is sent on the same stream.
+//! (`DropEvents`, which leaves a gap the router must detect). A restart ends
+//! the connection: the worker registers again at once with its new instance id,
+//! as a restarted engine process would, and the router forgets the old one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,7 +38,11 @@ pub(crate) async fn run(shared: Arc<Shared>, router: String) {
         let session = Session::new(&shared);
         tokio::select! {
             result = session.run(&router) => match result {
-                Ok(()) => return,
+                Ok(Ended::Stopped) => return,
+                Ok(Ended::Restarted) => {
+                    backoff = FIRST_BACKOFF;
+                    continue;
+                }
                 Err(e) => tracing::warn!(
                     worker = shared.config.worker_id,
                     "event stream to {router} failed: {e}; retrying in {backoff:?}"
@@ -57,8 +62,20 @@ struct Session<'a> {
     shared: &'a Shared,
     /// The last event id sent (or deliberately skipped).
     sent_upto: u64,
-    epoch: u64,
+    /// The engine instance this connection registered.
+    instance_id: u64,
 }
+
+/// Why a connection ended well.
+enum Ended {
+    /// The worker stops.
+    Stopped,
+    /// The engine restarted: register the new instance.
+    Restarted,
+}
+
+/// The engine restarted since the connection registered.
+struct Restarted;
 
 fn message(body: worker_message::Body) -> WorkerMessage {
     WorkerMessage { body: Some(body) }
@@ -69,12 +86,12 @@ impl<'a> Session<'a> {
         Session {
             shared,
             sent_upto: 0,
-            epoch: 0,
+            instance_id: 0,
         }
     }
 
-    /// Serves one connection until it fails; `Ok` only when the worker stops.
-    async fn run(mut self, router: &str) -> Result<(), String> {
+    /// Serves one connection until it fails, the worker stops or the engine restarts.
+    async fn run(mut self, router: &str) -> Result<Ended, String> {
         let shared = self.shared;
         let config = &shared.config;
         let endpoint = tonic::transport::Endpoint::from_shared(router.to_string())
@@ -85,6 +102,8 @@ impl<'a> Session<'a> {
             .map_err(|e| format!("cannot connect: {e}"))?;
         let mut client = KvRouterClient::new(channel);
         let (tx, rx) = mpsc::channel::<WorkerMessage>(256);
+        // Taken with the dump, so both describe the same instance.
+        let dump = self.dump();
         let register = Register {
             worker_id: config.worker_id,
             dp_ranks: vec![0],
@@ -93,9 +112,9 @@ impl<'a> Session<'a> {
             block_size: config.engine.block_size as u32,
             total_kv_blocks: config.engine.kv_blocks as u64,
             lora_names: Vec::new(),
+            instance_id: self.instance_id,
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
-        let dump = self.dump();
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         if let Some(token) = &config.auth_token {
             let value = MetadataValue::try_from(format!("Bearer {token}"))
@@ -114,7 +133,11 @@ impl<'a> Session<'a> {
         loop {
             tokio::select! {
                 _ = shared.events_ready.notified() => {
-                    send_all(&tx, self.pending()).await?;
+                    let Ok(pending) = self.pending() else {
+                        tracing::info!(worker = config.worker_id, "engine restarted: registering the new instance");
+                        return Ok(Ended::Restarted);
+                    };
+                    send_all(&tx, pending).await?;
                 }
                 reply = inbound.message() => {
                     let reply = reply.map_err(|status| format!("stream error: {}", status.message()))?
@@ -122,7 +145,9 @@ impl<'a> Session<'a> {
                     match reply.body {
                         Some(router_message::Body::Resync(resync)) => {
                             tracing::debug!(worker = config.worker_id, from = resync.from_event_id, "resync requested");
-                            let answer = self.resync(resync.from_event_id);
+                            let Ok(answer) = self.resync(resync.from_event_id) else {
+                                return Ok(Ended::Restarted);
+                            };
                             send_all(&tx, answer).await?;
                         }
                         Some(router_message::Body::Error(error)) => {
@@ -134,7 +159,7 @@ impl<'a> Session<'a> {
                 _ = load_tick.tick() => {
                     send(&tx, self.load_report()).await?;
                 }
-                _ = crate::worker::until_stopped(&mut stopped) => return Ok(()),
+                _ = crate::worker::until_stopped(&mut stopped) => return Ok(Ended::Stopped),
             }
         }
     }
@@ -142,7 +167,7 @@ impl<'a> Session<'a> {
     /// A dump of the pool and the id it is current to, in parts; later events follow it.
     fn dump(&mut self) -> Vec<WorkerMessage> {
         let core = self.shared.core();
-        self.epoch = core.epoch;
+        self.instance_id = core.instance_id;
         self.sent_upto = core.log.last_id();
         dump_of(&core.engine.dump(), core.log.last_id())
             .into_parts(kvroute_proto::DUMP_PART_BLOCKS)
@@ -152,18 +177,17 @@ impl<'a> Session<'a> {
     }
 
     /// The events not yet sent, minus any the `DropEvents` fault swallows.
-    fn pending(&mut self) -> Vec<WorkerMessage> {
+    fn pending(&mut self) -> Result<Vec<WorkerMessage>, Restarted> {
         let mut core = self.shared.core();
-        if core.epoch != self.epoch {
-            self.epoch = core.epoch;
-            self.sent_upto = 0;
+        if core.instance_id != self.instance_id {
+            return Err(Restarted);
         }
         if !core.publishing {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let Some(mut events) = core.log.since(self.sent_upto + 1) else {
             drop(core);
-            return self.dump();
+            return Ok(self.dump());
         };
         self.sent_upto = core.log.last_id();
         let dropped = (core.drop_next as usize).min(events.len());
@@ -173,15 +197,18 @@ impl<'a> Session<'a> {
             let start = usize::from(events.len() > dropped);
             events.drain(start..start + dropped);
         }
-        (!events.is_empty())
+        Ok((!events.is_empty())
             .then(|| batch(events))
             .into_iter()
-            .collect()
+            .collect())
     }
 
-    fn resync(&mut self, from: u64) -> Vec<WorkerMessage> {
+    fn resync(&mut self, from: u64) -> Result<Vec<WorkerMessage>, Restarted> {
         let core = self.shared.core();
-        match core.log.since(from) {
+        if core.instance_id != self.instance_id {
+            return Err(Restarted);
+        }
+        Ok(match core.log.since(from) {
             Some(events) => {
                 self.sent_upto = self.sent_upto.max(core.log.last_id());
                 vec![batch(events)]
@@ -190,7 +217,7 @@ impl<'a> Session<'a> {
                 drop(core);
                 self.dump()
             }
-        }
+        })
     }
 
     fn load_report(&self) -> WorkerMessage {
@@ -206,12 +233,6 @@ impl<'a> Session<'a> {
     }
 }
 
-async fn send(tx: &mpsc::Sender<WorkerMessage>, message: WorkerMessage) -> Result<(), String> {
-    tx.send(message)
-        .await
-        .map_err(|_| "the stream to the router closed".to_string())
-}
-
 async fn send_all(
     tx: &mpsc::Sender<WorkerMessage>,
     messages: Vec<WorkerMessage>,
@@ -220,6 +241,12 @@ async fn send_all(
         send(tx, message).await?;
     }
     Ok(())
+}
+
+async fn send(tx: &mpsc::Sender<WorkerMessage>, message: WorkerMessage) -> Result<(), String> {
+    tx.send(message)
+        .await
+        .map_err(|_| "the stream to the router closed".to_string())
 }
 
 fn batch(events: Vec<KvEvent>) -> WorkerMessage {
