@@ -837,8 +837,9 @@ async fn a_mirror_of_two_million_blocks_registers_and_resyncs() {
 async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration, extra_config: &str) {
     const CHAIN: u64 = 10_000;
     let grpc = format!("127.0.0.1:{}", free_ports(1));
-    let config =
-        format!("block_size = {ROUTER_BLOCK_SIZE}\nauth_token = \"{TOKEN}\"\n{extra_config}");
+    let config = format!(
+        "block_size = {ROUTER_BLOCK_SIZE}\n{extra_config}[auth]\nworker_token = \"{TOKEN}\"\nadmin_token = \"{ADMIN_TOKEN}\"\n"
+    );
     let router = RouterProcess::start_on(&grpc, &config);
     let engine_url = start_engine_http().await;
     let events_port = free_ports(1);
