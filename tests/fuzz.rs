@@ -185,6 +185,19 @@ impl Fixture {
         format!("http://{}", self.router.http_addr)
     }
 
+    /// A gRPC client that sends and receives raw bytes ([`RawCodec`]).
+    async fn grpc(&self) -> tonic::client::Grpc<tonic::transport::Channel> {
+        let url = format!("http://{}", self.router.grpc_addr);
+        let channel = tonic::transport::Endpoint::from_shared(url)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        grpc
+    }
+
     /// Worker 1 still holds exactly its chain, and the router answers.
     async fn undisturbed(&self) -> Result<(), TestCaseError> {
         let reply = Http::default()
@@ -245,14 +258,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1000);
 /// Opens a raw stream with `messages` (encoded `WorkerMessage`s), closes its
 /// sending side and reads the router's answers to the end.
 async fn raw_stream(fixture: &Fixture, messages: Vec<Bytes>) -> Result<(), TestCaseError> {
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", fixture.router.grpc_addr))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
+    let mut grpc = fixture.grpc().await;
     let path = http::uri::PathAndQuery::from_static("/kvroute.v1.KvRouter/Stream");
     let request = tonic::Request::new(tokio_stream::iter(messages));
     let answers = tokio::time::timeout(Duration::from_secs(10), async {
@@ -407,16 +413,7 @@ fn fuzz_route_rpc() {
         });
     fuzz("Route RPC", bytes_like(request.boxed()), |bytes| {
         fixture.runtime.block_on(async {
-            let channel = tonic::transport::Endpoint::from_shared(format!(
-                "http://{}",
-                fixture.router.grpc_addr
-            ))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-            let mut grpc = tonic::client::Grpc::new(channel);
-            grpc.ready().await.unwrap();
+            let mut grpc = fixture.grpc().await;
             let path = http::uri::PathAndQuery::from_static("/kvroute.v1.KvRouter/Route");
             let request = tonic::Request::new(Bytes::from(bytes));
             if let Err(status) = grpc.unary(request, path, RawCodec).await {
