@@ -283,7 +283,11 @@ impl Config {
         let config: Config = toml::Value::Table(table)
             .try_into()
             .map_err(|e: toml::de::Error| RouterError::Config(format!("{origin}: {e}")))?;
-        config.validate()?;
+        // Say where the bad value came from (the file's errors above name it too).
+        config.validate().map_err(|e| match e {
+            RouterError::Config(problem) => RouterError::Config(format!("{origin}: {problem}")),
+            other => other,
+        })?;
         Ok(config)
     }
 
