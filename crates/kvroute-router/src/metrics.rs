@@ -35,6 +35,7 @@ pub const HTTP_RESPONSES: &str = "kvroute_http_responses_total";
 pub const QUEUED: &str = "kvroute_queued_requests";
 pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
 pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
+pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -108,6 +109,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         IDLE_TIMEOUTS,
         "Proxied responses cut off because the worker went silent past the idle timeout",
+    ),
+    (
+        ALIVE_TASKS,
+        "Tokio tasks alive in the router's runtime (a leak shows as growth under steady load)",
     ),
 ];
 

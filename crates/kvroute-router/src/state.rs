@@ -206,6 +206,10 @@ impl AppState {
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let tasks = runtime.metrics().num_alive_tasks();
+            ::metrics::gauge!(metrics::ALIVE_TASKS).set(tasks as f64);
+        }
         self.metrics
             .as_ref()
             .map(|h| h.render())
