@@ -706,8 +706,7 @@ fn a_refused_config_value_names_its_file() {
     let path = dir.join("router.toml");
     std::fs::write(&path, "[scheduler]\noverlap_weight = -1\n").unwrap();
     let error = Config::load(Some(&path), std::iter::empty())
-        .err()
-        .expect("a negative weight is refused")
+        .expect_err("a negative weight is refused")
         .to_string();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(error.contains(&*path.to_string_lossy()), "{error}");

@@ -259,6 +259,7 @@ impl Stream {
 
     async fn apply_loop(self, mut work: mpsc::Receiver<Work>) {
         while let Some(item) = work.recv().await {
+            let _gate = self.state.ingest_gate.read().await;
             match item {
                 Work::Events(batch) => self.apply_batch(batch).await,
                 Work::Dump(dump) => self.apply_dump(dump).await,

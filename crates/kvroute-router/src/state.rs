@@ -28,6 +28,10 @@ pub struct AppState {
     pub metrics: Option<PrometheusHandle>,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
+    /// A test hook: while a test holds it for writing, event batches and dumps
+    /// wait in their queues instead of being applied, so that a full queue
+    /// is reached without racing the index. Nothing else takes it for writing.
+    pub ingest_gate: tokio::sync::RwLock<()>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -89,6 +93,7 @@ impl AppState {
             upstream,
             metrics,
             queued: AtomicUsize::new(0),
+            ingest_gate: tokio::sync::RwLock::new(()),
         }))
     }
 

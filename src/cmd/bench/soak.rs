@@ -11,7 +11,7 @@
 //! is the router's fault, not the churn's.
 //!
 //! The router is sampled only at idle moments with the fleet at its starting
-//! size: after the first pass (warm caches and index) and after the last, so
+//! size: after a first churn cycle (warm caches, index and pools) and after the last, so
 //! in-flight work never counts as growth. Growth over 5% is "missed".
 
 use std::io::{BufRead, BufReader, Read};
@@ -38,7 +38,8 @@ use crate::e2e;
 
 #[derive(Args)]
 pub struct SoakArgs {
-    /// How long to replay, in minutes (a pass that has started is finished).
+    /// How long to measure, in minutes, after a warm-up churn cycle (the
+    /// churn cycle under way is finished).
     #[arg(long, default_value_t = 10.0)]
     minutes: f64,
     /// Simulated workers at the start (and at every sample).
@@ -385,16 +386,18 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         );
         let settle = Duration::from_secs_f64(args.settle_s);
         let start = Instant::now();
-        let deadline = start + Duration::from_secs_f64(args.minutes * 60.0);
+        let duration = Duration::from_secs_f64(args.minutes * 60.0);
+        // Set once warm: the measured span starts at the first sample.
+        let mut measured_from: Option<Instant> = None;
         let (mut passes, mut failed) = (0, 0);
         let (mut restarts, mut leaves, mut joins) = (0, 0, 0);
         let mut samples = Vec::new();
-        // The first pass warms caches and index up; then each pass runs with
-        // one churn step in its middle. A churn cycle is restart, leave, join:
-        // back to the starting size, when the last sample is taken.
+        // Each pass after the first runs with one churn step in its middle. A
+        // churn cycle is restart, leave, join: back to the starting size. The
+        // first cycle warms caches, index and pools up (new instances included);
+        // samples are taken after it and after the last cycle past `minutes`.
         failed += pass(&client, &router, &trace, args.speedup).await?;
         passes += 1;
-        samples.push(idle_sample(&client, &router, settle, start, passes, failed).await?);
         let span_ms = trace.last().map_or(0, |r| r.timestamp_ms) - trace[0].timestamp_ms;
         let half_pass = Duration::from_secs_f64(span_ms as f64 / args.speedup / 2000.0);
         let mut step = 0usize;
@@ -427,9 +430,21 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             churned?;
             passes += 1;
             step += 1;
-            if step.is_multiple_of(3) && Instant::now() >= deadline {
-                samples.push(idle_sample(&client, &router, settle, start, passes, failed).await?);
-                break;
+            if !step.is_multiple_of(3) {
+                continue;
+            }
+            match measured_from {
+                None => {
+                    samples
+                        .push(idle_sample(&client, &router, settle, start, passes, failed).await?);
+                    measured_from = Some(Instant::now());
+                }
+                Some(from) if from.elapsed() >= duration => {
+                    samples
+                        .push(idle_sample(&client, &router, settle, start, passes, failed).await?);
+                    break;
+                }
+                Some(_) => {}
             }
         }
         for worker in fleet.workers {
@@ -441,7 +456,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         let alive_tasks = Growth::new(first.alive_tasks, last.alive_tasks);
         let met = rss.met && open_fds.met && alive_tasks.met && failed == 0;
         anyhow::Ok(SoakReport {
-            minutes: start.elapsed().as_secs_f64() / 60.0,
+            minutes: measured_from.map_or(0.0, |from| from.elapsed().as_secs_f64() / 60.0),
             passes,
             requests: passes * trace.len(),
             requests_failed: failed,
