@@ -1,8 +1,14 @@
-//! deploy/: the Kubernetes manifests parse and hold what operators rely on, and
-//! every Grafana query names series the router really exports.
+//! deploy/: the Kubernetes manifests start a router that gets ready, as the
+//! kubelet would run it; they hold what operators rely on; the Dockerfile's
+//! toolchain can build the workspace; and every Grafana query names series the
+//! router really exports.
 
-use std::collections::BTreeSet;
+mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Stdio;
+
+use common::{Http, Process, SimFleet, eventually, free_ports};
 use serde_json::Value;
 
 fn repo_file(path: &str) -> String {
@@ -10,25 +16,195 @@ fn repo_file(path: &str) -> String {
     std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"))
 }
 
-#[test]
-fn kubernetes_manifests_parse_with_probes_ports_config_and_token() {
+/// The documents of deploy/kubernetes/kvroute.yaml.
+fn manifests() -> Vec<Value> {
     let text = repo_file("deploy/kubernetes/kvroute.yaml");
-    let docs: Vec<Value> = serde_norway::Deserializer::from_str(&text)
+    serde_norway::Deserializer::from_str(&text)
         .map(|doc| serde::Deserialize::deserialize(doc).expect("valid YAML"))
-        .collect();
-    let of_kind =
-        |kind: &str| -> Vec<&Value> { docs.iter().filter(|d| d["kind"] == kind).collect() };
+        .collect()
+}
 
-    let config = of_kind("ConfigMap")[0]["data"]["router.toml"]
-        .as_str()
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn named<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    of_kind(docs, kind)
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} named {name}"))
+}
+
+/// The variables the kubelet injects into a pod for each Service (service links):
+/// `{SVC}_SERVICE_HOST`, `{SVC}_SERVICE_PORT[_{NAME}]`, `{SVC}_PORT` and
+/// `{SVC}_PORT_{port}_{PROTO}[_PROTO|_PORT|_ADDR]`, `SVC` the name upper-cased
+/// with `-` as `_`.
+fn service_links(docs: &[Value]) -> Vec<(String, String)> {
+    let mut env = Vec::new();
+    for (i, service) in of_kind(docs, "Service").into_iter().enumerate() {
+        let svc = service["metadata"]["name"]
+            .as_str()
+            .unwrap()
+            .to_uppercase()
+            .replace('-', "_");
+        let host = format!("10.96.0.{}", 10 + i);
+        env.push((format!("{svc}_SERVICE_HOST"), host.clone()));
+        let ports = service["spec"]["ports"].as_array().unwrap();
+        for (j, port) in ports.iter().enumerate() {
+            let number = port["port"].as_u64().unwrap();
+            let proto = port["protocol"].as_str().unwrap_or("TCP");
+            let url = format!("{}://{host}:{number}", proto.to_lowercase());
+            if j == 0 {
+                env.push((format!("{svc}_SERVICE_PORT"), number.to_string()));
+                env.push((format!("{svc}_PORT"), url.clone()));
+            }
+            if let Some(name) = port["name"].as_str() {
+                let name = name.to_uppercase().replace('-', "_");
+                env.push((format!("{svc}_SERVICE_PORT_{name}"), number.to_string()));
+            }
+            let prefix = format!("{svc}_PORT_{number}_{proto}");
+            env.push((format!("{prefix}_PROTO"), proto.to_lowercase()));
+            env.push((format!("{prefix}_PORT"), number.to_string()));
+            env.push((format!("{prefix}_ADDR"), host.clone()));
+            env.push((prefix, url));
+        }
+    }
+    env
+}
+
+/// The container's `env`, values from Secrets resolved.
+fn container_env(docs: &[Value], container: &Value) -> Vec<(String, String)> {
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|var| {
+            let name = var["name"].as_str().unwrap().to_string();
+            let value = match var["value"].as_str() {
+                Some(value) => value.to_string(),
+                None => {
+                    let secret = &var["valueFrom"]["secretKeyRef"];
+                    let secret_doc = named(docs, "Secret", secret["name"].as_str().unwrap());
+                    secret_doc["stringData"][secret["key"].as_str().unwrap()]
+                        .as_str()
+                        .unwrap_or_else(|| panic!("{name}: no such key in the Secret"))
+                        .to_string()
+                }
+            };
+            (name, value)
+        })
+        .collect()
+}
+
+/// The image's ENTRYPOINT arguments after the binary (`serve`).
+fn entrypoint_args() -> Vec<String> {
+    let dockerfile = repo_file("deploy/Dockerfile");
+    let line = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("ENTRYPOINT "))
+        .expect("the Dockerfile has an ENTRYPOINT");
+    let entrypoint: Vec<String> = serde_json::from_str(line).expect("ENTRYPOINT in exec form");
+    entrypoint[1..].to_vec()
+}
+
+/// The Deployment as the kubelet runs it: the image's entrypoint with the
+/// container's args, the ConfigMap mounted where the manifest mounts it, the
+/// container's env with its Secrets, and every service-link variable. Only the
+/// ports are remapped to free ones; the router still listens on 0.0.0.0, so it
+/// needs the Secret's tokens. A simulated worker registers with the worker
+/// token, and the router must turn ready.
+#[tokio::test]
+async fn the_deployment_starts_with_the_kubelets_environment_and_gets_ready() {
+    let docs = manifests();
+    let pod = &named(&docs, "Deployment", "kvroute")["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let container_port = |name: &str| {
+        container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap()["containerPort"]
+            .as_u64()
+            .unwrap()
+    };
+    let http_port = free_ports(1);
+    let grpc_port = free_ports(1);
+
+    // The ConfigMap, mounted into a directory of our own.
+    let mount = &container["volumeMounts"][0];
+    let mount_path = mount["mountPath"].as_str().unwrap();
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
         .unwrap();
-    let path = std::env::temp_dir().join(format!("kvroute-deploy-{}.toml", std::process::id()));
-    std::fs::write(&path, config).unwrap();
-    let loaded = kvroute_router::Config::load(Some(&path), Vec::new());
-    std::fs::remove_file(&path).unwrap();
-    loaded.expect("the ConfigMap's router.toml is a valid router config");
+    let config_map = named(
+        &docs,
+        "ConfigMap",
+        volume["configMap"]["name"].as_str().unwrap(),
+    );
+    let dir = std::env::temp_dir().join(format!("kvroute-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, text) in config_map["data"].as_object().unwrap() {
+        let mut text = text.as_str().unwrap().to_string();
+        for (name, port) in [("http", http_port), ("grpc", grpc_port)] {
+            let written = format!(":{}\"", container_port(name));
+            assert!(text.contains(&written), "{file} listens on {written}");
+            text = text.replace(&written, &format!(":{port}\""));
+        }
+        std::fs::write(dir.join(file), text).unwrap();
+    }
+    let args: Vec<String> = entrypoint_args()
+        .into_iter()
+        .chain(container["args"].as_array().unwrap().iter().map(|a| {
+            a.as_str()
+                .unwrap()
+                .replace(mount_path, dir.to_str().unwrap())
+        }))
+        .collect();
 
-    let deployment = of_kind("Deployment")[0];
+    let env = container_env(&docs, container);
+    let links = service_links(&docs);
+    assert!(
+        links
+            .iter()
+            .any(|(k, v)| k == "KVROUTE_PORT" && v.starts_with("tcp://"))
+    );
+    let mut command = common::kvroute();
+    command
+        .args(&args)
+        .env_clear()
+        .envs(env.iter().chain(&links).map(|(k, v)| (k, v)))
+        .stderr(Stdio::inherit());
+    let _router = Process::start(command, |lines| {
+        lines.iter().any(|l| l.starts_with("listening "))
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let worker_token = env
+        .iter()
+        .find(|(k, _)| k == "KVROUTE_AUTH__WORKER_TOKEN")
+        .map(|(_, v)| v.as_str())
+        .expect("the manifest gives the router a worker token");
+    let _sim = SimFleet::start_with_env(
+        Some(&format!("http://127.0.0.1:{grpc_port}")),
+        1,
+        &[("KVROUTE_ROUTER_TOKEN", worker_token)],
+    );
+    let http = Http::default();
+    let readyz = format!("http://127.0.0.1:{http_port}/readyz");
+    eventually("the router is ready", || async {
+        http.get(&readyz).await.status == 200
+    })
+    .await;
+}
+
+#[test]
+fn kubernetes_manifests_hold_probes_ports_tokens_and_no_service_links() {
+    let docs = manifests();
+    let deployment = named(&docs, "Deployment", "kvroute");
     let pod = &deployment["spec"]["template"];
     assert_eq!(
         pod["metadata"]["annotations"]["prometheus.io/scrape"],
@@ -38,16 +214,17 @@ fn kubernetes_manifests_parse_with_probes_ports_config_and_token() {
         pod["metadata"]["annotations"]["prometheus.io/path"],
         "/metrics"
     );
+    assert_eq!(pod["spec"]["enableServiceLinks"], false);
     let container = &pod["spec"]["containers"][0];
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
-    let env = &container["env"][0];
-    assert_eq!(env["name"], "KVROUTE_AUTH_TOKEN");
-    assert_eq!(env["valueFrom"]["secretKeyRef"]["name"], "kvroute-token");
-    assert!(
-        of_kind("Secret")
-            .iter()
-            .any(|s| s["metadata"]["name"] == "kvroute-token")
+    let env: BTreeMap<String, String> = container_env(&docs, container).into_iter().collect();
+    for token in ["KVROUTE_AUTH__WORKER_TOKEN", "KVROUTE_AUTH__ADMIN_TOKEN"] {
+        assert!(env.get(token).is_some_and(|t| !t.is_empty()), "{token}");
+    }
+    assert_ne!(
+        env["KVROUTE_AUTH__WORKER_TOKEN"], env["KVROUTE_AUTH__ADMIN_TOKEN"],
+        "separate credentials"
     );
     let ports: BTreeSet<&str> = container["ports"]
         .as_array()
@@ -56,10 +233,7 @@ fn kubernetes_manifests_parse_with_probes_ports_config_and_token() {
         .map(|p| p["name"].as_str().unwrap())
         .collect();
     assert_eq!(ports, BTreeSet::from(["grpc", "http"]));
-    let service = of_kind("Service")
-        .into_iter()
-        .find(|s| s["metadata"]["name"] == "kvroute")
-        .unwrap();
+    let service = named(&docs, "Service", "kvroute");
     let service_ports: BTreeSet<&str> = service["spec"]["ports"]
         .as_array()
         .unwrap()
@@ -67,6 +241,37 @@ fn kubernetes_manifests_parse_with_probes_ports_config_and_token() {
         .map(|p| p["targetPort"].as_str().unwrap())
         .collect();
     assert_eq!(service_ports, ports);
+}
+
+/// `1.89` or `1.89.0` as (major, minor).
+fn major_minor(version: &str) -> (u32, u32) {
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap());
+    (parts.next().unwrap(), parts.next().unwrap())
+}
+
+#[test]
+fn the_dockerfile_toolchain_meets_the_workspace_rust_version() {
+    let manifest: toml::Table = repo_file("Cargo.toml").parse().unwrap();
+    let required = manifest["workspace"]["package"]["rust-version"]
+        .as_str()
+        .unwrap();
+    let dockerfile = repo_file("deploy/Dockerfile");
+    let image = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("FROM rust:"))
+        .expect("the build stage is FROM rust:<version>...");
+    let version = image.split(['-', ' ']).next().unwrap();
+    assert!(
+        major_minor(version) >= major_minor(required),
+        "deploy/Dockerfile builds with rust {version}, the workspace needs {required}"
+    );
+    let ignored = repo_file(".dockerignore");
+    for entry in ["target/", ".git"] {
+        assert!(
+            ignored.lines().any(|l| l == entry),
+            ".dockerignore: {entry}"
+        );
+    }
 }
 
 /// Every `kvroute_...` name in `expr`.

@@ -483,68 +483,6 @@ async fn models_and_lora_adapters_are_routed_only_to_workers_that_serve_them() {
     }
 }
 
-#[tokio::test]
-async fn a_configured_token_is_required_on_grpc_and_admin_endpoints() {
-    let router = RouterProcess::start("auth_token = \"s3cret\"\n");
-    let worker = TestWorker::start(1).await;
-    for token in [None, Some("wrong")] {
-        let err = GrpcWorker::connect(&router.grpc, token, register(1, &worker.url, &["m"], 16))
-            .await
-            .err()
-            .expect("refused");
-        assert_eq!(err.code(), tonic::Code::Unauthenticated);
-    }
-    let _ok = GrpcWorker::connect(
-        &router.grpc,
-        Some("s3cret"),
-        register(1, &worker.url, &["m"], 16),
-    )
-    .await
-    .unwrap();
-    let http = Http::default();
-    let workers = format!("{}/workers", router.http);
-    http.get(&workers)
-        .await
-        .assert_error(401, "invalid_api_key");
-    http.call(
-        "POST",
-        &format!("{workers}/1/drain"),
-        &[("authorization", "Bearer wrong")],
-        "",
-    )
-    .await
-    .assert_error(401, "invalid_api_key");
-    let ok = http
-        .call("GET", &workers, &[("authorization", "Bearer s3cret")], "")
-        .await;
-    assert_eq!(ok.status, 200);
-    assert_eq!(ok.json()["workers"][0]["state"], "connected");
-    // The OpenAI endpoints stay open.
-    let reply = http
-        .post(
-            &format!("{}/v1/completions", router.http),
-            &completion("m", &[1, 2, 3]),
-        )
-        .await;
-    assert_eq!(reply.status, 200);
-    let drained = http
-        .call(
-            "POST",
-            &format!("{workers}/1/drain"),
-            &[("authorization", "Bearer s3cret")],
-            "",
-        )
-        .await;
-    assert_eq!(drained.status, 200);
-    let reply = http
-        .post(
-            &format!("{}/v1/completions", router.http),
-            &completion("m", &[1, 2, 3]),
-        )
-        .await;
-    reply.assert_error(503, "no_worker_available");
-}
-
 /// Sends `prompts` concurrently to workers that hold every request, and returns
 /// each worker's count of requests in flight once all have arrived.
 async fn inflight_spread(

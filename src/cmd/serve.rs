@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
+    /// Serve without tokens on a non-loopback address (auth.insecure): anyone
+    /// who reaches the gRPC port can then register workers.
+    #[arg(long)]
+    insecure: bool,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -57,6 +61,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if args.log_json {
         config.log.format = LogFormat::Json;
+    }
+    if args.insecure {
+        config.auth.insecure = true;
     }
     config.validate()?;
     server::init_logging(&config.log)?;

@@ -74,9 +74,10 @@ pub struct SimArgs {
     /// Tokenizer for text prompts (tiktoken:ENCODING or hf:PATH); must be the router's.
     #[arg(long, default_value = "tiktoken:cl100k_base")]
     tokenizer: TokenizerSpec,
-    /// Bearer token for the router's gRPC ingest.
-    #[arg(long, env = "KVROUTE_AUTH_TOKEN")]
-    auth_token: Option<String>,
+    /// The router's worker token (auth.worker_token), sent on the gRPC ingest;
+    /// the same variable as the bridge's.
+    #[arg(long, env = "KVROUTE_ROUTER_TOKEN", hide_env_values = true)]
+    router_token: Option<String>,
     /// How often each engine reports its load, in milliseconds.
     #[arg(long, default_value_t = 100)]
     load_report_ms: u64,
@@ -91,7 +92,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     template.model = args.model;
     template.http_addr = (args.host, 0).into();
     template.router = args.router;
-    template.auth_token = args.auth_token;
+    template.auth_token = args.router_token;
     template.tokenizer = args.tokenizer;
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;

@@ -24,8 +24,10 @@ use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
 
 const WORKER_ID: u64 = 42;
-/// The bearer token the real router requires on gRPC and its admin endpoints.
+/// The worker token the real router requires on gRPC ingest.
 const TOKEN: &str = "s3cret";
+/// The real router's admin token, for its admin endpoints.
+const ADMIN_TOKEN: &str = "admin-s3cret";
 
 /// The engine's HTTP side: its model list (a base model and one adapter) and vLLM-style gauges.
 async fn start_engine_http() -> String {
@@ -372,15 +374,15 @@ async fn the_real_router_indexes_what_the_engine_published() {
     engine_scenario(Target::Serve(start_router())).await;
 }
 
-/// The real router, requiring [`TOKEN`].
+/// The real router, requiring [`TOKEN`] of workers and [`ADMIN_TOKEN`] of operators.
 fn start_router() -> RouterProcess {
     RouterProcess::start(&format!(
-        "block_size = {ROUTER_BLOCK_SIZE}\nauth_token = \"{TOKEN}\""
+        "block_size = {ROUTER_BLOCK_SIZE}\n[auth]\nworker_token = \"{TOKEN}\"\nadmin_token = \"{ADMIN_TOKEN}\""
     ))
 }
 
 async fn admin_get(http: &Http, url: &str) -> common::Reply {
-    let bearer = format!("Bearer {TOKEN}");
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
     http.call("GET", url, &[("authorization", &bearer)], "")
         .await
 }
@@ -736,7 +738,12 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
     let _publisher = Publisher::bind(events_port, None, "").await;
     for (block_size, token, reason) in [
         (16, TOKEN, "block size 16 does not match the router's 4"),
-        (ROUTER_BLOCK_SIZE, "wrong", "missing or wrong bearer token"),
+        (ROUTER_BLOCK_SIZE, "wrong", "missing or wrong worker token"),
+        (
+            ROUTER_BLOCK_SIZE,
+            ADMIN_TOKEN,
+            "missing or wrong worker token",
+        ),
     ] {
         let mut bridge = Bridge::spawn(
             &[

@@ -176,6 +176,11 @@ pub struct SimFleet {
 impl SimFleet {
     /// `n` workers registering with the router at `router` (its gRPC URL), if any.
     pub fn start(router: Option<&str>, n: usize) -> Self {
+        Self::start_with_env(router, n, &[])
+    }
+
+    /// The same, with these environment variables (e.g. `KVROUTE_ROUTER_TOKEN`).
+    pub fn start_with_env(router: Option<&str>, n: usize, env: &[(&str, &str)]) -> Self {
         let count = n.to_string();
         let mut args = vec![
             "sim",
@@ -193,7 +198,12 @@ impl SimFleet {
         if let Some(router) = router {
             args.extend(["--router", router]);
         }
-        let process = Process::spawn(&args, |lines| {
+        let mut command = kvroute();
+        command
+            .args(&args)
+            .envs(env.iter().copied())
+            .stderr(Stdio::inherit());
+        let process = Process::start(command, |lines| {
             lines.iter().filter(|l| l.starts_with("worker ")).count() == n
         });
         let workers = process

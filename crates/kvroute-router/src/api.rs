@@ -1,5 +1,6 @@
-//! The HTTP API: OpenAI-compatible endpoints that route and proxy, the dry run,
-//! admin endpoints over the registry, health and metrics.
+//! The HTTP API: OpenAI-compatible endpoints (parsed here, routed and forwarded
+//! by [`crate::proxy`]), the dry run, admin endpoints over the registry, health
+//! and metrics.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -7,7 +8,7 @@ use std::time::Instant;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,12 +18,11 @@ use serde_json::{Value, json};
 
 use crate::error::RouterError;
 use crate::metrics;
-use crate::state::{AppState, RouteInput, Routed};
+use crate::proxy::Forward;
+use crate::state::{AppState, RouteInput};
 use crate::tokenize::{Prompt, completion_prompt};
-use crate::upstream::{Failure, TrackedBody, strip_hop_by_hop};
 
-/// Request and response header naming the worker (pins a request; tells the choice).
-pub const WORKER_HEADER: &str = "x-kvroute-worker";
+pub use crate::proxy::WORKER_HEADER;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let admin = Router::new()
@@ -31,7 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers/{id}/drain", post(drain_worker))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
-            require_token,
+            require_admin,
         ));
     Router::new()
         .route("/v1/completions", post(completions))
@@ -67,15 +67,12 @@ async fn count_responses(request: Request, next: Next) -> Response {
     response
 }
 
-async fn require_token(
+async fn require_admin(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
-    if crate::auth::bearer_ok(
-        &state.config.auth_token,
-        request.headers().get(header::AUTHORIZATION),
-    ) {
+    if state.credentials.admin_http(request.headers()) {
         next.run(request).await
     } else {
         RouterError::Unauthorized.into_response()
@@ -190,6 +187,11 @@ fn parse(
                 })?,
         ),
     };
+    if pin.is_some() && !state.credentials.may_see_workers(headers) {
+        return Err(RouterError::Forbidden(format!(
+            "{WORKER_HEADER} needs the admin token (or auth.clients_may_pin = true)"
+        )));
+    }
     if let Some(id) = pin
         && !state.registry.contains(id)
     {
@@ -215,8 +217,7 @@ async fn chat_completions(State(state): State<Arc<AppState>>, request: Request) 
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Routes and forwards one request; retries a connect error or a 5xx on the
-/// next-best worker, never once the response has started.
+/// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
 async fn proxy(
     state: Arc<AppState>,
     request: Request,
@@ -225,112 +226,20 @@ async fn proxy(
     let received = Instant::now();
     let (headers, body) = read_body(&state, request).await?;
     let parsed = parse(&state, &headers, body, Some(endpoint))?;
-    let retries = state.config.upstream.retries;
-    let mut tried: Vec<u64> = Vec::new();
-    let mut last_error = None;
-    for _attempt in 0..=retries {
-        let routed = match state
-            .route(
-                &parsed.model,
-                RouteInput::Tokens(&parsed.tokens),
-                parsed.pin,
-                &tried,
-            )
-            .await
-        {
-            Ok(routed) => routed,
-            // Out of workers to retry on: report what went wrong upstream.
-            Err(e) => return Err(last_error.unwrap_or(e)),
-        };
-        state.record_prediction(&routed);
-        let Routed { decision, .. } = routed;
-        let worker = decision.worker;
-        let booking =
-            state
-                .registry
-                .book(worker, decision.new_prefill_tokens, decision.request_blocks);
-        if decision.request_blocks > 0 {
-            ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
-                .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
-        }
-        let prompt_tokens = parsed.tokens.len() as u64;
-        ::metrics::counter!(metrics::ROUTED_PROMPT_TOKENS).increment(prompt_tokens);
-        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS)
-            .increment(prompt_tokens.saturating_sub(decision.new_prefill_tokens));
-        if tried.is_empty() {
-            metrics::observe_phase("total", received);
-        }
-        let sent = Instant::now();
-        let result = state
-            .upstream
-            .post(
-                &decision.base_url,
-                endpoint.path(),
-                &headers,
-                parsed.body.clone(),
-            )
-            .await;
-        let reason = match result {
-            Ok(response) if !response.status().is_server_error() => {
-                state.registry.record_outcome(worker.worker_id, true);
-                let (mut parts, incoming) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                parts
-                    .headers
-                    .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
-                let sse = parts
-                    .headers
-                    .get(header::CONTENT_TYPE)
-                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                let body =
-                    TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
-                return Ok(Response::from_parts(parts, Body::new(body)));
-            }
-            Ok(response) => {
-                last_error = Some(RouterError::Upstream(format!(
-                    "worker {} answered {}",
-                    worker.worker_id,
-                    response.status()
-                )));
-                "status"
-            }
-            Err(Failure::Connect(e)) => {
-                last_error = Some(RouterError::Upstream(format!(
-                    "cannot connect to worker {}: {e}",
-                    worker.worker_id
-                )));
-                "connect"
-            }
-            Err(Failure::Timeout) => {
-                state.registry.record_outcome(worker.worker_id, false);
-                return Err(RouterError::UpstreamTimeout(format!(
-                    "worker {} sent no response within {} ms",
-                    worker.worker_id, state.config.upstream.first_byte_timeout_ms
-                )));
-            }
-            Err(Failure::Other(e)) => {
-                state.registry.record_outcome(worker.worker_id, false);
-                return Err(RouterError::Upstream(format!(
-                    "worker {} failed: {e}",
-                    worker.worker_id
-                )));
-            }
-        };
-        state.registry.record_outcome(worker.worker_id, false);
-        tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
-        // The prefix will be cached where the request is served, not here. The
-        // predicted layer cannot drop one path without breaking the prefix
-        // order its lookups rely on, so the failed worker loses all its
-        // predictions: it just failed, and its events still say what it holds.
-        state.predicted.remove_worker(worker);
-        drop(booking);
-        tried.push(worker.worker_id);
-        if parsed.pin.is_some() {
-            break;
-        }
-        ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
-    }
-    Err(last_error.expect("the loop ran at least once and failed"))
+    let response = crate::proxy::forward(
+        &state,
+        Forward {
+            model: &parsed.model,
+            tokens: &parsed.tokens,
+            pin: parsed.pin,
+            path: endpoint.path(),
+            headers: &headers,
+            body: parsed.body,
+            received,
+        },
+    )
+    .await?;
+    Ok(response.map(Body::new))
 }
 
 /// `POST /v1/route`: what would happen to this request, without proxying it.
@@ -360,17 +269,21 @@ async fn dry_run(
     } else {
         0.0
     };
-    Ok(axum::Json(json!({
+    let mut answer = json!({
         "worker_id": d.worker.worker_id,
         "dp_rank": d.worker.dp_rank,
-        "base_url": &*d.base_url,
         "policy": state.config.scheduler.policy.as_str(),
         "prompt_tokens": routed.prompt_tokens,
         "request_blocks": d.request_blocks,
         "overlap_blocks": d.overlap_blocks,
         "predicted_hit_ratio": ratio,
         "scores": d.scores,
-    })))
+    });
+    // Worker addresses are the fleet's layout: for operators, not every client.
+    if state.credentials.may_see_workers(&headers) {
+        answer["base_url"] = json!(&*d.base_url);
+    }
+    Ok(axum::Json(answer))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {

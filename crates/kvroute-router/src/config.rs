@@ -3,21 +3,67 @@
 //! Layers, later ones winning: built-in defaults, a TOML file (`--config`),
 //! `KVROUTE_...` environment variables, then command-line flags (applied by the
 //! binary). `config/router.toml` documents every option and its default. Unknown
-//! keys are errors, so a typo fails at start instead of silently doing nothing.
+//! keys in the file are errors, so a typo fails at start instead of silently
+//! doing nothing.
 //!
 //! Environment variables name a key by its path in upper case, sections joined
 //! with a double underscore: `KVROUTE_HTTP_ADDR`, `KVROUTE_SCHEDULER__POLICY`.
-//! Values are read as TOML (`16`, `true`, `["a"]`) and otherwise as strings.
+//! The environment of a deployed router holds `KVROUTE_...` variables that are
+//! not ours: Kubernetes injects `KVROUTE_PORT=tcp://...` and the like for a
+//! Service named `kvroute`, and the bridge and the simulator read their own
+//! (`KVROUTE_ROUTER_TOKEN`). So a variable that names no key is skipped (logged
+//! at debug level once logging is up); only one that goes into a known section
+//! with `__` and misses there is an error, as that can only be a typo.
+//! Which keys exist, and their types, come from the serialized defaults of the
+//! struct itself: a string key takes the value verbatim (`123456` stays a
+//! string), numbers and booleans must parse as such, arrays are read as TOML.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::RouterError;
 
-#[derive(Clone, Debug, Deserialize)]
+/// A credential from the configuration. Its `Debug` and `Serialize` forms are
+/// redacted, so printing or logging a config never shows it.
+#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The value itself, for comparing or sending; never for printing.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    fn redacted(&self) -> &'static str {
+        if self.0.is_empty() { "" } else { "<redacted>" }
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.redacted())
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// OpenAI-compatible API, admin endpoints, health and metrics.
@@ -26,10 +72,12 @@ pub struct Config {
     pub grpc_addr: SocketAddr,
     /// Tokens per KV block; workers registering another size are refused.
     pub block_size: u32,
-    /// Bearer token required on gRPC and `/workers` endpoints; empty: none.
-    pub auth_token: String,
+    /// Deprecated: sets both `auth.worker_token` and `auth.admin_token` where
+    /// those are empty (with a warning at start).
+    pub auth_token: Secret,
     /// Largest request body accepted, in bytes.
     pub body_limit_bytes: usize,
+    pub auth: AuthConfig,
     pub log: LogConfig,
     pub scheduler: SchedulerConfig,
     pub ingest: IngestConfig,
@@ -37,9 +85,37 @@ pub struct Config {
     pub tokenizer: TokenizerConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
+    /// `KVROUTE_...` variables that named no key and were skipped, for the log.
+    #[serde(skip)]
+    pub skipped_env: Vec<String>,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+/// Who may stream worker events, and who may act as an operator.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Bearer token for the gRPC `Stream` (worker ingest), good for any worker id.
+    pub worker_token: Secret,
+    /// Worker tokens each good only for the worker ids listed with it.
+    pub bound_worker_tokens: Vec<BoundWorkerToken>,
+    /// Bearer token for the admin endpoints (`/workers...`), the `Route` RPC,
+    /// pinning (`x-kvroute-worker`) and the worker URLs in `/v1/route`.
+    pub admin_token: Secret,
+    /// Allows serving without tokens on a non-loopback address.
+    pub insecure: bool,
+    /// Lets clients without the admin token pin requests and see worker URLs.
+    pub clients_may_pin: bool,
+}
+
+/// A worker token that may register only `worker_ids`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BoundWorkerToken {
+    pub token: Secret,
+    pub worker_ids: Vec<u64>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     /// `text` or `json`.
@@ -48,14 +124,14 @@ pub struct LogConfig {
     pub level: String,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum LogFormat {
     Text,
     Json,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Policy {
     Kv,
@@ -87,7 +163,7 @@ impl std::str::FromStr for Policy {
     }
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     pub policy: Policy,
@@ -116,7 +192,7 @@ pub struct SchedulerConfig {
     pub predicted_max_blocks: usize,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IngestConfig {
     /// How long a disconnected worker's index entries are kept for a reconnect.
@@ -125,7 +201,7 @@ pub struct IngestConfig {
     pub event_queue_batches: usize,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
@@ -147,7 +223,7 @@ pub struct UpstreamConfig {
 }
 
 /// How text prompts and chat messages become token ids.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenizerConfig {
     /// `none` (text is routed on load alone), `huggingface` or `tiktoken`.
@@ -158,7 +234,7 @@ pub struct TokenizerConfig {
     pub encoding: String,
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenizerKind {
     #[default]
@@ -167,7 +243,7 @@ pub enum TokenizerKind {
     Tiktoken,
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
     pub id: u64,
@@ -189,14 +265,16 @@ impl Default for Config {
             http_addr: ([0, 0, 0, 0], 8000).into(),
             grpc_addr: ([0, 0, 0, 0], 50051).into(),
             block_size: 16,
-            auth_token: String::new(),
+            auth_token: Secret::default(),
             body_limit_bytes: 8 << 20,
+            auth: AuthConfig::default(),
             log: LogConfig::default(),
             scheduler: SchedulerConfig::default(),
             ingest: IngestConfig::default(),
             upstream: UpstreamConfig::default(),
             tokenizer: TokenizerConfig::default(),
             workers: Vec::new(),
+            skipped_env: Vec::new(),
         }
     }
 }
@@ -268,6 +346,8 @@ impl Config {
             }
             None => toml::Table::new(),
         };
+        let keys = serde_json::to_value(Config::default()).expect("the defaults serialize");
+        let mut skipped_env = Vec::new();
         for (name, value) in env {
             let Some(key) = name.strip_prefix("KVROUTE_") else {
                 continue;
@@ -276,19 +356,54 @@ impl Config {
             if key == "CONFIG" {
                 continue;
             }
-            set_path(&mut table, &key.to_ascii_lowercase(), &value)
+            let applied = set_from_env(&mut table, &keys, &key.to_ascii_lowercase(), &value)
                 .map_err(|e| RouterError::Config(format!("environment variable {name}: {e}")))?;
+            if !applied {
+                skipped_env.push(name);
+            }
         }
         let origin = path.map_or("configuration".to_string(), |p| p.display().to_string());
-        let config: Config = toml::Value::Table(table)
+        let mut config: Config = toml::Value::Table(table)
             .try_into()
             .map_err(|e: toml::de::Error| RouterError::Config(format!("{origin}: {e}")))?;
+        config.skipped_env = skipped_env;
         // Say where the bad value came from (the file's errors above name it too).
         config.validate().map_err(|e| match e {
             RouterError::Config(problem) => RouterError::Config(format!("{origin}: {problem}")),
             other => other,
         })?;
         Ok(config)
+    }
+
+    /// `auth.worker_token`, or the deprecated `auth_token` when that is empty.
+    pub fn worker_token(&self) -> &Secret {
+        self.or_legacy(&self.auth.worker_token)
+    }
+
+    /// `auth.admin_token`, or the deprecated `auth_token` when that is empty.
+    pub fn admin_token(&self) -> &Secret {
+        self.or_legacy(&self.auth.admin_token)
+    }
+
+    fn or_legacy<'a>(&'a self, token: &'a Secret) -> &'a Secret {
+        if token.is_empty() {
+            &self.auth_token
+        } else {
+            token
+        }
+    }
+
+    /// Logs what loading noticed, once logging is set up: skipped variables
+    /// (names only: their values may be secrets) and deprecated keys.
+    pub fn log_notices(&self) {
+        for name in &self.skipped_env {
+            tracing::debug!("environment variable {name} names no configuration key: ignored");
+        }
+        if !self.auth_token.is_empty() {
+            tracing::warn!(
+                "auth_token is deprecated: set auth.worker_token and auth.admin_token instead"
+            );
+        }
     }
 
     /// Checks what the types alone cannot.
@@ -334,12 +449,27 @@ impl Config {
             }
             _ => {}
         }
+        let mut tokens = std::collections::HashSet::new();
+        for bound in &self.auth.bound_worker_tokens {
+            if bound.token.is_empty() {
+                return fail("auth.bound_worker_tokens: a token is empty".into());
+            }
+            if bound.worker_ids.is_empty() {
+                return fail("auth.bound_worker_tokens: a token lists no worker_ids".into());
+            }
+            if bound.token == *self.worker_token() || !tokens.insert(bound.token.expose()) {
+                return fail(
+                    "auth.bound_worker_tokens: a token is listed twice (or is also auth.worker_token)"
+                        .into(),
+                );
+            }
+        }
         let mut ids = std::collections::HashSet::new();
         for w in &self.workers {
             if !ids.insert(w.id) {
                 return fail(format!("workers: id {} is listed twice", w.id));
             }
-            if let Err(e) = crate::registry::parse_base_url(&w.base_url) {
+            if let Err(e) = crate::worker_url::parse_base_url(&w.base_url) {
                 return fail(format!("workers: id {}: {e}", w.id));
             }
             if w.models.is_empty() {
@@ -353,25 +483,68 @@ impl Config {
     }
 }
 
-/// Sets `a__b__c` in `table` to `value`, read as TOML when it parses as a value.
-fn set_path(table: &mut toml::Table, key: &str, value: &str) -> Result<(), String> {
-    let mut parts: Vec<&str> = key.split("__").collect();
-    let last = parts.pop().filter(|k| !k.is_empty()).ok_or("empty key")?;
+/// Sets the key `a__b__c` in `table` to `value`, typed like the key's default in
+/// `keys` (the serialized defaults). False: the variable names no key.
+fn set_from_env(
+    table: &mut toml::Table,
+    keys: &serde_json::Value,
+    key: &str,
+    value: &str,
+) -> Result<bool, String> {
+    let path: Vec<&str> = key.split("__").collect();
+    let (last, sections) = path.split_last().expect("split yields one part at least");
+    let mut schema = keys;
     let mut node = table;
-    for part in parts {
+    for &section in sections {
+        schema = &schema[section];
+        if !schema.is_object() {
+            return Ok(false);
+        }
         node = node
-            .entry(part.to_string())
+            .entry(section.to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()))
             .as_table_mut()
-            .ok_or_else(|| format!("{part} is not a section"))?;
+            .ok_or_else(|| format!("{section} is not a section"))?;
     }
-    let parsed = format!("v = {value}")
+    let typed = match schema.get(*last) {
+        None if sections.is_empty() => return Ok(false),
+        None => return Err(format!("{} has no key {last}", sections.join("."))),
+        // A section is not a key either: `KVROUTE_LOG` may well be someone else's.
+        Some(serde_json::Value::Object(_)) => return Ok(false),
+        Some(serde_json::Value::String(_)) => toml::Value::String(value.to_string()),
+        Some(serde_json::Value::Bool(_)) => toml::Value::Boolean(
+            value
+                .parse()
+                .map_err(|_| format!("expected true or false, got {value:?}"))?,
+        ),
+        Some(serde_json::Value::Number(n)) if n.is_f64() => toml::Value::Float(
+            value
+                .parse()
+                .map_err(|_| format!("expected a number, got {value:?}"))?,
+        ),
+        Some(serde_json::Value::Number(_)) => toml::Value::Integer(
+            value
+                .parse()
+                .map_err(|_| format!("expected an integer, got {value:?}"))?,
+        ),
+        // Not echoed: an array may hold tokens (`auth.bound_worker_tokens`).
+        Some(serde_json::Value::Array(_)) => {
+            toml_value(value).ok_or("expected a TOML array such as [1, 2]")?
+        }
+        // No default to go by (an unset option): TOML if it parses, else a string.
+        Some(serde_json::Value::Null) => {
+            toml_value(value).unwrap_or_else(|| toml::Value::String(value.to_string()))
+        }
+    };
+    node.insert(last.to_string(), typed);
+    Ok(true)
+}
+
+fn toml_value(text: &str) -> Option<toml::Value> {
+    format!("v = {text}")
         .parse::<toml::Table>()
         .ok()
         .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(value.to_string()));
-    node.insert(last.to_string(), parsed);
-    Ok(())
 }
 
 impl SchedulerConfig {
@@ -398,20 +571,150 @@ mod tests {
             env(&[
                 ("KVROUTE_BLOCK_SIZE", "32"),
                 ("KVROUTE_SCHEDULER__POLICY", "round_robin"),
-                ("KVROUTE_AUTH_TOKEN", "s3cret"),
+                ("KVROUTE_AUTH__ADMIN_TOKEN", "s3cret"),
+                ("KVROUTE_SCHEDULER__OVERLAP_WEIGHT", "4"),
+                ("KVROUTE_AUTH__INSECURE", "true"),
+                (
+                    "KVROUTE_WORKERS",
+                    r#"[{id = 3, base_url = "http://w:1", models = ["m"]}]"#,
+                ),
                 ("OTHER", "ignored"),
             ]),
         )
         .unwrap();
         assert_eq!(config.block_size, 32);
         assert_eq!(config.scheduler.policy, Policy::RoundRobin);
-        assert_eq!(config.auth_token, "s3cret");
+        assert_eq!(config.scheduler.overlap_weight, 4.0);
+        assert_eq!(config.admin_token().expose(), "s3cret");
+        assert!(config.auth.insecure);
+        assert_eq!(config.workers[0].id, 3);
+    }
+
+    #[test]
+    fn environment_values_take_the_type_of_their_key() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("KVROUTE_AUTH__WORKER_TOKEN", "123456"),
+                ("KVROUTE_AUTH__ADMIN_TOKEN", "true"),
+                ("KVROUTE_AUTH_TOKEN", "0x10"),
+                ("KVROUTE_LOG__LEVEL", "[info]"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.auth.worker_token.expose(), "123456");
+        assert_eq!(config.auth.admin_token.expose(), "true");
+        assert_eq!(config.auth_token.expose(), "0x10");
+        assert_eq!(config.log.level, "[info]");
+        for (name, value, expected) in [
+            ("KVROUTE_BLOCK_SIZE", "sixteen", "expected an integer"),
+            ("KVROUTE_AUTH__INSECURE", "yes", "expected true or false"),
+            (
+                "KVROUTE_SCHEDULER__TEMPERATURE",
+                "warm",
+                "expected a number",
+            ),
+            ("KVROUTE_WORKERS", "none", "expected a TOML array"),
+        ] {
+            let err = Config::load(None, env(&[(name, value)])).unwrap_err();
+            let err = err.to_string();
+            assert!(err.contains(name) && err.contains(expected), "{err}");
+        }
+    }
+
+    #[test]
+    fn variables_that_name_no_key_are_skipped() {
+        // What the kubelet injects for Services `kvroute` and `kvroute-ingest`,
+        // and what the bridge and the simulator read.
+        let foreign = [
+            ("KVROUTE_PORT", "tcp://10.96.0.10:8000"),
+            ("KVROUTE_SERVICE_HOST", "10.96.0.10"),
+            ("KVROUTE_SERVICE_PORT", "8000"),
+            ("KVROUTE_SERVICE_PORT_GRPC", "50051"),
+            ("KVROUTE_PORT_8000_TCP", "tcp://10.96.0.10:8000"),
+            ("KVROUTE_PORT_8000_TCP_ADDR", "10.96.0.10"),
+            ("KVROUTE_PORT_8000_TCP_PORT", "8000"),
+            ("KVROUTE_PORT_8000_TCP_PROTO", "tcp"),
+            ("KVROUTE_INGEST_SERVICE_HOST", "10.96.0.11"),
+            ("KVROUTE_ROUTER_TOKEN", "w"),
+            ("KVROUTE_LOG", "debug"),
+            ("KVROUTE_BLOCK_SIZE__X", "1"),
+        ];
+        let config = Config::load(None, env(&foreign)).unwrap();
+        let skipped: Vec<&str> = config.skipped_env.iter().map(String::as_str).collect();
+        let names: Vec<&str> = foreign.iter().map(|(n, _)| *n).collect();
+        assert_eq!(skipped, names);
+        assert_eq!(config.http_addr, Config::default().http_addr);
+    }
+
+    #[test]
+    fn secrets_do_not_show_in_debug_output() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("KVROUTE_AUTH_TOKEN", "legacy-secret"),
+                ("KVROUTE_AUTH__WORKER_TOKEN", "worker-secret"),
+                ("KVROUTE_AUTH__ADMIN_TOKEN", "admin-secret"),
+                (
+                    "KVROUTE_AUTH__BOUND_WORKER_TOKENS",
+                    r#"[{token = "bound-secret", worker_ids = [1]}]"#,
+                ),
+            ]),
+        )
+        .unwrap();
+        let printed = format!("{config:?} {config:#?}");
+        assert!(!printed.contains("secret"), "{printed}");
+        assert!(printed.contains("<redacted>"));
+        let err = Config::load(
+            None,
+            env(&[(
+                "KVROUTE_AUTH__BOUND_WORKER_TOKENS",
+                "[{token = 'bound-secret'",
+            )]),
+        )
+        .unwrap_err();
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn bound_worker_tokens_are_checked() {
+        let load = |value: &str| {
+            Config::load(
+                None,
+                env(&[
+                    ("KVROUTE_AUTH__WORKER_TOKEN", "fleet"),
+                    ("KVROUTE_AUTH__BOUND_WORKER_TOKENS", value),
+                ]),
+            )
+        };
+        let ok = load(r#"[{token = "a", worker_ids = [1, 2]}]"#).unwrap();
+        assert_eq!(ok.auth.bound_worker_tokens[0].worker_ids, [1, 2]);
+        for (bad, expected) in [
+            (r#"[{token = "a", worker_ids = []}]"#, "no worker_ids"),
+            (r#"[{token = "", worker_ids = [1]}]"#, "empty"),
+            (r#"[{token = "fleet", worker_ids = [1]}]"#, "twice"),
+            (
+                r#"[{token = "a", worker_ids = [1]}, {token = "a", worker_ids = [2]}]"#,
+                "twice",
+            ),
+        ] {
+            let err = load(bad).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad}: {err}");
+        }
     }
 
     #[test]
     fn unknown_keys_and_bad_values_are_clear_errors() {
+        // `__` into a known section can only be a typo: an error, unlike a
+        // variable that is not ours.
         let err = Config::load(None, env(&[("KVROUTE_SCHEDULER__POLICYY", "kv")])).unwrap_err();
         assert!(err.to_string().contains("policyy"), "{err}");
+        let file =
+            std::env::temp_dir().join(format!("kvroute-unknown-{}.toml", std::process::id()));
+        std::fs::write(&file, "port = 1\n").unwrap();
+        let err = Config::load(Some(&file), Vec::new()).unwrap_err();
+        std::fs::remove_file(&file).unwrap();
+        assert!(err.to_string().contains("unknown field `port`"), "{err}");
         let err = Config::load(None, env(&[("KVROUTE_BLOCK_SIZE", "0")])).unwrap_err();
         assert!(err.to_string().contains("block_size"), "{err}");
         let err = Config::load(None, env(&[("KVROUTE_SCHEDULER__POLICY", "best")])).unwrap_err();

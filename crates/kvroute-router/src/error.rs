@@ -18,6 +18,8 @@ pub enum RouterError {
     PayloadTooLarge(usize),
     #[error("missing or wrong bearer token")]
     Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
     #[error("the model `{0}` does not exist")]
     UnknownModel(String),
     #[error("no worker with id {0}")]
@@ -39,6 +41,7 @@ impl RouterError {
             RouterError::BadRequest(_) | RouterError::Tokenize(_) => StatusCode::BAD_REQUEST,
             RouterError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
+            RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             RouterError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::Upstream(_) => StatusCode::BAD_GATEWAY,
@@ -54,6 +57,7 @@ impl RouterError {
             RouterError::Tokenize(_) => ("invalid_request_error", "tokenization_failed"),
             RouterError::PayloadTooLarge(_) => ("invalid_request_error", "request_too_large"),
             RouterError::Unauthorized => ("authentication_error", "invalid_api_key"),
+            RouterError::Forbidden(_) => ("permission_error", "forbidden"),
             RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             RouterError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             RouterError::Unavailable { .. } => ("server_error", "no_worker_available"),
@@ -74,10 +78,20 @@ impl RouterError {
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), axum::Json(self.body())).into_response();
-        if let RouterError::Unavailable { retry_after_s, .. } = self {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+        match self {
+            RouterError::Unavailable { retry_after_s, .. } => {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            // RFC 6750: every 401 says which scheme would do.
+            RouterError::Unauthorized => {
+                response.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"kvroute\""),
+                );
+            }
+            _ => {}
         }
         response
     }

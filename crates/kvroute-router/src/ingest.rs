@@ -81,6 +81,7 @@ impl KvRouter for Ingest {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let grant = self.state.credentials.worker(request.metadata())?;
         let mut inbound = request.into_inner();
         let first = inbound
             .message()
@@ -91,6 +92,7 @@ impl KvRouter for Ingest {
                 "the first message of a stream must be Register",
             ));
         };
+        grant.permits(register.worker_id)?;
         let state = Arc::clone(&self.state);
         let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
         tracing::info!(worker = worker_id, generation, "worker registered");
@@ -120,6 +122,8 @@ impl KvRouter for Ingest {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<RouteResponse>, Status> {
+        // It writes predictions, which steer everyone's requests: an operator's call.
+        self.state.credentials.admin_grpc(request.metadata())?;
         let request = request.into_inner();
         let name = if request.lora_name.is_empty() {
             request.model.as_str()
@@ -160,6 +164,17 @@ impl KvRouter for Ingest {
 }
 
 fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {
+    if state
+        .config
+        .workers
+        .iter()
+        .any(|w| w.id == register.worker_id)
+    {
+        return Err(Status::permission_denied(format!(
+            "worker id {} is a static worker in the router's config; a stream may not take it over",
+            register.worker_id
+        )));
+    }
     let router_block_size = state.config.block_size;
     if register.block_size != router_block_size {
         return Err(Status::failed_precondition(format!(

@@ -14,6 +14,11 @@
 //!
 //! So the request path touches only matched ranks and the first few entries of
 //! one group's load order: O(matches + log workers), never O(workers).
+//!
+//! What changes a rank's load and a worker's availability per request lives in
+//! its own modules, under the same lock: [`crate::booking`] (the router's own
+//! count of a request's load) and [`crate::breaker`] (failures that take a
+//! worker out of routing).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +28,7 @@ use kvroute_index::WorkerKey;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use crate::breaker::Breaker;
 use crate::config::{Config, Policy};
 use crate::metrics;
 
@@ -62,42 +68,6 @@ pub struct ReportedLoad {
     pub prefill_tokens: u64,
 }
 
-/// Per-worker circuit breaker: open after consecutive failures; after a
-/// cool-down one probe request (or health check) may close it again.
-#[derive(Clone, Copy, Debug)]
-pub enum Breaker {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { since: Instant },
-}
-
-impl Breaker {
-    fn available(&self, now: Instant, cooldown: Duration) -> bool {
-        match *self {
-            Breaker::Closed { .. } => true,
-            Breaker::Open { until } => now >= until,
-            // A probe that never reported back must not block the worker forever.
-            Breaker::HalfOpen { since } => now >= since + cooldown,
-        }
-    }
-
-    fn gauge_value(&self) -> f64 {
-        match self {
-            Breaker::Closed { .. } => 0.0,
-            Breaker::HalfOpen { .. } => 1.0,
-            Breaker::Open { .. } => 2.0,
-        }
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Breaker::Closed { .. } => "closed",
-            Breaker::HalfOpen { .. } => "half_open",
-            Breaker::Open { .. } => "open",
-        }
-    }
-}
-
 pub struct Worker {
     pub id: u64,
     pub base_url: Arc<str>,
@@ -112,7 +82,7 @@ pub struct Worker {
     pub generation: u64,
     pub breaker: Breaker,
     pub last_request: Instant,
-    breaker_gauge: ::metrics::Gauge,
+    pub(crate) breaker_gauge: ::metrics::Gauge,
 }
 
 impl Worker {
@@ -190,7 +160,7 @@ pub struct Fleet {
     pub groups: FxHashMap<String, Group>,
     names: FxHashMap<String, NameUse>,
     /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
-    tripped: BTreeSet<u64>,
+    pub(crate) tripped: BTreeSet<u64>,
 }
 
 /// Tunables the registry needs from the config.
@@ -249,17 +219,6 @@ pub struct RankInfo {
     pub reported: ReportedLoad,
 }
 
-/// Checks that a base URL is an absolute http URL; returns it without a trailing slash.
-pub fn parse_base_url(url: &str) -> Result<String, String> {
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| format!("base_url {url:?} is not a URL: {e}"))?;
-    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err(format!("base_url {url:?} must be an absolute http:// URL"));
-    }
-    Ok(url.trim_end_matches('/').to_string())
-}
-
 pub fn worker_label(key: WorkerKey) -> String {
     if key.dp_rank == 0 {
         key.worker_id.to_string()
@@ -292,7 +251,7 @@ impl Registry {
     /// Adds or replaces a worker; returns the registration's generation. A worker
     /// that registers again keeps its ranks' bookings (its requests are still in flight).
     pub fn register(&self, reg: Registration, source: Source) -> Result<u64, String> {
-        let base_url = parse_base_url(&reg.base_url)?;
+        let base_url = crate::worker_url::parse_base_url(&reg.base_url)?;
         if reg.models.is_empty() {
             return Err("a worker must serve at least one model".into());
         }
@@ -405,80 +364,6 @@ impl Registry {
         }
         drop(fleet);
         self.released.notify_waiters();
-    }
-
-    /// Books a routed request on `key`: its new prefill tokens and its blocks.
-    pub fn book(self: &Arc<Self>, key: WorkerKey, prefill_tokens: u64, blocks: u64) -> Booking {
-        let mut fleet = self.lock();
-        if let Some(rank) = fleet.ranks.get_mut(&key) {
-            rank.booked_requests += 1;
-            rank.booked_prefill_tokens += prefill_tokens;
-            rank.booked_blocks += blocks;
-            rank.routed.increment(1);
-            fleet.rekey(key, &self.limits);
-        }
-        if let Some(worker) = fleet.workers.get_mut(&key.worker_id) {
-            worker.last_request = Instant::now();
-            if worker
-                .breaker
-                .available(Instant::now(), self.limits.breaker_cooldown)
-                && matches!(worker.breaker, Breaker::Open { .. })
-            {
-                // The cool-down is over and this request is the probe.
-                worker.breaker = Breaker::HalfOpen {
-                    since: Instant::now(),
-                };
-                worker.breaker_gauge.set(1.0);
-            }
-        }
-        Booking {
-            registry: Arc::clone(self),
-            key,
-            prefill_tokens,
-            blocks,
-        }
-    }
-
-    fn unbook(&self, key: WorkerKey, prefill_tokens: u64, blocks: u64, request: bool) {
-        let mut fleet = self.lock();
-        if let Some(rank) = fleet.ranks.get_mut(&key) {
-            rank.booked_prefill_tokens = rank.booked_prefill_tokens.saturating_sub(prefill_tokens);
-            rank.booked_blocks = rank.booked_blocks.saturating_sub(blocks);
-            if request {
-                rank.booked_requests = rank.booked_requests.saturating_sub(1);
-            }
-            fleet.rekey(key, &self.limits);
-        }
-        drop(fleet);
-        self.released.notify_waiters();
-    }
-
-    /// Feeds a request's or health check's outcome into the worker's breaker.
-    pub fn record_outcome(&self, worker_id: u64, ok: bool) {
-        let mut fleet = self.lock();
-        let Some(worker) = fleet.workers.get_mut(&worker_id) else {
-            return;
-        };
-        let now = Instant::now();
-        worker.breaker = match (ok, worker.breaker) {
-            (true, _) => Breaker::Closed { failures: 0 },
-            (false, Breaker::Closed { failures })
-                if failures + 1 < self.limits.breaker_failures =>
-            {
-                Breaker::Closed {
-                    failures: failures + 1,
-                }
-            }
-            (false, _) => Breaker::Open {
-                until: now + self.limits.breaker_cooldown,
-            },
-        };
-        worker.breaker_gauge.set(worker.breaker.gauge_value());
-        if matches!(worker.breaker, Breaker::Closed { .. }) {
-            fleet.tripped.remove(&worker_id);
-        } else {
-            fleet.tripped.insert(worker_id);
-        }
     }
 
     /// Workers with no request for `quiet`, for health checks: (id, base URL).
@@ -642,7 +527,7 @@ impl Fleet {
         (cost * 16.0) as u64
     }
 
-    fn rekey(&mut self, key: WorkerKey, limits: &Limits) {
+    pub(crate) fn rekey(&mut self, key: WorkerKey, limits: &Limits) {
         let Some(rank) = self.ranks.get_mut(&key) else {
             return;
         };
@@ -747,50 +632,15 @@ fn is_busy(worker: &Worker, rank: &Rank, limits: &Limits) -> bool {
         && rank.active_blocks() as f64 >= limits.busy_kv_ratio * total as f64
 }
 
-/// A request's load on a rank; dropping it releases whatever is still booked.
-pub struct Booking {
-    registry: Arc<Registry>,
-    key: WorkerKey,
-    prefill_tokens: u64,
-    blocks: u64,
-}
-
-impl Booking {
-    pub fn key(&self) -> WorkerKey {
-        self.key
-    }
-
-    /// The worker failed this request after its response started (it went
-    /// silent): a failure for its breaker, as a timeout before the first byte is.
-    pub fn record_failure(&self) {
-        self.registry.record_outcome(self.key.worker_id, false);
-    }
-
-    /// The first token arrived: the prompt is no longer waiting for prefill.
-    pub fn release_prefill(&mut self) {
-        let tokens = std::mem::take(&mut self.prefill_tokens);
-        if tokens > 0 {
-            self.registry.unbook(self.key, tokens, 0, false);
-        }
-    }
-}
-
-impl Drop for Booking {
-    fn drop(&mut self) {
-        self.registry
-            .unbook(self.key, self.prefill_tokens, self.blocks, true);
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn limits() -> Limits {
+    pub(crate) fn limits() -> Limits {
         Limits::from_config(&Config::default())
     }
 
-    fn reg(id: u64, models: &[&str]) -> Registration {
+    pub(crate) fn reg(id: u64, models: &[&str]) -> Registration {
         Registration {
             worker_id: id,
             dp_ranks: vec![0],
@@ -859,28 +709,5 @@ mod tests {
         assert_eq!(registry.name_kind("m"), Some(NameKind::Model));
         registry.remove(2);
         assert_eq!(registry.name_kind("m"), None);
-    }
-
-    #[test]
-    fn breaker_opens_after_consecutive_failures_and_closes_on_success() {
-        let registry = Arc::new(Registry::new(limits()));
-        registry.register(reg(1, &["m"]), Source::Stream).unwrap();
-        let key = WorkerKey::new(1, 0);
-        let now = Instant::now();
-        for _ in 0..registry.limits.breaker_failures {
-            assert!(registry.lock().available(key, &registry.limits, now));
-            registry.record_outcome(1, false);
-        }
-        assert!(
-            !registry
-                .lock()
-                .available(key, &registry.limits, Instant::now())
-        );
-        registry.record_outcome(1, true);
-        assert!(
-            registry
-                .lock()
-                .available(key, &registry.limits, Instant::now())
-        );
     }
 }

@@ -48,6 +48,8 @@ pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
 
 /// Binds both listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, RouterError> {
+    config.log_notices();
+    crate::auth::check_exposure(&config)?;
     let tokenizer = Tokenizer::load(&config.tokenizer)?;
     let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
         RouterError::Config(format!(
@@ -83,10 +85,7 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         }
     }));
 
-    let ingest = KvRouterServer::with_interceptor(
-        Ingest::new(Arc::clone(&state), stopped.clone()),
-        crate::auth::grpc_interceptor(state.config.auth_token.clone()),
-    );
+    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()));
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
         let result = tonic::transport::Server::builder()

@@ -9,6 +9,7 @@ use std::time::Instant;
 use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
 use metrics_exporter_prometheus::PrometheusHandle;
 
+use crate::auth::Credentials;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
@@ -19,6 +20,7 @@ use crate::upstream::Upstream;
 
 pub struct AppState {
     pub config: Config,
+    pub credentials: Credentials,
     pub registry: Arc<Registry>,
     pub index: Arc<KvIndex>,
     pub predicted: Arc<PredictedIndex>,
@@ -84,6 +86,7 @@ impl AppState {
         };
         let upstream = Upstream::new(&config.upstream);
         Ok(Arc::new(Self {
+            credentials: Credentials::new(&config),
             config,
             registry,
             index,

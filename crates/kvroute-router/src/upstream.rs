@@ -19,10 +19,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use crate::booking::Booking;
 use crate::config::UpstreamConfig;
 use crate::error::RouterError;
 use crate::metrics;
-use crate::registry::Booking;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -1,0 +1,150 @@
+//! The proxy policy for one OpenAI request: route it (choosing and booking a
+//! rank), forward it, retry a failure that cannot have reached a model on the
+//! next-best worker, and feed every outcome to the worker's breaker.
+//!
+//! Kept apart from the HTTP handlers in [`crate::api`], which only parse and
+//! answer: the policy decides what a failure means for routing (retry, breaker,
+//! predictions), and [`crate::upstream`] does the talking and the measuring.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, header};
+
+use crate::error::RouterError;
+use crate::metrics;
+use crate::state::{AppState, RouteInput, Routed};
+use crate::upstream::{Failure, TrackedBody, strip_hop_by_hop};
+
+/// Request and response header naming the worker (pins a request; tells the choice).
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+/// A parsed OpenAI request, ready to route.
+pub struct Forward<'a> {
+    /// The model or adapter name.
+    pub model: &'a str,
+    pub tokens: &'a [u32],
+    /// The worker the client pinned with [`WORKER_HEADER`].
+    pub pin: Option<u64>,
+    /// The endpoint's path on the worker.
+    pub path: &'static str,
+    pub headers: &'a HeaderMap,
+    /// The body, forwarded unchanged.
+    pub body: Bytes,
+    /// When the router received the request, for the overhead metric.
+    pub received: Instant,
+}
+
+/// Routes and forwards one request; retries a connect error or a 5xx on the
+/// next-best worker, never once the response has started.
+pub async fn forward(
+    state: &AppState,
+    request: Forward<'_>,
+) -> Result<Response<TrackedBody>, RouterError> {
+    let retries = state.config.upstream.retries;
+    let mut tried: Vec<u64> = Vec::new();
+    let mut last_error = None;
+    for _attempt in 0..=retries {
+        let routed = match state
+            .route(
+                request.model,
+                RouteInput::Tokens(request.tokens),
+                request.pin,
+                &tried,
+            )
+            .await
+        {
+            Ok(routed) => routed,
+            // Out of workers to retry on: report what went wrong upstream.
+            Err(e) => return Err(last_error.unwrap_or(e)),
+        };
+        state.record_prediction(&routed);
+        let Routed { decision, .. } = routed;
+        let worker = decision.worker;
+        let booking =
+            state
+                .registry
+                .book(worker, decision.new_prefill_tokens, decision.request_blocks);
+        if decision.request_blocks > 0 {
+            ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
+                .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
+        }
+        let prompt_tokens = request.tokens.len() as u64;
+        ::metrics::counter!(metrics::ROUTED_PROMPT_TOKENS).increment(prompt_tokens);
+        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS)
+            .increment(prompt_tokens.saturating_sub(decision.new_prefill_tokens));
+        if tried.is_empty() {
+            metrics::observe_phase("total", request.received);
+        }
+        let sent = Instant::now();
+        let result = state
+            .upstream
+            .post(
+                &decision.base_url,
+                request.path,
+                request.headers,
+                request.body.clone(),
+            )
+            .await;
+        let reason = match result {
+            Ok(response) if !response.status().is_server_error() => {
+                state.registry.record_outcome(worker.worker_id, true);
+                let (mut parts, incoming) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                parts
+                    .headers
+                    .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
+                let sse = parts
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+                let body =
+                    TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
+                return Ok(Response::from_parts(parts, body));
+            }
+            Ok(response) => {
+                last_error = Some(RouterError::Upstream(format!(
+                    "worker {} answered {}",
+                    worker.worker_id,
+                    response.status()
+                )));
+                "status"
+            }
+            Err(Failure::Connect(e)) => {
+                last_error = Some(RouterError::Upstream(format!(
+                    "cannot connect to worker {}: {e}",
+                    worker.worker_id
+                )));
+                "connect"
+            }
+            Err(Failure::Timeout) => {
+                state.registry.record_outcome(worker.worker_id, false);
+                return Err(RouterError::UpstreamTimeout(format!(
+                    "worker {} sent no response within {} ms",
+                    worker.worker_id, state.config.upstream.first_byte_timeout_ms
+                )));
+            }
+            Err(Failure::Other(e)) => {
+                state.registry.record_outcome(worker.worker_id, false);
+                return Err(RouterError::Upstream(format!(
+                    "worker {} failed: {e}",
+                    worker.worker_id
+                )));
+            }
+        };
+        state.registry.record_outcome(worker.worker_id, false);
+        tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
+        // The prefix will be cached where the request is served, not here. The
+        // predicted layer cannot drop one path without breaking the prefix
+        // order its lookups rely on, so the failed worker loses all its
+        // predictions: it just failed, and its events still say what it holds.
+        state.predicted.remove_worker(worker);
+        drop(booking);
+        tried.push(worker.worker_id);
+        if request.pin.is_some() {
+            break;
+        }
+        ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
+    }
+    Err(last_error.expect("the loop ran at least once and failed"))
+}
