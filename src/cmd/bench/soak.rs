@@ -55,9 +55,10 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 20.0)]
     speedup: f64,
     /// Idle seconds before each sample: the router's pooled connections to
-    /// workers (and their tasks) expire after 90 s idle, and their number
-    /// follows the last pass's peak concurrency, not a leak.
-    #[arg(long, default_value_t = 100.0)]
+    /// workers (a descriptor and a task each, as many as the last pass's peak
+    /// concurrency) go once idle for 90 s, at the pool's next sweep (up to
+    /// 180 s), so a shorter wait measures the pool, not a leak.
+    #[arg(long, default_value_t = 190.0)]
     settle_s: f64,
 }
 
