@@ -307,7 +307,7 @@ fn dashboard_queries_name_exported_series() {
                 let histogram = ["_bucket", "_sum", "_count"]
                     .iter()
                     .find_map(|s| name.strip_suffix(s))
-                    .filter(|base| base.ends_with("_seconds") || base.ends_with("_ratio"));
+                    .filter(|base| kvroute_router::metrics::is_histogram(base));
                 let family = histogram.unwrap_or(&name).to_string();
                 assert!(
                     families.contains(family.as_str()),

@@ -351,16 +351,20 @@ fn fuzz_register() {
         "(http://)?[a-z0-9:./]{0,20}",
         prop_oneof![Just(16u32), any::<u32>()],
         any::<u64>(),
+        prop_oneof![Just(0u64), any::<u64>()],
     )
         .prop_map(
-            |(worker_id, dp_ranks, models, base_url, block_size, total_kv_blocks)| Register {
-                worker_id,
-                dp_ranks,
-                lora_names: models.iter().rev().cloned().collect(),
-                models,
-                base_url,
-                block_size,
-                total_kv_blocks,
+            |(worker_id, dp_ranks, models, base_url, block_size, total_kv_blocks, instance_id)| {
+                Register {
+                    worker_id,
+                    dp_ranks,
+                    lora_names: models.iter().rev().cloned().collect(),
+                    models,
+                    base_url,
+                    block_size,
+                    total_kv_blocks,
+                    instance_id,
+                }
             },
         );
     fuzz_ingest("ingest Register", 1, bytes_like(register.boxed()));

@@ -81,11 +81,11 @@ async fn a_restarting_worker_is_cleared_and_resynced() {
         .post(&format!("{url}/admin/fault"), &json!({"fault": "restart"}))
         .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
-    // Ids start over with Cleared: the router drops everything it knew.
+    // The engine registers again as a new instance: the router drops everything it knew.
     wait_indexed(&router, id, "the index to be cleared", (0, 1)).await;
     assert!(counted(&router.http, "kvroute_worker_restarts_total").await);
 
-    // New blocks after the restart are indexed again, ids continuing from 1.
+    // New blocks after the restart are indexed again, ids starting over at 1.
     assert_eq!(complete(&router, &prompt(2)).await.status, 200);
     wait_indexed(&router, id, "the new blocks", (4, 5)).await;
 }

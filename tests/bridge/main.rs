@@ -602,6 +602,11 @@ async fn engine_scenario(target: Target) {
             *recorded.dumps.lock().unwrap() >= 3,
             "two dumps at registration, one per resync"
         );
+        // The engine's restart made the bridge register a new instance.
+        let registrations = recorded.registrations.lock().unwrap();
+        let instances: Vec<u64> = registrations.iter().map(|r| r.instance_id).collect();
+        assert!(instances.len() >= 2, "{instances:?}");
+        assert_ne!(instances.first(), instances.last(), "{instances:?}");
     }
 
     let counts: [(&str, Labels, f64); 9] = [

@@ -523,6 +523,8 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
         let delay = Duration::from_millis(request["chunk_delay_ms"].as_u64().unwrap_or(5));
         // A worker that hangs mid-stream: silent for good after this many chunks.
         let stall_after = request["stall_after_chunks"].as_u64().map(|n| n as usize);
+        // A worker that fails mid-stream: the connection breaks after this many chunks.
+        let abort_after = request["abort_after_chunks"].as_u64().map(|n| n as usize);
         let id = state.id;
         let stream = futures_util::stream::unfold(
             (
@@ -540,6 +542,10 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
                 if stall_after == Some(i) {
                     std::future::pending::<()>().await;
                 }
+                if abort_after == Some(i) {
+                    let error = std::io::Error::other("the worker failed mid-stream");
+                    return Some((Err(error), (chunks + 1, stream_guard, guard)));
+                }
                 tokio::time::sleep(delay).await;
                 let text = if i == chunks {
                     stream_guard.done = true;
@@ -548,7 +554,7 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
                     sse_chunk(id, i)
                 };
                 Some((
-                    Ok::<_, std::convert::Infallible>(Bytes::from(text)),
+                    Ok::<_, std::io::Error>(Bytes::from(text)),
                     (i + 1, stream_guard, guard),
                 ))
             },
@@ -597,6 +603,7 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
         block_size,
         total_kv_blocks: 1000,
         lora_names: Vec::new(),
+        instance_id: 1,
     }
 }
 
@@ -703,6 +710,23 @@ impl GrpcWorker {
             .await;
         }
         event_id
+    }
+
+    /// Sends one event on a stream the router may have closed already.
+    pub async fn offer(&self, event_id: u64, kind: kv_event::Kind) {
+        let batch = kvroute_proto::EventBatch {
+            dp_rank: 0,
+            events: vec![KvEvent {
+                event_id,
+                kind: Some(kind),
+            }],
+        };
+        let _ = self
+            .tx
+            .send(WorkerMessage {
+                body: Some(worker_message::Body::Events(batch)),
+            })
+            .await;
     }
 
     /// Stores the full blocks of `tokens` and waits for the router's ack.

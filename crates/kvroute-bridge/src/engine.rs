@@ -17,7 +17,7 @@ use bytes::Bytes;
 use kvroute_index::EventKind;
 use kvroute_proto as proto;
 use metrics::{counter, gauge};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -46,6 +46,8 @@ pub struct RankFollower {
     tracker: SequenceTracker,
     mirror: Arc<Mutex<RankMirror>>,
     outbox: mpsc::Sender<proto::EventBatch>,
+    /// The engine's instance id, renewed when this rank sees the engine restart.
+    instance: Arc<watch::Sender<u64>>,
     rank_label: String,
     block_size_refusals: u64,
 }
@@ -57,6 +59,7 @@ impl RankFollower {
         filter: EventFilter,
         mirror: Arc<Mutex<RankMirror>>,
         outbox: mpsc::Sender<proto::EventBatch>,
+        instance: Arc<watch::Sender<u64>>,
     ) -> Self {
         Self {
             rank_label: endpoints.dp_rank.to_string(),
@@ -66,6 +69,7 @@ impl RankFollower {
             tracker: SequenceTracker::default(),
             mirror,
             outbox,
+            instance,
             block_size_refusals: 0,
         }
     }
@@ -141,6 +145,9 @@ impl RankFollower {
                     seq, "engine sequence went backwards: the engine restarted"
                 );
                 self.forward(vec![EventKind::Cleared]);
+                // A new engine process: the router must forget the old one on every
+                // rank, which only a registration of a new instance tells it.
+                self.instance.send_replace(rand::random());
                 if seq > 0 {
                     self.recover(0, seq, false).await;
                 }

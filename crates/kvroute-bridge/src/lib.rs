@@ -8,8 +8,9 @@
 //!   mirror of each data-parallel rank's cache ([`rank`]),
 //! - follows each rank's publisher, recovering lost batches from the engine's
 //!   replay socket and clearing the rank when that is not possible ([`engine`]),
-//! - registers the engine with the router, streams the events, and answers the
-//!   router's resync requests with full dumps of the mirror ([`router`]),
+//! - registers the engine with the router (again, as a new instance, when the
+//!   engine restarted), streams the events, and answers the router's resync
+//!   requests with full dumps of the mirror ([`router`]),
 //! - reports the engine's load, scraped from its Prometheus endpoint ([`load`]),
 //! - and exports its own counters at `/metrics` ([`metrics`]).
 //!
@@ -118,6 +119,10 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
     };
     let (events_tx, events_rx) = mpsc::channel(OUTBOX_BATCHES);
     let (loads_tx, loads_rx) = mpsc::channel(16);
+    // This life of the engine, as the router knows it: a follower that sees the
+    // engine restart draws a new one, and the link registers it.
+    let (instance, instance_rx) = tokio::sync::watch::channel(rand::random::<u64>());
+    let instance = Arc::new(instance);
     let mut mirrors = Vec::new();
     for endpoints in ranks {
         let mirror = Arc::new(Mutex::new(RankMirror::new(
@@ -131,6 +136,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
             filter.clone(),
             mirror,
             events_tx.clone(),
+            Arc::clone(&instance),
         );
         tokio::spawn(follower.run());
     }
@@ -149,6 +155,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         block_size: config.block_size,
         mirrors,
         engine,
+        instance: instance_rx,
     };
     tokio::select! {
         refused = link.run(events_rx, loads_rx) => Err(refused),

@@ -2,9 +2,11 @@
 //! bridge runs.
 //!
 //! Each time the stream opens, the bridge registers the engine (models and LoRA
-//! adapters as the engine lists them now) and sends every rank's full dump, so a
-//! router that restarted or purged the worker meanwhile holds exactly the mirror
-//! again; queued events the dump already covers are then left out. Afterwards the
+//! adapters as the engine lists them now, and the engine's instance id) and
+//! sends every rank's full dump, so a router that restarted or purged the worker
+//! meanwhile holds exactly the mirror again; queued events the dump already
+//! covers are then left out. When the engine restarts, the stream is re-opened
+//! at once to register the new instance: the router then clears every rank. Afterwards the
 //! stream carries event batches and load reports out, and acks, resync requests
 //! (answered with a dump) and errors in.
 
@@ -17,7 +19,7 @@ use kvroute_proto::kv_router_client::KvRouterClient;
 use metrics::counter;
 use proto::router_message::Body as RouterBody;
 use proto::worker_message::Body as WorkerBody;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request, Status};
 use tracing::{info, warn};
@@ -37,6 +39,8 @@ pub struct RouterLink {
     pub block_size: u32,
     pub mirrors: Vec<Arc<Mutex<RankMirror>>>,
     pub engine: crate::EngineHttp,
+    /// The engine's instance id; changes when a rank sees the engine restart.
+    pub instance: watch::Receiver<u64>,
 }
 
 /// Why a stream ended.
@@ -45,6 +49,8 @@ enum Ended {
     Lost(String),
     /// The router refused the bridge for good (a block-size mismatch, a bad token).
     Refused(Status),
+    /// The engine restarted: register its new instance, without waiting.
+    Restarted,
 }
 
 impl RouterLink {
@@ -55,10 +61,18 @@ impl RouterLink {
         mut loads: mpsc::Receiver<proto::LoadReport>,
     ) -> BridgeError {
         let mut backoff = Backoff::default();
+        let mut instance = self.instance.clone();
         loop {
             let served = self.engine.models().await;
             match served {
-                Ok(served) => match self.session(&served, &mut events, &mut loads).await {
+                Ok(served) => match self
+                    .session(&served, &mut instance, &mut events, &mut loads)
+                    .await
+                {
+                    Ended::Restarted => {
+                        info!(router = %self.url, "the engine restarted: registering its new instance");
+                        continue;
+                    }
                     Ended::Refused(status) => {
                         counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "refused")
                             .increment(1);
@@ -78,6 +92,7 @@ impl RouterLink {
     async fn session(
         &self,
         served: &ServedModels,
+        instance: &mut watch::Receiver<u64>,
         events: &mut mpsc::Receiver<proto::EventBatch>,
         loads: &mut mpsc::Receiver<proto::LoadReport>,
     ) -> Ended {
@@ -98,6 +113,7 @@ impl RouterLink {
             block_size: self.block_size,
             total_kv_blocks: self.engine.total_kv_blocks(self.block_size).await,
             lora_names: served.lora_names.clone(),
+            instance_id: *instance.borrow_and_update(),
         };
         // Queued before the call starts, so they are the stream's first messages.
         let _ = out.try_send(message(WorkerBody::Register(register)));
@@ -142,6 +158,7 @@ impl RouterLink {
                     Some(load) => WorkerBody::Load(load),
                     None => return Ended::Lost("bridge shutting down".into()),
                 },
+                Ok(()) = instance.changed() => return Ended::Restarted,
                 reply = inbound.message() => match reply {
                     Ok(Some(reply)) => match self.on_reply(reply) {
                         Some(body) => body,

@@ -374,6 +374,8 @@ async fn delete_worker(
         .registry
         .remove(id)
         .ok_or_else(|| RouterError::UnknownWorker(id.to_string()))?;
+    // Its stream is closed first, so that no event of it lands after the purge.
+    state.writers.remove(id).await;
     for key in keys {
         state.index.remove_worker(key);
         state.predicted.remove_worker(key);

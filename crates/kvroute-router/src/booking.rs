@@ -5,51 +5,94 @@
 //! A [`Booking`] is an RAII guard: whatever is still booked is released when it
 //! drops, so a request that fails, is cancelled or panics cannot leak load that
 //! would keep its rank looking busy forever. Every change re-keys the rank in the
-//! load order and wakes requests queued for a free rank.
+//! load order and wakes requests queued for a free rank. A booking also carries
+//! the request's breaker [`Ticket`] and reports the request's one outcome.
+//!
+//! Booking happens under the same fleet lock as the choice
+//! ([`crate::scheduler::Scheduler::choose_and_book`]): between a choice and a
+//! separate booking, concurrent requests would all see the same free rank and
+//! overrun `busy_max_inflight`, and all take the same due probe.
+//!
+//! ## When prefill ends
+//!
+//! A request's new prompt tokens count as prefill load until its first token.
+//! A stream shows that moment (its first data frame). A non-streaming response
+//! shows nothing until generation is over, so holding its prefill until then
+//! would charge a decoding request as if it were still prefilling, and skew `kv`
+//! costs against its rank. Its prefill is released at an *estimate* of its
+//! first token instead: the rank's recent time to first token per prefilled
+//! token, measured on its streams, times the request's new tokens. An estimate,
+//! not the worker's reported load, because the reports cannot say when one
+//! request's prefill ended: vLLM reports no prefill tokens at all, only counts
+//! of running and waiting requests, and a report may predate the request's
+//! arrival. A rank with no stream measured yet keeps the booking until the
+//! response, as before.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use kvroute_index::WorkerKey;
 
-use crate::breaker::Breaker;
-use crate::registry::Registry;
+use crate::breaker::Ticket;
+use crate::registry::{Fleet, Registry};
+
+/// Weight of a new sample in a rank's prefill-time estimate.
+const PREFILL_RATE_WEIGHT: f64 = 0.2;
 
 impl Registry {
-    /// Books a routed request on `key`: its new prefill tokens and its blocks.
+    /// Books a request on `key` (its new prefill tokens and its blocks) without
+    /// choosing: for callers that already know the rank.
     pub fn book(self: &Arc<Self>, key: WorkerKey, prefill_tokens: u64, blocks: u64) -> Booking {
         let mut fleet = self.lock();
+        self.book_locked(&mut fleet, key, prefill_tokens, blocks)
+    }
+
+    /// Books under a lock the caller holds since its choice.
+    pub(crate) fn book_locked(
+        self: &Arc<Self>,
+        fleet: &mut Fleet,
+        key: WorkerKey,
+        prefill_tokens: u64,
+        blocks: u64,
+    ) -> Booking {
+        let now = tokio::time::Instant::now();
+        let mut first_token_estimate = None;
         if let Some(rank) = fleet.ranks.get_mut(&key) {
             rank.booked_requests += 1;
             rank.booked_prefill_tokens += prefill_tokens;
             rank.booked_blocks += blocks;
             rank.routed.increment(1);
+            first_token_estimate = rank
+                .prefill_seconds_per_token
+                .map(|rate| Duration::from_secs_f64(rate * prefill_tokens as f64));
             fleet.rekey(key, &self.limits);
         }
-        if let Some(worker) = fleet.workers.get_mut(&key.worker_id) {
-            worker.last_request = Instant::now();
-            if worker
-                .breaker
-                .available(Instant::now(), self.limits.breaker_cooldown)
-                && matches!(worker.breaker, Breaker::Open { .. })
-            {
-                // The cool-down is over and this request is the probe.
-                worker.breaker = Breaker::HalfOpen {
-                    since: Instant::now(),
-                };
-                worker.breaker_gauge.set(1.0);
+        let ticket = fleet.workers.get_mut(&key.worker_id).map(|worker| {
+            worker.last_request = std::time::Instant::now();
+            let ticket = worker.breaker.admit(now);
+            if ticket.is_probe() {
+                worker.breaker_gauge.set(worker.breaker.gauge_value());
             }
-        }
+            ticket
+        });
         Booking {
             registry: Arc::clone(self),
             key,
             prefill_tokens,
             blocks,
+            ticket,
+            first_token_estimate,
         }
     }
 
-    fn unbook(&self, key: WorkerKey, prefill_tokens: u64, blocks: u64, request: bool) {
-        let mut fleet = self.lock();
+    fn unbook(
+        &self,
+        fleet: &mut Fleet,
+        key: WorkerKey,
+        prefill_tokens: u64,
+        blocks: u64,
+        request: bool,
+    ) {
         if let Some(rank) = fleet.ranks.get_mut(&key) {
             rank.booked_prefill_tokens = rank.booked_prefill_tokens.saturating_sub(prefill_tokens);
             rank.booked_blocks = rank.booked_blocks.saturating_sub(blocks);
@@ -58,8 +101,6 @@ impl Registry {
             }
             fleet.rekey(key, &self.limits);
         }
-        drop(fleet);
-        self.released.notify_waiters();
     }
 }
 
@@ -69,6 +110,9 @@ pub struct Booking {
     key: WorkerKey,
     prefill_tokens: u64,
     blocks: u64,
+    /// `None` once the request's outcome went to the breaker (or the worker was gone).
+    ticket: Option<Ticket>,
+    first_token_estimate: Option<Duration>,
 }
 
 impl Booking {
@@ -76,24 +120,65 @@ impl Booking {
         self.key
     }
 
-    /// The worker failed this request after its response started (it went
-    /// silent): a failure for its breaker, as a timeout before the first byte is.
-    pub fn record_failure(&self) {
-        self.registry.record_outcome(self.key.worker_id, false);
+    /// The request's outcome for its worker's breaker; only the first one counts.
+    pub fn record_outcome(&mut self, ok: bool) {
+        if let Some(ticket) = self.ticket.take() {
+            let mut fleet = self.registry.lock();
+            self.registry
+                .record_request_outcome(&mut fleet, self.key.worker_id, ticket, ok);
+        }
     }
 
-    /// The first token arrived: the prompt is no longer waiting for prefill.
+    /// When the first token is expected, from the rank's recent streams; see the module doc.
+    pub fn first_token_estimate(&self) -> Option<Duration> {
+        self.first_token_estimate
+    }
+
+    /// The prompt is no longer waiting for prefill (its first token is estimated to be out).
     pub fn release_prefill(&mut self) {
         let tokens = std::mem::take(&mut self.prefill_tokens);
         if tokens > 0 {
-            self.registry.unbook(self.key, tokens, 0, false);
+            let mut fleet = self.registry.lock();
+            self.registry.unbook(&mut fleet, self.key, tokens, 0, false);
+            drop(fleet);
+            self.registry.released.notify_waiters();
         }
+    }
+
+    /// The first token arrived `ttft` after sending: releases the prefill and
+    /// refines the rank's estimate of time to first token per prefilled token.
+    pub fn first_token(&mut self, ttft: Duration) {
+        let tokens = std::mem::take(&mut self.prefill_tokens);
+        if tokens == 0 {
+            return;
+        }
+        let mut fleet = self.registry.lock();
+        self.registry.unbook(&mut fleet, self.key, tokens, 0, false);
+        // A prompt shorter than a block is mostly fixed overhead, not prefill.
+        if tokens >= self.registry.limits.block_size as u64
+            && let Some(rank) = fleet.ranks.get_mut(&self.key)
+        {
+            let sample = ttft.as_secs_f64() / tokens as f64;
+            rank.prefill_seconds_per_token = Some(match rank.prefill_seconds_per_token {
+                Some(rate) => rate + PREFILL_RATE_WEIGHT * (sample - rate),
+                None => sample,
+            });
+        }
+        drop(fleet);
+        self.registry.released.notify_waiters();
     }
 }
 
 impl Drop for Booking {
     fn drop(&mut self) {
+        let mut fleet = self.registry.lock();
         self.registry
-            .unbook(self.key, self.prefill_tokens, self.blocks, true);
+            .unbook(&mut fleet, self.key, self.prefill_tokens, self.blocks, true);
+        if let Some(ticket) = self.ticket.take() {
+            self.registry
+                .abandon_request(&mut fleet, self.key.worker_id, ticket);
+        }
+        drop(fleet);
+        self.registry.released.notify_waiters();
     }
 }

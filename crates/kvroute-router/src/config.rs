@@ -199,6 +199,10 @@ pub struct IngestConfig {
     pub grace_period_ms: u64,
     /// Event batches buffered per worker stream before the router drops and resyncs.
     pub event_queue_batches: usize,
+    /// How long a resync request may go unanswered before it is asked again.
+    pub resync_timeout_ms: u64,
+    /// Resync requests sent for one gap before the rank is cleared instead.
+    pub resync_attempts: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -310,6 +314,8 @@ impl Default for IngestConfig {
         Self {
             grace_period_ms: 30_000,
             event_queue_batches: 1024,
+            resync_timeout_ms: 5_000,
+            resync_attempts: 3,
         }
     }
 }
@@ -329,6 +335,9 @@ impl Default for UpstreamConfig {
         }
     }
 }
+
+/// The longest timeout accepted (a day), so that deadlines never overflow.
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
 
 impl Config {
     /// Defaults, then the TOML file (if any), then `KVROUTE_...` variables from `env`.
@@ -436,6 +445,15 @@ impl Config {
         }
         if self.ingest.event_queue_batches == 0 {
             return fail("ingest.event_queue_batches must be at least 1".into());
+        }
+        if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.resync_timeout_ms) {
+            return fail(format!(
+                "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
+                self.ingest.resync_timeout_ms
+            ));
+        }
+        if self.ingest.resync_attempts == 0 {
+            return fail("ingest.resync_attempts must be at least 1".into());
         }
         if self.upstream.breaker_failures == 0 {
             return fail("upstream.breaker_failures must be at least 1".into());
@@ -737,5 +755,13 @@ mod tests {
             defaults.ingest.grace_period_ms
         );
         assert_eq!(config.upstream.retries, defaults.upstream.retries);
+        assert_eq!(
+            config.ingest.resync_timeout_ms,
+            defaults.ingest.resync_timeout_ms
+        );
+        assert_eq!(
+            config.ingest.resync_attempts,
+            defaults.ingest.resync_attempts
+        );
     }
 }

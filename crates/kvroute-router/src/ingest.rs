@@ -15,9 +15,16 @@
 //! is itself dropped is asked for again.
 //!
 //! Per dp rank the applier keeps the id it last asked to be resent from, so that
-//! a burst of out-of-order events after a gap asks once, not once per event.
-//! Ids that start over (the next id at or below 1 while the index is further on)
-//! mean the worker restarted: its rank is cleared and the event applied afresh.
+//! a burst of out-of-order events after a gap asks once, not once per event. A
+//! request unanswered for `resync_timeout_ms` is sent again; after
+//! `resync_attempts` the rank is cleared (index and predicted entries) rather
+//! than left frozen on blocks it may no longer hold, attracting traffic.
+//!
+//! Restarts are known from `Register.instance_id`, never guessed from event ids
+//! (a stale resend from id 1 is not a restart, and a restart may well reuse the
+//! ids seen last): a new instance of a known worker clears all its ranks. Each
+//! registration claims the worker in [`Writers`](crate::writers::Writers), which
+//! fences the previous stream: it ends, and nothing more of it is applied.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,7 +37,8 @@ use kvroute_proto::{
     RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
     route_request, router_message, worker_message,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -38,6 +46,7 @@ use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Registration, ReportedLoad, Source, worker_label};
 use crate::state::{AppState, RouteInput};
+use crate::writers::{ApplierAlive, Fence, Fenced, fenced};
 
 pub struct Ingest {
     state: Arc<AppState>,
@@ -51,8 +60,19 @@ impl Ingest {
     }
 }
 
-/// Ranks awaiting a resync: dp rank → the event id asked for.
-type Pending = Arc<Mutex<HashMap<u32, u64>>>;
+/// Ranks awaiting a resync.
+type Pending = Arc<Mutex<HashMap<u32, Resync>>>;
+
+/// A resync request awaiting its answer.
+#[derive(Clone, Copy, Debug)]
+struct Resync {
+    /// The event id asked for.
+    from: u64,
+    /// Requests sent so far.
+    attempts: u32,
+    /// When it is asked again, or given up.
+    deadline: Instant,
+}
 
 enum Work {
     Events(EventBatch),
@@ -67,6 +87,10 @@ struct Stream {
     dp_ranks: Vec<u32>,
     out: mpsc::Sender<Result<RouterMessage, Status>>,
     pending: Pending,
+    /// Wakes the applier to reckon with a new resync deadline.
+    resync_asked: Arc<Notify>,
+    /// Set once a newer registration or an operator's removal takes over.
+    fence: Fence,
 }
 
 fn message(body: router_message::Body) -> Result<RouterMessage, Status> {
@@ -94,8 +118,32 @@ impl KvRouter for Ingest {
         };
         grant.permits(register.worker_id)?;
         let state = Arc::clone(&self.state);
+        let instance_id = register.instance_id;
         let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
-        tracing::info!(worker = worker_id, generation, "worker registered");
+        let claim = state
+            .writers
+            .claim(worker_id, generation, instance_id, &dp_ranks)
+            .await
+            .ok_or_else(|| Fenced::Superseded.status(worker_id))?;
+        if !claim.stale_ranks.is_empty() {
+            tracing::info!(
+                worker = worker_id,
+                instance_id,
+                "a new instance of the worker registered: clearing its ranks"
+            );
+            ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => worker_id.to_string())
+                .increment(1);
+            for &key in &claim.stale_ranks {
+                state.index.remove_worker(key);
+                state.predicted.remove_worker(key);
+            }
+        }
+        tracing::info!(
+            worker = worker_id,
+            generation,
+            instance_id,
+            "worker registered"
+        );
 
         let (out, out_rx) = mpsc::channel(256);
         let (work_tx, work_rx) = mpsc::channel(state.config.ingest.event_queue_batches);
@@ -105,8 +153,10 @@ impl KvRouter for Ingest {
             dp_ranks,
             out,
             pending: Pending::default(),
+            resync_asked: Arc::default(),
+            fence: claim.fence,
         };
-        tokio::spawn(stream.clone().apply_loop(work_rx));
+        tokio::spawn(stream.clone().apply_loop(work_rx, claim.applier_alive));
         let stopped = self.stopped.clone();
         tokio::spawn(async move {
             let result = stream.read_loop(&mut inbound, work_tx, stopped).await;
@@ -213,10 +263,16 @@ impl Stream {
     ) -> Result<(), Status> {
         // dp rank → the first id of the batch dropped on a full queue, until resent.
         let mut dropped_from: HashMap<u32, u64> = HashMap::new();
+        let mut fence = self.fence.clone();
         loop {
             let message = tokio::select! {
                 message = inbound.message() => message?,
                 _ = stopped.wait_for(|&s| s) => None,
+                why = fenced(&mut fence) => {
+                    tracing::info!(worker = self.worker_id, ?why, "stream fenced: closing it");
+                    let _ = self.out.try_send(Err(why.status(self.worker_id)));
+                    return Ok(());
+                }
             };
             let Some(message) = message else {
                 break;
@@ -228,8 +284,10 @@ impl Stream {
                     };
                     let rank = batch.dp_rank;
                     if let Some(&from) = dropped_from.get(&rank) {
-                        if first_id > from {
-                            // The answer to the resync request will hold these events too.
+                        // The answer to the resync request will hold these events
+                        // too, unless it was given up (the rank cleared, to start afresh).
+                        let awaited = self.pending.lock().unwrap().contains_key(&rank);
+                        if awaited && first_id > from {
                             self.count_dropped_batch();
                             continue;
                         }
@@ -272,13 +330,94 @@ impl Stream {
         Ok(())
     }
 
-    async fn apply_loop(self, mut work: mpsc::Receiver<Work>) {
-        while let Some(item) = work.recv().await {
-            let _gate = self.state.ingest_gate.read().await;
-            match item {
-                Work::Events(batch) => self.apply_batch(batch).await,
-                Work::Dump(dump) => self.apply_dump(dump).await,
+    /// Applies the queue in order until the stream ends or is fenced, and keeps
+    /// resync requests' deadlines. `_alive` is dropped on return: whoever fenced
+    /// the stream waits for that before touching the worker's state.
+    async fn apply_loop(self, mut work: mpsc::Receiver<Work>, _alive: ApplierAlive) {
+        let mut fence = self.fence.clone();
+        loop {
+            let deadline = self.next_resync_deadline();
+            let item = tokio::select! {
+                biased;
+                _ = fenced(&mut fence) => return,
+                _ = self.resync_asked.notified() => continue,
+                _ = sleep_until(deadline) => {
+                    self.expire_resyncs().await;
+                    continue;
+                }
+                item = work.recv() => item,
+            };
+            let Some(item) = item else {
+                return;
+            };
+            // Checked before applying, and again at every wait inside: a fenced
+            // stream's events never reach the index.
+            tokio::select! {
+                biased;
+                _ = fenced(&mut fence) => return,
+                () = self.apply(item) => {}
             }
+        }
+    }
+
+    async fn apply(&self, item: Work) {
+        // Held for writing only by tests that fill the queue on purpose.
+        let _gate = self.state.ingest_gate.read().await;
+        match item {
+            Work::Events(batch) => self.apply_batch(batch).await,
+            Work::Dump(dump) => self.apply_dump(dump).await,
+        }
+    }
+
+    fn next_resync_deadline(&self) -> Option<Instant> {
+        let pending = self.pending.lock().unwrap();
+        pending.values().map(|r| r.deadline).min()
+    }
+
+    /// Asks again for resyncs past their deadline; clears the ranks whose every
+    /// attempt went unanswered.
+    async fn expire_resyncs(&self) {
+        let ingest = &self.state.config.ingest;
+        let now = Instant::now();
+        let mut again = Vec::new();
+        let mut abandoned = Vec::new();
+        {
+            let mut pending = self.pending.lock().unwrap();
+            pending.retain(|&rank, resync| {
+                if resync.deadline > now {
+                    return true;
+                }
+                if resync.attempts >= ingest.resync_attempts {
+                    abandoned.push((rank, *resync));
+                    return false;
+                }
+                resync.attempts += 1;
+                resync.deadline = now + resync_timeout(&self.state);
+                again.push((rank, resync.from));
+                true
+            });
+        }
+        for (rank, from) in again {
+            tracing::debug!(
+                worker = self.worker_id,
+                rank,
+                from,
+                "resync unanswered: asking again"
+            );
+            self.send_resync(rank, from).await;
+        }
+        for (rank, resync) in abandoned {
+            let key = WorkerKey::new(self.worker_id, rank);
+            self.state.index.remove_worker(key);
+            self.state.predicted.remove_worker(key);
+            ::metrics::counter!(metrics::RESYNCS_ABANDONED, "worker" => worker_label(key))
+                .increment(1);
+            tracing::warn!(
+                worker = %worker_label(key),
+                from = resync.from,
+                attempts = resync.attempts,
+                "resync requests went unanswered: rank cleared"
+            );
         }
     }
 
@@ -302,25 +441,19 @@ impl Stream {
                     .await;
                 continue;
             };
-            let mut outcome = index.apply(key, &event);
-            if let kvroute_index::ApplyOutcome::Stale { last_applied } = outcome
-                && event.event_id < last_applied
-                && event.event_id <= 1
-            {
-                tracing::info!(worker = %label, last_applied, got = event.event_id, "event ids started over: clearing");
-                ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => label.clone())
-                    .increment(1);
-                index.remove_worker(key);
-                self.pending.lock().unwrap().remove(&key.dp_rank);
-                outcome = index.apply(key, &event);
-            }
+            let outcome = index.apply(key, &event);
             count_outcome(&label, &event, outcome);
             match outcome {
                 kvroute_index::ApplyOutcome::Gap { expected, got } => {
                     ::metrics::counter!(metrics::EVENT_GAPS, "worker" => label.clone())
                         .increment(1);
                     tracing::debug!(worker = %label, expected, got, "event gap");
-                    let asked = self.pending.lock().unwrap().get(&key.dp_rank) == Some(&expected);
+                    let asked = self
+                        .pending
+                        .lock()
+                        .unwrap()
+                        .get(&key.dp_rank)
+                        .is_some_and(|r| r.from == expected);
                     if !asked {
                         self.request_resync(key.dp_rank, expected).await;
                     }
@@ -329,7 +462,7 @@ impl Stream {
                     let mut pending = self.pending.lock().unwrap();
                     if pending
                         .get(&key.dp_rank)
-                        .is_some_and(|&p| event.event_id >= p)
+                        .is_some_and(|r| event.event_id >= r.from)
                     {
                         pending.remove(&key.dp_rank);
                     }
@@ -361,9 +494,19 @@ impl Stream {
             .increment(1);
     }
 
-    /// Asks for events from `from` on.
+    /// Asks for events from `from` on, with a first deadline for the answer.
     async fn request_resync(&self, dp_rank: u32, from: u64) {
-        self.pending.lock().unwrap().insert(dp_rank, from);
+        let resync = Resync {
+            from,
+            attempts: 1,
+            deadline: Instant::now() + resync_timeout(&self.state),
+        };
+        self.pending.lock().unwrap().insert(dp_rank, resync);
+        self.resync_asked.notify_one();
+        self.send_resync(dp_rank, from).await;
+    }
+
+    async fn send_resync(&self, dp_rank: u32, from: u64) {
         ::metrics::counter!(metrics::RESYNCS, "worker" => self.worker_id.to_string()).increment(1);
         let body = router_message::Body::Resync(ResyncRequest {
             dp_rank,
@@ -421,6 +564,7 @@ impl Stream {
         tokio::spawn(async move {
             tokio::time::sleep(grace).await;
             if let Some(keys) = state.registry.purge(worker_id, generation) {
+                state.writers.forget(worker_id, generation);
                 for key in keys {
                     state.index.remove_worker(key);
                     state.predicted.remove_worker(key);
@@ -428,6 +572,18 @@ impl Stream {
                 tracing::info!(worker = worker_id, "worker purged after the grace period");
             }
         });
+    }
+}
+
+fn resync_timeout(state: &AppState) -> Duration {
+    Duration::from_millis(state.config.ingest.resync_timeout_ms)
+}
+
+/// Sleeps until `deadline`, or for ever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -481,4 +637,97 @@ fn convert_event(event: kvroute_proto::KvEvent) -> Option<KvEvent> {
         event_id: event.event_id,
         kind,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn stored(event_id: u64, block_hash: u64, tokens_hash: u64) -> kvroute_proto::KvEvent {
+        kvroute_proto::KvEvent {
+            event_id,
+            kind: Some(kv_event::Kind::Stored(kvroute_proto::Stored {
+                parent_hash: None,
+                blocks: vec![kvroute_proto::StoredBlock {
+                    block_hash,
+                    tokens_hash,
+                }],
+            })),
+        }
+    }
+
+    /// Paused time: the deadlines pass exactly when nothing else can run.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_resync_is_asked_again_then_the_rank_is_cleared() {
+        let mut config = Config::default();
+        config.ingest.resync_timeout_ms = 1_000;
+        config.ingest.resync_attempts = 3;
+        let state = AppState::new(config, None, None).unwrap();
+        let key = WorkerKey::new(1, 0);
+        let claim = state.writers.claim(1, 1, 0, &[0]).await.unwrap();
+        let (out, mut out_rx) = mpsc::channel(16);
+        let stream = Stream {
+            state: Arc::clone(&state),
+            worker_id: 1,
+            dp_ranks: vec![0],
+            out,
+            pending: Pending::default(),
+            resync_asked: Arc::default(),
+            fence: claim.fence,
+        };
+        let (work, work_rx) = mpsc::channel(16);
+        tokio::spawn(stream.apply_loop(work_rx, claim.applier_alive));
+        let now = std::time::Instant::now();
+        state
+            .predicted
+            .record_for(key, &[111, 222], now, Duration::from_secs(3_600));
+        // Event 1 is applied; event 3 leaves a gap at 2 that nobody fills.
+        let batch = EventBatch {
+            dp_rank: 0,
+            events: vec![stored(1, 11, 111), stored(3, 13, 333)],
+        };
+        work.send(Work::Events(batch)).await.unwrap();
+
+        let started = Instant::now();
+        let mut asked_at = Vec::new();
+        while asked_at.len() < 3 {
+            let message = tokio::time::timeout(Duration::from_secs(60), out_rx.recv())
+                .await
+                .expect("the resync request is sent again")
+                .unwrap()
+                .unwrap();
+            if let Some(router_message::Body::Resync(resync)) = message.body {
+                assert_eq!((resync.dp_rank, resync.from_event_id), (0, 2));
+                asked_at.push(started.elapsed().as_millis());
+                // Until given up, the rank keeps what it had.
+                assert_eq!(state.index.worker_blocks(key), 1);
+            }
+        }
+        assert_eq!(asked_at, [0, 1_000, 2_000]);
+        assert_eq!(state.predicted.find_matches(&[111], now).len(), 1);
+
+        // The last attempt's deadline passes: the rank is cleared, predictions too.
+        tokio::time::sleep(Duration::from_millis(1_001)).await;
+        assert_eq!(state.index.worker_blocks(key), 0);
+        assert_eq!(state.index.last_event_id(key), None);
+        assert!(state.predicted.find_matches(&[111], now).is_empty());
+        // And nothing more is asked.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        while let Ok(message) = out_rx.try_recv() {
+            let body = message.unwrap().body;
+            assert!(
+                !matches!(body, Some(router_message::Body::Resync(_))),
+                "{body:?}"
+            );
+        }
+        // Later events rebuild the rank from scratch.
+        let batch = EventBatch {
+            dp_rank: 0,
+            events: vec![stored(9, 19, 999)],
+        };
+        work.send(Work::Events(batch)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(state.index.last_event_id(key), Some(9));
+    }
 }

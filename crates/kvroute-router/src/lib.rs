@@ -3,18 +3,19 @@
 //! Workers stream KV-cache events to it over gRPC ([`ingest`]); it keeps them in
 //! the global index (`kvroute-index`) and tracks who can take requests and how
 //! loaded each worker is ([`registry`], with its [`booking`]s and [`breaker`]s).
-//! For every OpenAI-style request the HTTP API ([`api`]) tokenizes the prompt ([`tokenize`]), hashes it into blocks, asks
-//! the [`scheduler`] for the worker whose cached prefix and load make it
-//! cheapest, and the [`proxy`] books the load and forwards the request
-//! ([`upstream`]). [`state`] ties
-//! these together; [`server`] starts the listeners, background tasks and the
-//! graceful shutdown. [`config`], [`error`], [`metrics`], [`auth`] and
-//! [`worker_url`] are shared.
+//! For every OpenAI-style request the HTTP API ([`api`]) tokenizes the prompt
+//! ([`tokenize`]), hashes it into blocks, asks the [`scheduler`] for the worker
+//! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
+//! ([`upstream`]). [`state`] ties these together, and [`writers`] decides which
+//! worker stream may write the index; [`server`] starts the listeners,
+//! background tasks and the graceful shutdown. [`config`], [`error`],
+//! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
 pub mod auth;
 pub mod booking;
 pub mod breaker;
+pub mod cached_tokens;
 pub mod config;
 pub mod error;
 pub mod ingest;
@@ -22,11 +23,13 @@ pub mod metrics;
 pub mod proxy;
 pub mod registry;
 pub mod scheduler;
+pub mod series;
 pub mod server;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;
 pub mod worker_url;
+pub mod writers;
 
 pub use config::Config;
 pub use error::RouterError;

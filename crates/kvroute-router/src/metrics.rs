@@ -4,7 +4,10 @@
 //! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
 //! Histograms carry no worker label, to keep the series count flat in the fleet size.
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_util::MetricKindMask;
+
+use crate::series::{Expiring, Renderer};
 
 pub const EVENTS: &str = "kvroute_events_total";
 pub const REJECTED_BLOCKS: &str = "kvroute_rejected_blocks_total";
@@ -14,6 +17,7 @@ pub const RESYNCS: &str = "kvroute_resyncs_total";
 pub const DUMPS: &str = "kvroute_dumps_applied_total";
 pub const DROPPED_BATCHES: &str = "kvroute_event_batches_dropped_total";
 pub const WORKER_RESTARTS: &str = "kvroute_worker_restarts_total";
+pub const RESYNCS_ABANDONED: &str = "kvroute_resyncs_abandoned_total";
 pub const INDEXED_BLOCKS: &str = "kvroute_indexed_blocks";
 pub const INDEX_MEMBERSHIPS: &str = "kvroute_index_memberships";
 pub const PREDICTED_ENTRIES: &str = "kvroute_predicted_entries";
@@ -23,6 +27,9 @@ pub const ROUTED: &str = "kvroute_routed_requests_total";
 pub const PREDICTED_OVERLAP: &str = "kvroute_predicted_overlap_ratio";
 pub const ROUTED_PROMPT_TOKENS: &str = "kvroute_routed_prompt_tokens_total";
 pub const PREDICTED_CACHED_TOKENS: &str = "kvroute_predicted_cached_tokens_total";
+pub const ACTUAL_CACHED_TOKENS: &str = "kvroute_actual_cached_tokens_total";
+pub const CACHED_TOKENS_ERROR: &str = "kvroute_cached_tokens_error_tokens";
+pub const CACHED_TOKENS_GAP: &str = "kvroute_cached_tokens_gap";
 pub const TTFT: &str = "kvroute_upstream_ttft_seconds";
 pub const INTER_TOKEN: &str = "kvroute_upstream_inter_token_seconds";
 pub const E2E: &str = "kvroute_upstream_e2e_seconds";
@@ -60,7 +67,11 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         WORKER_RESTARTS,
-        "Event ids that started over, treated as Cleared",
+        "Registrations of a new worker instance, treated as Cleared for all its ranks",
+    ),
+    (
+        RESYNCS_ABANDONED,
+        "Resync requests never answered after every attempt: the rank was cleared",
     ),
     (
         INDEXED_BLOCKS,
@@ -82,6 +93,18 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         PREDICTED_CACHED_TOKENS,
         "Prompt tokens the chosen worker was expected to hold in its prefix cache",
+    ),
+    (
+        ACTUAL_CACHED_TOKENS,
+        "Prompt tokens workers reported serving from their prefix cache (usage.prompt_tokens_details.cached_tokens)",
+    ),
+    (
+        CACHED_TOKENS_ERROR,
+        "Per request that reported it: predicted minus actual cached prompt tokens",
+    ),
+    (
+        CACHED_TOKENS_GAP,
+        "Rolling mean (about 100 requests) of |predicted - actual| cached tokens over prompt tokens: 0 exact, 1 always wrong",
     ),
     (
         TTFT,
@@ -121,24 +144,56 @@ const SECONDS_BUCKETS: &[f64] = &[
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 const RATIO_BUCKETS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+/// Signed token differences: 0 is exact, a block or two either way is rounding.
+const TOKEN_ERROR_BUCKETS: &[f64] = &[
+    -16384.0, -4096.0, -1024.0, -256.0, -64.0, -16.0, 0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0,
+    16384.0,
+];
+
+/// Whether the family `name` is a histogram (exported as `_bucket`, `_sum` and `_count`).
+pub fn is_histogram(name: &str) -> bool {
+    name.ends_with("_seconds") || name.ends_with("_ratio") || name == CACHED_TOKENS_ERROR
+}
+
+static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
 
 /// The process's recorder, installed (and every family described) on first use.
-pub fn handle() -> PrometheusHandle {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+pub fn handle() -> Renderer {
     HANDLE.get_or_init(install).clone()
 }
 
-fn install() -> PrometheusHandle {
-    let handle = PrometheusBuilder::new()
+/// The worker is gone: its series leave `/metrics` (see [`crate::series`]).
+pub fn forget_worker(worker_id: u64) {
+    if let Some(handle) = HANDLE.get() {
+        handle.forget_worker(worker_id);
+    }
+}
+
+fn install() -> Renderer {
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(CACHED_TOKENS_ERROR.into()),
+                TOKEN_ERROR_BUCKETS,
+            )
+        })
         .expect("bucket lists are non-empty")
-        .install_recorder()
+        // Counters and gauges not touched before a render go: series::Expiring
+        // touches all but those of forgotten workers.
+        .idle_timeout(
+            MetricKindMask::COUNTER | MetricKindMask::GAUGE,
+            Some(std::time::Duration::ZERO),
+        )
+        .build_recorder();
+    let (recorder, handle) = Expiring::new(recorder);
+    metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");
     for &(name, help) in FAMILIES {
         if name.ends_with("_total") {
             metrics::describe_counter!(name, help);
-        } else if name.ends_with("_seconds") || name.ends_with("_ratio") {
+        } else if is_histogram(name) {
             metrics::describe_histogram!(name, help);
         } else {
             metrics::describe_gauge!(name, help);
@@ -162,12 +217,14 @@ fn install() -> PrometheusHandle {
         TTFT,
         INTER_TOKEN,
         E2E,
+        CACHED_TOKENS_ERROR,
+        CACHED_TOKENS_GAP,
         INDEXED_BLOCKS,
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
     ] {
-        if name.ends_with("_seconds") || name.ends_with("_ratio") {
+        if is_histogram(name) {
             let _ = metrics::histogram!(name);
         } else {
             let _ = metrics::gauge!(name);

@@ -11,6 +11,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, header};
 
+use crate::booking::Booking;
+use crate::cached_tokens::{Check, Prediction};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::state::{AppState, RouteInput, Routed};
@@ -46,7 +48,7 @@ pub async fn forward(
     let mut last_error = None;
     for _attempt in 0..=retries {
         let routed = match state
-            .route(
+            .route_and_book(
                 request.model,
                 RouteInput::Tokens(request.tokens),
                 request.pin,
@@ -59,36 +61,33 @@ pub async fn forward(
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
         state.record_prediction(&routed);
-        let Routed { decision, .. } = routed;
+        let Routed {
+            decision,
+            mut booking,
+            ..
+        } = routed;
         let worker = decision.worker;
-        let booking =
-            state
-                .registry
-                .book(worker, decision.new_prefill_tokens, decision.request_blocks);
         if decision.request_blocks > 0 {
             ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
                 .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
         }
         let prompt_tokens = request.tokens.len() as u64;
         ::metrics::counter!(metrics::ROUTED_PROMPT_TOKENS).increment(prompt_tokens);
-        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS)
-            .increment(prompt_tokens.saturating_sub(decision.new_prefill_tokens));
+        let predicted_cached_tokens = prompt_tokens.saturating_sub(decision.new_prefill_tokens);
+        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS).increment(predicted_cached_tokens);
         if tried.is_empty() {
             metrics::observe_phase("total", request.received);
         }
         let sent = Instant::now();
-        let result = state
-            .upstream
-            .post(
-                &decision.base_url,
-                request.path,
-                request.headers,
-                request.body.clone(),
-            )
-            .await;
+        let post = state.upstream.post(
+            &decision.base_url,
+            request.path,
+            request.headers,
+            request.body.clone(),
+        );
+        let result = until_response(post, &mut booking).await;
         let reason = match result {
             Ok(response) if !response.status().is_server_error() => {
-                state.registry.record_outcome(worker.worker_id, true);
                 let (mut parts, incoming) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 parts
@@ -98,8 +97,20 @@ pub async fn forward(
                     .headers
                     .get(header::CONTENT_TYPE)
                     .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-                let body =
-                    TrackedBody::new(incoming, booking, sent, state.upstream.idle_timeout(), sse);
+                let check = parts.status.is_success().then(|| {
+                    Check::new(Prediction {
+                        prompt_tokens,
+                        cached_tokens: predicted_cached_tokens,
+                    })
+                });
+                let body = TrackedBody::new(
+                    incoming,
+                    booking,
+                    sent,
+                    state.upstream.idle_timeout(),
+                    sse,
+                    check,
+                );
                 return Ok(Response::from_parts(parts, body));
             }
             Ok(response) => {
@@ -118,21 +129,21 @@ pub async fn forward(
                 "connect"
             }
             Err(Failure::Timeout) => {
-                state.registry.record_outcome(worker.worker_id, false);
+                booking.record_outcome(false);
                 return Err(RouterError::UpstreamTimeout(format!(
                     "worker {} sent no response within {} ms",
                     worker.worker_id, state.config.upstream.first_byte_timeout_ms
                 )));
             }
             Err(Failure::Other(e)) => {
-                state.registry.record_outcome(worker.worker_id, false);
+                booking.record_outcome(false);
                 return Err(RouterError::Upstream(format!(
                     "worker {} failed: {e}",
                     worker.worker_id
                 )));
             }
         };
-        state.registry.record_outcome(worker.worker_id, false);
+        booking.record_outcome(false);
         tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
         // The prefix will be cached where the request is served, not here. The
         // predicted layer cannot drop one path without breaking the prefix
@@ -147,4 +158,73 @@ pub async fn forward(
         ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
     }
     Err(last_error.expect("the loop ran at least once and failed"))
+}
+
+/// Waits for the worker's response headers. A non-streaming response's headers
+/// come only when generation is over, so the request's prefill booking is
+/// released at the estimated first token meanwhile (see [`crate::booking`]).
+async fn until_response<T>(post: impl Future<Output = T>, booking: &mut Booking) -> T {
+    let Some(estimate) = booking.first_token_estimate() else {
+        return post.await;
+    };
+    let mut post = std::pin::pin!(post);
+    tokio::select! {
+        response = &mut post => response,
+        _ = tokio::time::sleep(estimate) => {
+            booking.release_prefill();
+            post.await
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kvroute_index::WorkerKey;
+
+    use super::until_response;
+    use crate::registry::tests::{limits, reg};
+    use crate::registry::{Registry, Source};
+
+    const KEY: WorkerKey = WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    };
+
+    fn booked_prefill(registry: &Registry) -> u64 {
+        registry.lock().ranks[&KEY].booked_prefill_tokens
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_non_streaming_requests_prefill_is_released_at_its_estimated_first_token() {
+        let registry = Arc::new(Registry::new(limits()));
+        registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        // A stream on the rank took 1 ms per prefilled token to its first token.
+        let mut stream = registry.book(KEY, 100, 1);
+        stream.first_token(Duration::from_millis(100));
+        drop(stream);
+
+        let mut booking = registry.book(KEY, 200, 1);
+        assert_eq!(
+            booking.first_token_estimate(),
+            Some(Duration::from_millis(200))
+        );
+        // The worker answers only when generation is over, after 5 s.
+        let generation = tokio::time::sleep(Duration::from_secs(5));
+        let observe = async {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let before = booked_prefill(&registry);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            (before, booked_prefill(&registry))
+        };
+        let ((), (before, after)) = tokio::join!(until_response(generation, &mut booking), observe);
+        assert_eq!((before, after), (200, 0));
+        assert_eq!(
+            registry.lock().ranks[&KEY].booked_requests,
+            1,
+            "still in flight"
+        );
+    }
 }

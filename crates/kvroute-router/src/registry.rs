@@ -21,6 +21,7 @@
 //! worker out of routing).
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -98,7 +99,7 @@ impl Worker {
         match (self.connection, self.draining, self.source) {
             (Connection::Disconnected { .. }, _, _) => "disconnected",
             (_, true, _) => "draining",
-            _ if matches!(self.breaker, Breaker::Open { .. }) => "breaker_open",
+            _ if self.breaker.is_open() => "breaker_open",
             (_, _, Source::Static) => "static",
             (_, _, Source::Stream) => "connected",
         }
@@ -112,6 +113,9 @@ pub struct Rank {
     pub reported: ReportedLoad,
     /// The rank's position in its groups' load order.
     pub load_key: u64,
+    /// Recent time to first token per prefilled token, from its streams
+    /// (see [`crate::booking`]); `None` until one is measured.
+    pub prefill_seconds_per_token: Option<f64>,
     inflight_gauge: ::metrics::Gauge,
     prefill_gauge: ::metrics::Gauge,
     pub routed: ::metrics::Counter,
@@ -194,6 +198,8 @@ pub struct Registry {
     fleet: Mutex<Fleet>,
     /// Signalled whenever load is released, to wake requests queued on busy workers.
     pub released: tokio::sync::Notify,
+    /// The last registration's generation.
+    generations: AtomicU64,
 }
 
 /// A worker as `/workers` shows it.
@@ -239,6 +245,7 @@ impl Registry {
                 tripped: BTreeSet::new(),
             }),
             released: tokio::sync::Notify::new(),
+            generations: AtomicU64::new(0),
         }
     }
 
@@ -261,9 +268,10 @@ impl Registry {
             reg.dp_ranks
         };
         let mut fleet = self.lock();
-        let generation = fleet
-            .remove_worker_entry(reg.worker_id, false)
-            .map_or(1, |g| g + 1);
+        fleet.remove_worker_entry(reg.worker_id, false);
+        // Unique across workers and removals, so a later registration always has a
+        // greater generation, even after the worker was forgotten in between.
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         let worker = Worker {
             id: reg.worker_id,
             base_url: base_url.into(),
@@ -275,7 +283,7 @@ impl Registry {
             connection: Connection::Connected,
             draining: false,
             generation,
-            breaker: Breaker::Closed { failures: 0 },
+            breaker: Breaker::default(),
             last_request: Instant::now(),
             breaker_gauge: ::metrics::gauge!(metrics::BREAKER_STATE, "worker" => reg.worker_id.to_string()),
         };
@@ -480,6 +488,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         booked_blocks: 0,
         reported: ReportedLoad::default(),
         load_key: 0,
+        prefill_seconds_per_token: None,
         inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
         prefill_gauge: ::metrics::gauge!(metrics::WORKER_PREFILL, "worker" => label.clone()),
         routed: ::metrics::counter!(metrics::ROUTED, "worker" => label, "policy" => policy.as_str()),
@@ -489,34 +498,56 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
 impl Fleet {
     /// Whether `key` can take a new request now: its worker is routable, its
     /// breaker lets a request through and it is under its busy thresholds.
-    pub fn available(&self, key: WorkerKey, limits: &Limits, now: Instant) -> bool {
+    pub fn available(&self, key: WorkerKey, limits: &Limits, now: tokio::time::Instant) -> bool {
         let (Some(worker), Some(rank)) = (self.workers.get(&key.worker_id), self.ranks.get(&key))
         else {
             return false;
         };
-        worker.routable()
-            && worker.breaker.available(now, limits.breaker_cooldown)
-            && !is_busy(worker, rank, limits)
+        worker.routable() && worker.breaker.available(now) && !is_busy(worker, rank, limits)
     }
 
     /// A rank for `group` whose worker's breaker is due a probe (open past its
-    /// cool-down, or half-open with its probe lost) and that `usable` accepts.
+    /// cool-down) and that `usable` accepts.
     /// The scheduler sends it the next request whatever its cost: otherwise a
     /// worker that is never the cheapest would never be probed, and its breaker
     /// never closed. O(tripped workers), which is almost always none.
     pub fn probe_due(
         &self,
         group: &Group,
-        limits: &Limits,
-        now: Instant,
+        now: tokio::time::Instant,
         usable: impl Fn(WorkerKey) -> bool,
     ) -> Option<WorkerKey> {
         self.tripped
             .iter()
             .filter_map(|id| self.workers.get(id))
-            .filter(|w| w.breaker.available(now, limits.breaker_cooldown))
+            .filter(|w| w.breaker.available(now))
             .flat_map(|w| w.dp_ranks.iter().map(|&r| WorkerKey::new(w.id, r)))
             .find(|&k| group.members.binary_search(&k).is_ok() && usable(k))
+    }
+
+    /// When the first cool-down of a tripped worker serving `group` (and not
+    /// in `exclude`) ends: a request that found every rank busy waits at most
+    /// until then, as that worker's probe may be due.
+    pub fn next_probe_at(
+        &self,
+        group: &Group,
+        exclude: &[u64],
+        now: tokio::time::Instant,
+    ) -> Option<tokio::time::Instant> {
+        self.tripped
+            .iter()
+            .filter(|id| !exclude.contains(id))
+            .filter_map(|id| self.workers.get(id))
+            .filter(|w| {
+                w.dp_ranks.iter().any(|&r| {
+                    group
+                        .members
+                        .binary_search(&WorkerKey::new(w.id, r))
+                        .is_ok()
+                })
+            })
+            .filter_map(|w| w.breaker.probe_at(now))
+            .min()
     }
 
     /// The part of the `kv` cost that depends on the rank alone, scaled to an integer
@@ -583,9 +614,10 @@ impl Fleet {
     }
 
     /// Takes a worker out entirely; `drop_ranks` also forgets its ranks' load.
-    /// Returns the removed registration's generation.
-    fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) -> Option<u64> {
-        let worker = self.workers.remove(&worker_id)?;
+    fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) {
+        let Some(worker) = self.workers.remove(&worker_id) else {
+            return;
+        };
         self.tripped.remove(&worker_id);
         for name in worker.names() {
             if let Some(group) = self.groups.get_mut(name) {
@@ -608,13 +640,11 @@ impl Fleet {
         }
         if drop_ranks {
             for &dp_rank in &worker.dp_ranks {
-                if let Some(rank) = self.ranks.remove(&WorkerKey::new(worker_id, dp_rank)) {
-                    rank.inflight_gauge.set(0.0);
-                    rank.prefill_gauge.set(0.0);
-                }
+                self.ranks.remove(&WorkerKey::new(worker_id, dp_rank));
             }
+            // Under the fleet lock, so a newer registration's series are not forgotten.
+            metrics::forget_worker(worker_id);
         }
-        Some(worker.generation)
     }
 }
 

@@ -22,12 +22,14 @@
 //! ones (see [`crate::registry`]).
 
 use std::sync::Arc;
-use std::time::Instant;
+
+use tokio::time::Instant;
 
 use kvroute_index::{KvIndex, PredictedIndex, WorkerKey};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use crate::booking::Booking;
 use crate::config::Policy;
 use crate::metrics;
 use crate::registry::{Fleet, Registry};
@@ -76,8 +78,9 @@ pub struct Decision {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum NoWorker {
-    /// Every routable rank for the name is over its busy thresholds or has its breaker open.
-    AllBusy,
+    /// Every routable rank for the name is over its busy thresholds or has its
+    /// breaker open; `probe_at`: when the first of those breakers' cool-down ends.
+    AllBusy { probe_at: Option<Instant> },
     /// No rank serving the name is routable (or the pinned worker is not).
     NoneRoutable,
 }
@@ -94,14 +97,11 @@ pub struct Scheduler {
 type Overlaps = FxHashMap<WorkerKey, (u32, u32, u64)>;
 
 impl Scheduler {
-    /// Chooses a rank; books nothing and records nothing.
+    /// Chooses a rank; books nothing and records nothing (a dry run).
     pub fn choose(&self, query: &RouteQuery<'_>) -> Result<Decision, NoWorker> {
         let now = Instant::now();
-        let started = Instant::now();
-        let overlaps = self.overlaps(query.local_hashes, now);
-        metrics::observe_phase("find_matches", started);
-
-        let started = Instant::now();
+        let overlaps = self.timed_overlaps(query, now);
+        let started = std::time::Instant::now();
         let fleet = self.registry.lock();
         let decision = self.choose_locked(&fleet, query, &overlaps, now);
         drop(fleet);
@@ -109,7 +109,36 @@ impl Scheduler {
         decision
     }
 
-    fn overlaps(&self, local_hashes: &[u64], now: Instant) -> Overlaps {
+    /// Chooses a rank and books the request on it in one step under the fleet
+    /// lock, so that concurrent requests each see the others' bookings (and
+    /// only one of them becomes a due breaker probe).
+    pub fn choose_and_book(&self, query: &RouteQuery<'_>) -> Result<(Decision, Booking), NoWorker> {
+        let now = Instant::now();
+        let overlaps = self.timed_overlaps(query, now);
+        let started = std::time::Instant::now();
+        let mut fleet = self.registry.lock();
+        let chosen = self.choose_locked(&fleet, query, &overlaps, now).map(|d| {
+            let booking = self.registry.book_locked(
+                &mut fleet,
+                d.worker,
+                d.new_prefill_tokens,
+                d.request_blocks,
+            );
+            (d, booking)
+        });
+        drop(fleet);
+        metrics::observe_phase("schedule", started);
+        chosen
+    }
+
+    fn timed_overlaps(&self, query: &RouteQuery<'_>, now: Instant) -> Overlaps {
+        let started = std::time::Instant::now();
+        let overlaps = self.overlaps(query.local_hashes, now.into_std());
+        metrics::observe_phase("find_matches", started);
+        overlaps
+    }
+
+    fn overlaps(&self, local_hashes: &[u64], now: std::time::Instant) -> Overlaps {
         let mut overlaps = Overlaps::default();
         if local_hashes.is_empty() {
             return overlaps;
@@ -159,7 +188,7 @@ impl Scheduler {
                 return Err(NoWorker::NoneRoutable);
             }
             pinned
-        } else if let Some(probe) = fleet.probe_due(group, limits, now, usable) {
+        } else if let Some(probe) = fleet.probe_due(group, now, usable) {
             vec![probe]
         } else {
             match self.policy {
@@ -224,7 +253,9 @@ impl Scheduler {
             }
         };
         if candidates.is_empty() {
-            return Err(NoWorker::AllBusy);
+            return Err(NoWorker::AllBusy {
+                probe_at: fleet.next_probe_at(group, query.exclude, now),
+            });
         }
 
         let block_size = limits.block_size as u64;

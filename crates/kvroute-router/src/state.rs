@@ -7,16 +7,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvroute_index::{BlockHasher, IndexConfig, KvIndex, PredictedConfig, PredictedIndex};
-use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::auth::Credentials;
+use crate::booking::Booking;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::series::Renderer;
 use crate::tokenize::Tokenizer;
 use crate::upstream::Upstream;
+use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -27,7 +29,9 @@ pub struct AppState {
     pub scheduler: Scheduler,
     pub tokenizer: Option<Tokenizer>,
     pub upstream: Upstream,
-    pub metrics: Option<PrometheusHandle>,
+    pub metrics: Option<Renderer>,
+    /// Which event stream may write each worker's index entries.
+    pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
     /// A test hook: while a test holds it for writing, event batches and dumps
@@ -43,18 +47,20 @@ pub enum RouteInput<'a> {
     LocalHashes(&'a [u64]),
 }
 
-/// A routing decision with what the caller needs to book and record it.
-pub struct Routed {
+/// A routing decision with what the caller needs to record it; `B` is the
+/// request's [`Booking`] when it was booked with the choice.
+pub struct Routed<B = ()> {
     pub decision: Decision,
     pub local_hashes: Vec<u64>,
     pub prompt_tokens: usize,
+    pub booking: B,
 }
 
 impl AppState {
     pub fn new(
         config: Config,
         tokenizer: Option<Tokenizer>,
-        metrics: Option<PrometheusHandle>,
+        metrics: Option<Renderer>,
     ) -> Result<Arc<Self>, RouterError> {
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig::default()));
@@ -95,18 +101,17 @@ impl AppState {
             tokenizer,
             upstream,
             metrics,
+            writers: Writers::default(),
             queued: AtomicUsize::new(0),
             ingest_gate: tokio::sync::RwLock::new(()),
         }))
     }
 
-    /// Chooses a worker for `name` without waiting: 404 for a name nobody serves,
-    /// [`NoWorker`] when nobody can take it now.
     /// Remembers that `routed` goes to its chosen worker. A worker that
     /// publishes events keeps the prediction only until its `Stored` events can
     /// have arrived (`predicted_bridge_ms`) under `kv`, which trusts events; the
     /// rest keep it for `predicted_ttl_ms`.
-    pub fn record_prediction(&self, routed: &Routed) {
+    pub fn record_prediction<B>(&self, routed: &Routed<B>) {
         let scheduler = &self.config.scheduler;
         let ttl_ms = if routed.decision.publishes_events && scheduler.policy == Policy::Kv {
             scheduler.predicted_bridge_ms
@@ -121,6 +126,8 @@ impl AppState {
         );
     }
 
+    /// Chooses a worker for `name` without waiting or booking: 404 for a name
+    /// nobody serves, [`NoWorker`] when nobody can take it now.
     pub fn route_now(
         &self,
         name: &str,
@@ -128,6 +135,20 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Result<Routed, NoWorker>, RouterError> {
+        self.try_route(name, input, pin, exclude, |query| {
+            self.scheduler.choose(query).map(|d| (d, ()))
+        })
+    }
+
+    /// Hashes the prompt and routes it with `choose` (which may book).
+    fn try_route<B>(
+        &self,
+        name: &str,
+        input: RouteInput<'_>,
+        pin: Option<u64>,
+        exclude: &[u64],
+        choose: impl FnOnce(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
+    ) -> Result<Result<Routed<B>, NoWorker>, RouterError> {
         let kind = self
             .registry
             .name_kind(name)
@@ -153,10 +174,11 @@ impl AppState {
             pin,
             exclude,
         };
-        Ok(self.scheduler.choose(&query).map(|decision| Routed {
+        Ok(choose(&query).map(|(decision, booking)| Routed {
             decision,
             local_hashes,
             prompt_tokens,
+            booking,
         }))
     }
 
@@ -169,12 +191,43 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
+        self.route_queued(name, input, pin, exclude, |query| {
+            self.scheduler.choose(query).map(|d| (d, ()))
+        })
+        .await
+    }
+
+    /// Like [`Self::route`], and books the request on the chosen rank in the
+    /// same step as the choice (see [`Scheduler::choose_and_book`]).
+    pub async fn route_and_book(
+        &self,
+        name: &str,
+        input: RouteInput<'_>,
+        pin: Option<u64>,
+        exclude: &[u64],
+    ) -> Result<Routed<Booking>, RouterError> {
+        self.route_queued(name, input, pin, exclude, |query| {
+            self.scheduler.choose_and_book(query)
+        })
+        .await
+    }
+
+    /// Routes with `choose`, waiting in the queue while every worker is busy:
+    /// until load is released, a breaker's cool-down ends or the queue timeout.
+    async fn route_queued<B>(
+        &self,
+        name: &str,
+        input: RouteInput<'_>,
+        pin: Option<u64>,
+        exclude: &[u64],
+        choose: impl Fn(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
+    ) -> Result<Routed<B>, RouterError> {
         let deadline = tokio::time::Instant::now() + self.config.scheduler.queue_timeout();
         let mut waiting: Option<QueueSlot<'_>> = None;
         loop {
             // Register for the wake-up before looking, so a release in between is not missed.
             let released = self.registry.released.notified();
-            match self.route_now(name, input, pin, exclude)? {
+            let probe_at = match self.try_route(name, input, pin, exclude, &choose)? {
                 Ok(routed) => return Ok(routed),
                 Err(NoWorker::NoneRoutable) => {
                     return Err(self.unavailable(format!(
@@ -182,14 +235,18 @@ impl AppState {
                         pin.map_or(String::new(), |p| format!(" as worker {p}"))
                     )));
                 }
-                Err(NoWorker::AllBusy) => {}
-            }
+                Err(NoWorker::AllBusy { probe_at }) => probe_at,
+            };
             if waiting.is_none() {
                 waiting = Some(QueueSlot::enter(self).ok_or_else(|| {
                     self.unavailable("every worker is busy and the queue is full".into())
                 })?);
             }
-            if tokio::time::timeout_at(deadline, released).await.is_err() {
+            // A breaker's cool-down ending releases nothing: wake for it too.
+            let wake = probe_at.map_or(deadline, |at| at.min(deadline));
+            if tokio::time::timeout_at(wake, released).await.is_err()
+                && tokio::time::Instant::now() >= deadline
+            {
                 return Err(self.unavailable(format!(
                     "every worker serving `{name}` stayed busy for {} ms",
                     self.config.scheduler.queue_timeout_ms
@@ -313,5 +370,102 @@ mod tests {
                 ttl + Duration::from_secs(1)
             ));
         }
+    }
+
+    /// Routes a token prompt for "m" and books it, without waiting.
+    fn route_and_book_now(state: &AppState, tokens: &[u32]) -> Option<Routed<Booking>> {
+        state
+            .try_route("m", RouteInput::Tokens(tokens), None, &[], |query| {
+                state.scheduler.choose_and_book(query)
+            })
+            .unwrap()
+            .ok()
+    }
+
+    /// Threads race to route: each booking must see the others'. With a choice
+    /// and a booking as two steps, several threads pick the same free rank
+    /// (overrunning `busy_max_inflight = 1`) or the same due probe.
+    #[test]
+    fn concurrent_requests_never_overrun_busy_max_inflight_or_share_a_probe() {
+        const THREADS: usize = 6;
+        let mut config = Config::default();
+        config.scheduler.busy_max_inflight = 1;
+        config.upstream.breaker_failures = 1;
+        config.upstream.breaker_cooldown_ms = 0;
+        let state = AppState::new(config, None, None).unwrap();
+        for id in 1..=3 {
+            state
+                .registry
+                .register(registration(id), Source::Stream)
+                .unwrap();
+        }
+        let tokens: Vec<u32> = (0..64).collect();
+        let barrier = std::sync::Barrier::new(THREADS);
+        for round in 0..300 {
+            // Worker 3's breaker is open and due a probe at once.
+            state.registry.record_outcome(3, false);
+            let booked: Vec<u64> = std::thread::scope(|scope| {
+                let threads: Vec<_> = (0..THREADS)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            barrier.wait();
+                            let routed = route_and_book_now(&state, &tokens);
+                            let worker = routed.as_ref().map(|r| r.decision.worker.worker_id);
+                            // Hold the booking until every thread has routed.
+                            barrier.wait();
+                            worker
+                        })
+                    })
+                    .collect();
+                threads
+                    .into_iter()
+                    .filter_map(|t| t.join().unwrap())
+                    .collect()
+            });
+            let mut counts = [0; 4];
+            for &worker in &booked {
+                counts[worker as usize] += 1;
+            }
+            assert_eq!(counts[1..], [1, 1, 1], "round {round}: {booked:?}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_end_of_a_breaker_cool_down_wakes_queued_requests() {
+        let mut config = Config::default();
+        config.upstream.breaker_failures = 1;
+        config.upstream.breaker_cooldown_ms = 10_000;
+        config.scheduler.queue_timeout_ms = 60_000;
+        let state = AppState::new(config, None, None).unwrap();
+        state
+            .registry
+            .register(registration(1), Source::Stream)
+            .unwrap();
+        state.registry.record_outcome(1, false);
+        let tokens: Vec<u32> = (0..64).collect();
+        let queued = tokio::spawn({
+            let state = Arc::clone(&state);
+            async move {
+                let routed = state
+                    .route_and_book("m", RouteInput::Tokens(&tokens), None, &[])
+                    .await;
+                (
+                    tokio::time::Instant::now(),
+                    routed.map(|r| r.decision.worker),
+                )
+            }
+        });
+        let start = tokio::time::Instant::now();
+        let (routed_at, routed) = queued.await.unwrap();
+        assert_eq!(
+            routed.unwrap().worker_id,
+            1,
+            "the queued request is the probe"
+        );
+        assert_eq!(
+            routed_at - start,
+            Duration::from_secs(10),
+            "routed when the cool-down ended"
+        );
     }
 }

@@ -20,6 +20,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::booking::Booking;
+use crate::cached_tokens::Check;
 use crate::config::UpstreamConfig;
 use crate::error::RouterError;
 use crate::metrics;
@@ -126,9 +127,12 @@ struct Flight {
 }
 
 impl Flight {
-    fn finish(&mut self) {
+    /// The response ended; `ok`: completely, as the worker meant it to.
+    fn finish(&mut self, ok: bool) {
         self.finished = true;
-        self.booking = None;
+        if let Some(mut booking) = self.booking.take() {
+            booking.record_outcome(ok);
+        }
     }
 }
 
@@ -143,7 +147,11 @@ impl Drop for Flight {
 pin_project_lite::pin_project! {
     /// A worker's response body on its way to the client. It releases the
     /// booking's prefill at the first byte and the rest at the end or when
-    /// dropped, and records TTFT, inter-chunk and end-to-end latency.
+    /// dropped, and records TTFT, inter-chunk and end-to-end latency. The end
+    /// is the last data frame when the worker's body says it is complete:
+    /// hyper drops a body that reports `is_end_stream` without polling it again.
+    /// A response that completes is a success for the worker's breaker; an error
+    /// in the middle of the body is a failure.
     ///
     /// A worker silent for longer than the idle timeout is cut off: its body is
     /// dropped at once, which closes the upstream connection so the worker stops
@@ -161,19 +169,25 @@ pin_project_lite::pin_project! {
         flight: Flight,
         sent: Instant,
         last_frame: Option<Instant>,
+        // `None` for a response not worth checking (an error status).
+        check: Option<Check>,
     }
 }
 
 impl TrackedBody {
-    /// `sse`: the response is a `text/event-stream`.
+    /// `sse`: the response is a `text/event-stream`; `check`: compare the
+    /// worker's reported cached tokens with the prediction at the end.
     pub fn new(
         inner: Incoming,
         booking: Booking,
         sent: Instant,
         idle_timeout: Duration,
         sse: bool,
+        check: Option<Check>,
     ) -> Self {
-        Self {
+        // An empty body is complete before hyper would ever poll it.
+        let empty = inner.is_end_stream();
+        let mut body = Self {
             inner: Some(inner),
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
@@ -184,7 +198,23 @@ impl TrackedBody {
             },
             sent,
             last_frame: None,
+            check,
+        };
+        if empty {
+            complete(&mut body.flight, sent, None);
         }
+        body
+    }
+}
+
+/// The worker's body ended as it meant to: once, with its end-to-end latency.
+fn complete(flight: &mut Flight, sent: Instant, check: Option<&Check>) {
+    if !flight.finished {
+        ::metrics::histogram!(metrics::E2E).record(sent.elapsed().as_secs_f64());
+        if let Some(check) = check {
+            check.finish();
+        }
+        flight.finish(true);
     }
 }
 
@@ -206,10 +236,15 @@ impl Body for TrackedBody {
                     let now = Instant::now();
                     match *this.last_frame {
                         None => {
-                            ::metrics::histogram!(metrics::TTFT)
-                                .record(now.duration_since(*this.sent).as_secs_f64());
+                            let ttft = now.duration_since(*this.sent);
+                            ::metrics::histogram!(metrics::TTFT).record(ttft.as_secs_f64());
                             if let Some(booking) = this.flight.booking.as_mut() {
-                                booking.release_prefill();
+                                // Only a stream's first frame is its first token.
+                                if *this.sse {
+                                    booking.first_token(ttft);
+                                } else {
+                                    booking.release_prefill();
+                                }
                             }
                         }
                         Some(previous) => ::metrics::histogram!(metrics::INTER_TOKEN)
@@ -219,28 +254,27 @@ impl Body for TrackedBody {
                     let deadline = tokio::time::Instant::now() + *this.idle_timeout;
                     this.idle.as_mut().reset(deadline);
                 }
+                if let (Some(check), Some(data)) = (this.check.as_mut(), frame.data_ref()) {
+                    check.push(data);
+                }
+                if this.inner.as_ref().is_some_and(Incoming::is_end_stream) {
+                    complete(this.flight, *this.sent, this.check.as_ref());
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.flight.finish();
+                this.flight.finish(false);
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Ready(None) => {
-                if !this.flight.finished {
-                    ::metrics::histogram!(metrics::E2E).record(this.sent.elapsed().as_secs_f64());
-                }
-                this.flight.finish();
+                complete(this.flight, *this.sent, this.check.as_ref());
                 Poll::Ready(None)
             }
             Poll::Pending => {
                 if this.idle.poll(cx).is_pending() {
                     return Poll::Pending;
                 }
-                let booking = this.flight.booking.as_ref();
-                if let Some(booking) = booking {
-                    booking.record_failure();
-                }
-                let worker = booking.map(|b| b.key().worker_id);
+                let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
                 let error = RouterError::UpstreamTimeout(format!(
                     "worker {} sent nothing for {} ms",
                     worker.map_or("?".to_string(), |w| w.to_string()),
@@ -249,7 +283,7 @@ impl Body for TrackedBody {
                 tracing::warn!(worker, "{error}; response cut off");
                 ::metrics::counter!(metrics::IDLE_TIMEOUTS).increment(1);
                 *this.inner = None;
-                this.flight.finish();
+                this.flight.finish(false);
                 if *this.sse {
                     let event = format!("data: {}\n\n", error.body());
                     Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))

@@ -9,8 +9,9 @@
 //! connection is retried with exponential backoff (50 ms doubling to 5 s).
 //!
 //! Faults act here: events can be held back (`StopEvents`) or skipped
-//! (`DropEvents`, which leaves a gap the router must detect), and a restart
-//! (ids start over, the first event is `Cleared`) is sent on the same stream.
+//! (`DropEvents`, which leaves a gap the router must detect). A restart ends
+//! the connection: the worker registers again at once with its new instance id,
+//! as a restarted engine process would, and the router forgets the old one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,7 +38,11 @@ pub(crate) async fn run(shared: Arc<Shared>, router: String) {
         let session = Session::new(&shared);
         tokio::select! {
             result = session.run(&router) => match result {
-                Ok(()) => return,
+                Ok(Ended::Stopped) => return,
+                Ok(Ended::Restarted) => {
+                    backoff = FIRST_BACKOFF;
+                    continue;
+                }
                 Err(e) => tracing::warn!(
                     worker = shared.config.worker_id,
                     "event stream to {router} failed: {e}; retrying in {backoff:?}"
@@ -57,8 +62,20 @@ struct Session<'a> {
     shared: &'a Shared,
     /// The last event id sent (or deliberately skipped).
     sent_upto: u64,
-    epoch: u64,
+    /// The engine instance this connection registered.
+    instance_id: u64,
 }
+
+/// Why a connection ended well.
+enum Ended {
+    /// The worker stops.
+    Stopped,
+    /// The engine restarted: register the new instance.
+    Restarted,
+}
+
+/// The engine restarted since the connection registered.
+struct Restarted;
 
 fn message(body: worker_message::Body) -> WorkerMessage {
     WorkerMessage { body: Some(body) }
@@ -69,18 +86,20 @@ impl<'a> Session<'a> {
         Session {
             shared,
             sent_upto: 0,
-            epoch: 0,
+            instance_id: 0,
         }
     }
 
-    /// Serves one connection until it fails; `Ok` only when the worker stops.
-    async fn run(mut self, router: &str) -> Result<(), String> {
+    /// Serves one connection until it fails, the worker stops or the engine restarts.
+    async fn run(mut self, router: &str) -> Result<Ended, String> {
         let shared = self.shared;
         let config = &shared.config;
         let mut client = KvRouterClient::connect(router.to_string())
             .await
             .map_err(|e| format!("cannot connect: {e}"))?;
         let (tx, rx) = mpsc::channel::<WorkerMessage>(256);
+        // Taken with the dump, so both describe the same instance.
+        let dump = self.dump();
         let register = Register {
             worker_id: config.worker_id,
             dp_ranks: vec![0],
@@ -89,9 +108,9 @@ impl<'a> Session<'a> {
             block_size: config.engine.block_size as u32,
             total_kv_blocks: config.engine.kv_blocks as u64,
             lora_names: Vec::new(),
+            instance_id: self.instance_id,
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
-        let dump = self.dump();
         let _ = tx.try_send(dump);
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         if let Some(token) = &config.auth_token {
@@ -110,7 +129,11 @@ impl<'a> Session<'a> {
         loop {
             tokio::select! {
                 _ = shared.events_ready.notified() => {
-                    if let Some(batch) = self.pending() {
+                    let Ok(pending) = self.pending() else {
+                        tracing::info!(worker = config.worker_id, "engine restarted: registering the new instance");
+                        return Ok(Ended::Restarted);
+                    };
+                    if let Some(batch) = pending {
                         send(&tx, batch).await?;
                     }
                 }
@@ -120,7 +143,9 @@ impl<'a> Session<'a> {
                     match reply.body {
                         Some(router_message::Body::Resync(resync)) => {
                             tracing::debug!(worker = config.worker_id, from = resync.from_event_id, "resync requested");
-                            let answer = self.resync(resync.from_event_id);
+                            let Ok(answer) = self.resync(resync.from_event_id) else {
+                                return Ok(Ended::Restarted);
+                            };
                             send(&tx, answer).await?;
                         }
                         Some(router_message::Body::Error(error)) => {
@@ -132,7 +157,7 @@ impl<'a> Session<'a> {
                 _ = load_tick.tick() => {
                     send(&tx, self.load_report()).await?;
                 }
-                _ = crate::worker::until_stopped(&mut stopped) => return Ok(()),
+                _ = crate::worker::until_stopped(&mut stopped) => return Ok(Ended::Stopped),
             }
         }
     }
@@ -140,7 +165,7 @@ impl<'a> Session<'a> {
     /// A dump of the pool and the id it is current to; later events follow it.
     fn dump(&mut self) -> WorkerMessage {
         let core = self.shared.core();
-        self.epoch = core.epoch;
+        self.instance_id = core.instance_id;
         self.sent_upto = core.log.last_id();
         message(worker_message::Body::Dump(dump_of(
             &core.engine.dump(),
@@ -149,18 +174,17 @@ impl<'a> Session<'a> {
     }
 
     /// The events not yet sent, minus any the `DropEvents` fault swallows.
-    fn pending(&mut self) -> Option<WorkerMessage> {
+    fn pending(&mut self) -> Result<Option<WorkerMessage>, Restarted> {
         let mut core = self.shared.core();
-        if core.epoch != self.epoch {
-            self.epoch = core.epoch;
-            self.sent_upto = 0;
+        if core.instance_id != self.instance_id {
+            return Err(Restarted);
         }
         if !core.publishing {
-            return None;
+            return Ok(None);
         }
         let Some(mut events) = core.log.since(self.sent_upto + 1) else {
             drop(core);
-            return Some(self.dump());
+            return Ok(Some(self.dump()));
         };
         self.sent_upto = core.log.last_id();
         let dropped = (core.drop_next as usize).min(events.len());
@@ -170,12 +194,15 @@ impl<'a> Session<'a> {
             let start = usize::from(events.len() > dropped);
             events.drain(start..start + dropped);
         }
-        (!events.is_empty()).then(|| batch(events))
+        Ok((!events.is_empty()).then(|| batch(events)))
     }
 
-    fn resync(&mut self, from: u64) -> WorkerMessage {
+    fn resync(&mut self, from: u64) -> Result<WorkerMessage, Restarted> {
         let core = self.shared.core();
-        match core.log.since(from) {
+        if core.instance_id != self.instance_id {
+            return Err(Restarted);
+        }
+        Ok(match core.log.since(from) {
             Some(events) => {
                 self.sent_upto = self.sent_upto.max(core.log.last_id());
                 batch(events)
@@ -184,7 +211,7 @@ impl<'a> Session<'a> {
                 drop(core);
                 self.dump()
             }
-        }
+        })
     }
 
     fn load_report(&self) -> WorkerMessage {

@@ -69,7 +69,8 @@ pub enum Fault {
     ResumeEvents,
     /// Never send the next `n` events: the router sees a gap.
     DropEvents(u64),
-    /// Forget every request and cached block; event ids start over.
+    /// Forget every request and cached block, as a new engine process: event
+    /// ids start over and the worker registers again as a new instance.
     Restart,
     /// Stop serving HTTP and close the event stream, as if the process died.
     Die,
@@ -78,8 +79,9 @@ pub enum Fault {
 pub(crate) struct Core {
     pub engine: Engine,
     pub log: EventLog,
-    /// Bumped by every restart, so the publisher knows ids started over.
-    pub epoch: u64,
+    /// This life of the engine (`Register.instance_id`): drawn at start and at
+    /// every restart, so the router knows everything it held is gone.
+    pub instance_id: u64,
     pub streams: HashMap<SeqId, mpsc::UnboundedSender<Emitted>>,
     pub publishing: bool,
     pub drop_next: u64,
@@ -208,7 +210,7 @@ impl Worker {
             core: Mutex::new(Core {
                 engine,
                 log,
-                epoch: 0,
+                instance_id: rand::random(),
                 streams: HashMap::new(),
                 publishing: true,
                 drop_next: 0,
@@ -292,8 +294,10 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
                 tracing::error!("restart failed: {e}");
             }
             core.log.restart();
-            core.epoch += 1;
+            core.instance_id = rand::random();
             shared.log_events(&mut core);
+            // The publisher registers the new instance even if no event follows.
+            shared.events_ready.notify_one();
         }
         Fault::Die => {
             shared.stop.send_replace(true);
