@@ -22,12 +22,14 @@ pub struct BridgeArgs {
     /// The engine's data-parallel size: one publisher per rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     data_parallel_size: u32,
-    /// The router's gRPC URL, e.g. http://router:50051.
+    /// The router's gRPC URL, e.g. http://router:50051 (https:// for TLS).
     #[arg(long, value_name = "GRPC_URL")]
     router: String,
     /// Bearer token for the router's gRPC ingest, when it requires one.
     #[arg(long, env = "KVROUTE_ROUTER_TOKEN", hide_env_values = true)]
     router_token: Option<String>,
+    #[command(flatten)]
+    router_tls: crate::cmd::sim::RouterTlsArgs,
     /// This engine's worker id at the router.
     #[arg(long)]
     worker_id: u64,
@@ -60,6 +62,7 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         data_parallel_size: args.data_parallel_size,
         router: args.router,
         router_token: args.router_token,
+        router_tls: args.router_tls.into(),
         worker_id: args.worker_id,
         engine_url: args.engine_url,
         block_size: args.block_size,

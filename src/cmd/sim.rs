@@ -4,12 +4,14 @@
 //! then serves until SIGINT or SIGTERM.
 
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use kvroute_cache::PolicyKind;
 use kvroute_sim::{CostModel, EngineConfig, WorkerConfig, start_fleet};
+use kvroute_tls::GrpcClientTls;
 use kvroute_tokenize::TokenizerSpec;
 
 /// Engine options shared by `sim`, `demo` and `bench e2e`.
@@ -51,14 +53,47 @@ impl EngineArgs {
     }
 }
 
+/// TLS toward an `https://` router, shared by `sim` and `bridge`.
+#[derive(Args, Clone, Debug)]
+pub struct RouterTlsArgs {
+    /// PEM CA certificate(s) trusted for the router, beside the system's roots.
+    #[arg(long, value_name = "PEM")]
+    pub router_ca_file: Option<PathBuf>,
+    /// PEM client certificate, for a router that requires one (its tls.client_ca_file).
+    #[arg(long, value_name = "PEM", requires = "router_key_file")]
+    pub router_cert_file: Option<PathBuf>,
+    /// PEM private key of --router-cert-file.
+    #[arg(long, value_name = "PEM", requires = "router_cert_file")]
+    pub router_key_file: Option<PathBuf>,
+}
+
+impl From<RouterTlsArgs> for GrpcClientTls {
+    fn from(args: RouterTlsArgs) -> Self {
+        GrpcClientTls {
+            ca_file: args.router_ca_file,
+            cert_file: args.router_cert_file,
+            key_file: args.router_key_file,
+        }
+    }
+}
+
 #[derive(Args)]
 pub struct SimArgs {
     /// Number of engines.
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// The router's gRPC URL, e.g. http://127.0.0.1:50051; without it no events are published.
+    /// The router's gRPC URL, e.g. http://127.0.0.1:50051 (https:// for TLS);
+    /// without it no events are published.
     #[arg(long)]
     router: Option<String>,
+    #[command(flatten)]
+    router_tls: RouterTlsArgs,
+    /// PEM certificate chain: the engines serve HTTPS, and register https:// URLs.
+    #[arg(long, value_name = "PEM", requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, value_name = "PEM", requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
     /// First HTTP port (engine i listens on P+i); 0: any free ports.
     #[arg(long, default_value_t = 0)]
     base_port: u16,
@@ -91,7 +126,14 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let mut template = WorkerConfig::new(args.first_worker_id, args.engine.engine_config());
     template.model = args.model;
     template.http_addr = (args.host, 0).into();
+    template.router_tls = args.router_tls.into();
+    if let Some(router) = &args.router {
+        kvroute_tls::grpc_endpoint(router, &template.router_tls).context("--router")?;
+    }
     template.router = args.router;
+    if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
+        template.http_tls = Some(kvroute_tls::https_server_config(cert, key)?);
+    }
     template.auth_token = args.router_token;
     template.tokenizer = args.tokenizer;
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));

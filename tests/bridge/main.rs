@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use axum::{Router, routing::get};
 use common::{
-    DEADLINE, Http, Labels, Process, RouterProcess, eventually, free_ports, kvroute, metric,
+    Certs, DEADLINE, Http, HttpsClient, Labels, Process, RouterProcess, eventually, free_ports,
+    https, kvroute, metric,
 };
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
@@ -776,6 +777,37 @@ async fn a_refused_block_size_or_token_stops_the_bridge_with_the_reason() {
             .unwrap();
         assert!(stderr.contains(reason), "stderr: {stderr}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_registers_with_a_router_that_requires_client_certificates() {
+    let certs = Certs::generate();
+    let router = RouterProcess::start(&format!(
+        "block_size = {ROUTER_BLOCK_SIZE}\n{}",
+        certs.router_tls(true)
+    ));
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(1);
+    let _publisher = Publisher::bind(events_port, None, "").await;
+    let file = |flag: &str, path: &std::path::Path| format!("{flag}={}", path.display());
+    let _bridge = Bridge::spawn(
+        &[
+            format!("--engine-events=tcp://127.0.0.1:{events_port}"),
+            file("--router-ca-file", &certs.ca),
+            file("--router-cert-file", &certs.client_cert),
+            file("--router-key-file", &certs.client_key),
+        ],
+        &https(&router.grpc),
+        &engine_url,
+        ROUTER_BLOCK_SIZE,
+    );
+    let client = HttpsClient::new(&certs.ca);
+    let worker = format!("{}/workers/{WORKER_ID}", https(&router.http));
+    eventually("the bridge registered over mTLS", || async {
+        let (status, body) = client.call("GET", &worker, String::new()).await;
+        status == 200 && body["worker"]["models"][0] == "test-model"
+    })
+    .await;
 }
 
 #[test]

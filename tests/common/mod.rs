@@ -3,13 +3,15 @@
 //! the `kvroute sim` fleet, killed on drop. In the test process: a small
 //! OpenAI-compatible test worker (an axum server), a gRPC worker client
 //! streaming KV events, a plain HTTP client, polling and metric reading.
-//! Each test binary uses a part of it.
+//! TLS: a test CA with server and client certificates made at run time, and an
+//! HTTPS client. Each test binary uses a part of it.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,6 +33,10 @@ use kvroute_proto::kv_router_client::KvRouterClient;
 use kvroute_proto::{
     KvEvent, Register, RouterMessage, Stored, StoredBlock, WorkerMessage, kv_event, router_message,
     worker_message,
+};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
 };
 use serde_json::{Value, json};
 use tokio::sync::{Notify, mpsc};
@@ -176,11 +182,21 @@ pub struct SimFleet {
 impl SimFleet {
     /// `n` workers registering with the router at `router` (its gRPC URL), if any.
     pub fn start(router: Option<&str>, n: usize) -> Self {
-        Self::start_with_env(router, n, &[])
+        Self::start_with(router, n, &[], &[])
     }
 
     /// The same, with these environment variables (e.g. `KVROUTE_ROUTER_TOKEN`).
     pub fn start_with_env(router: Option<&str>, n: usize, env: &[(&str, &str)]) -> Self {
+        Self::start_with(router, n, &[], env)
+    }
+
+    /// The same with `extra` arguments for `kvroute sim` and environment variables.
+    pub fn start_with(
+        router: Option<&str>,
+        n: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let count = n.to_string();
         let mut args = vec![
             "sim",
@@ -198,6 +214,7 @@ impl SimFleet {
         if let Some(router) = router {
             args.extend(["--router", router]);
         }
+        args.extend(extra);
         let mut command = kvroute();
         command
             .args(&args)
@@ -822,4 +839,132 @@ pub fn count_by_worker(workers: &[u64]) -> HashMap<u64, usize> {
         *counts.entry(*w).or_default() += 1;
     }
     counts
+}
+
+/// A test CA and the PEM files it signed, in a directory removed on drop.
+pub struct Certs {
+    dir: PathBuf,
+    pub ca: PathBuf,
+    /// For `localhost` and 127.0.0.1: the router's listeners and the engines' HTTPS.
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    /// A worker's client certificate.
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl Certs {
+    pub fn generate() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "kvroute-tls-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "kvroute test CA");
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        let write = |name: &str, pem: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).unwrap();
+            path
+        };
+        let leaf = |name: &str, sans: &[&str], usage: ExtendedKeyUsagePurpose| {
+            let key = KeyPair::generate().unwrap();
+            let sans: Vec<String> = sans.iter().map(|s| s.to_string()).collect();
+            let mut params = CertificateParams::new(sans).unwrap();
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.extended_key_usages = vec![usage];
+            let cert = params.signed_by(&key, &ca).unwrap();
+            (
+                write(&format!("{name}.pem"), cert.pem()),
+                write(&format!("{name}.key"), key.serialize_pem()),
+            )
+        };
+        let (server_cert, server_key) = leaf(
+            "server",
+            &["localhost", "127.0.0.1"],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) =
+            leaf("worker", &["worker"], ExtendedKeyUsagePurpose::ClientAuth);
+        let ca = write("ca.pem", ca.pem());
+        Certs {
+            dir,
+            ca,
+            server_cert,
+            server_key,
+            client_cert,
+            client_key,
+        }
+    }
+
+    /// The router's `[tls]` section; `mtls`: gRPC ingest requires client certificates.
+    pub fn router_tls(&self, mtls: bool) -> String {
+        let mut section = format!(
+            "[tls]\ncert_file = {}\nkey_file = {}\n",
+            toml_path(&self.server_cert),
+            toml_path(&self.server_key)
+        );
+        if mtls {
+            section += &format!("client_ca_file = {}\n", toml_path(&self.ca));
+        }
+        section
+    }
+
+    /// How a worker reaches the router: trusting the CA, with or without its certificate.
+    pub fn worker_tls(&self, with_certificate: bool) -> kvroute_tls::GrpcClientTls {
+        kvroute_tls::GrpcClientTls {
+            ca_file: Some(self.ca.clone()),
+            cert_file: with_certificate.then(|| self.client_cert.clone()),
+            key_file: with_certificate.then(|| self.client_key.clone()),
+        }
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn toml_path(path: &Path) -> String {
+    Value::String(path.display().to_string()).to_string()
+}
+
+pub fn https(url: &str) -> String {
+    url.replacen("http://", "https://", 1)
+}
+
+/// An HTTPS client trusting the test CA (and only the roots the router trusts).
+pub struct HttpsClient(Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>);
+
+impl HttpsClient {
+    pub fn new(ca: &Path) -> Self {
+        let tls = kvroute_tls::https_client_config(Some(ca)).unwrap();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_only()
+            .enable_http1()
+            .build();
+        HttpsClient(Client::builder(TokioExecutor::new()).build(connector))
+    }
+
+    pub async fn call(&self, method: &str, url: &str, body: String) -> (u16, Value) {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let response = self.0.request(request).await.expect("an HTTPS response");
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
 }

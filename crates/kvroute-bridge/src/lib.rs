@@ -82,6 +82,8 @@ pub struct BridgeConfig {
     pub router: String,
     /// Bearer token for the router's gRPC ingest, when it requires one.
     pub router_token: Option<String>,
+    /// CA and client certificate for an `https://` router.
+    pub router_tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
     /// The engine's OpenAI-compatible HTTP server: registered with the router, and
     /// where `/v1/models` and `/metrics` are read.
@@ -101,6 +103,9 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         ));
     }
     let ranks = rank_endpoints(&config)?;
+    // Bad TLS files stop the bridge here instead of failing every reconnect.
+    kvroute_tls::grpc_endpoint(&config.router, &config.router_tls)
+        .map_err(|e| BridgeError::Config(format!("--router: {e}")))?;
     let engine_uri: hyper::Uri = config
         .engine_url
         .parse()
@@ -150,6 +155,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
     let link = RouterLink {
         url: config.router.clone(),
         token: config.router_token.clone(),
+        tls: config.router_tls.clone(),
         worker_id: config.worker_id,
         engine_url: config.engine_url.clone(),
         block_size: config.block_size,

@@ -34,6 +34,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct RouterLink {
     pub url: String,
     pub token: Option<String>,
+    pub tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
     pub engine_url: String,
     pub block_size: u32,
@@ -96,7 +97,7 @@ impl RouterLink {
         events: &mut mpsc::Receiver<proto::EventBatch>,
         loads: &mut mpsc::Receiver<proto::LoadReport>,
     ) -> Ended {
-        let channel = match tonic::transport::Endpoint::from_shared(self.url.clone()) {
+        let channel = match kvroute_tls::grpc_endpoint(&self.url, &self.tls) {
             Ok(endpoint) => endpoint.connect_timeout(CONNECT_TIMEOUT).connect().await,
             Err(e) => return Ended::Refused(Status::invalid_argument(e.to_string())),
         };

@@ -83,6 +83,7 @@ pub struct Config {
     pub ingest: IngestConfig,
     pub upstream: UpstreamConfig,
     pub tokenizer: TokenizerConfig,
+    pub tls: TlsConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -224,6 +225,27 @@ pub struct UpstreamConfig {
     pub health_timeout_ms: u64,
     /// On shutdown, how long in-flight responses may take to finish.
     pub shutdown_grace_ms: u64,
+    /// PEM CA certificates trusted for `https://` workers, beside the system's roots.
+    pub ca_file: String,
+}
+
+/// TLS on both listeners; empty paths: plain TCP.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain of both listeners.
+    pub cert_file: String,
+    /// PEM private key of `cert_file`.
+    pub key_file: String,
+    /// PEM CA certificates; when set, gRPC ingest requires a client certificate
+    /// signed by one of them (mTLS).
+    pub client_ca_file: String,
+}
+
+impl TlsConfig {
+    pub fn enabled(&self) -> bool {
+        !self.cert_file.is_empty()
+    }
 }
 
 /// How text prompts and chat messages become token ids.
@@ -277,6 +299,7 @@ impl Default for Config {
             ingest: IngestConfig::default(),
             upstream: UpstreamConfig::default(),
             tokenizer: TokenizerConfig::default(),
+            tls: TlsConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -332,6 +355,7 @@ impl Default for UpstreamConfig {
             health_interval_ms: 5_000,
             health_timeout_ms: 1_000,
             shutdown_grace_ms: 30_000,
+            ca_file: String::new(),
         }
     }
 }
@@ -457,6 +481,13 @@ impl Config {
         }
         if self.upstream.breaker_failures == 0 {
             return fail("upstream.breaker_failures must be at least 1".into());
+        }
+        let tls = &self.tls;
+        if tls.cert_file.is_empty() != tls.key_file.is_empty() {
+            return fail("tls.cert_file and tls.key_file are set together or not at all".into());
+        }
+        if !tls.client_ca_file.is_empty() && !tls.enabled() {
+            return fail("tls.client_ca_file needs tls.cert_file and tls.key_file".into());
         }
         match self.tokenizer.kind {
             TokenizerKind::Huggingface if self.tokenizer.path.is_empty() => {

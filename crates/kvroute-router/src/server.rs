@@ -5,17 +5,19 @@
 //! ends regardless.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
+use kvroute_tls::{ServerTls, TlsListener};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::config::{Config, LogConfig, LogFormat};
+use crate::config::{Config, LogConfig, LogFormat, TlsConfig};
 use crate::error::RouterError;
 use crate::ingest::Ingest;
 use crate::metrics;
@@ -51,6 +53,7 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     config.log_notices();
     crate::auth::check_exposure(&config)?;
     let tokenizer = Tokenizer::load(&config.tokenizer)?;
+    let tls = load_tls(&config.tls)?;
     let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
         RouterError::Config(format!(
             "cannot listen on http_addr {}: {e}",
@@ -70,25 +73,47 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
 
     let mut tasks = Vec::new();
     let app = crate::api::router(Arc::clone(&state));
+    let (http_tls, grpc_tls) = match tls {
+        Some(tls) => (Some(tls.http), Some(tls.grpc)),
+        None => (None, None),
+    };
     let mut http_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
-        // Without TCP_NODELAY, Nagle's algorithm holds back small SSE chunks
-        // until the client's delayed ACK: tens of milliseconds per token.
-        let http = http.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let serve = axum::serve(http, app).with_graceful_shutdown(async move {
+        let shutdown = async move {
             let _ = http_stop.wait_for(|&s| s).await;
-        });
-        if let Err(e) = serve.await {
+        };
+        let result = match http_tls {
+            None => {
+                // Without TCP_NODELAY, Nagle's algorithm holds back small SSE chunks
+                // until the client's delayed ACK: tens of milliseconds per token.
+                let http = http.tap_io(|tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
+                axum::serve(http, app)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+            }
+            Some(config) => {
+                axum::serve(TlsListener::new(http, config), app)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+            }
+        };
+        if let Err(e) = result {
             tracing::error!("http server failed: {e}");
         }
     }));
 
     let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()));
+    let mut grpc_server = tonic::transport::Server::builder();
+    if let Some(tls) = grpc_tls {
+        grpc_server = grpc_server
+            .tls_config(tls)
+            .map_err(|e| RouterError::Config(format!("tls: {e}")))?;
+    }
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
-        let result = tonic::transport::Server::builder()
+        let result = grpc_server
             .add_service(ingest)
             .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
                 let _ = grpc_stop.wait_for(|&s| s).await;
@@ -106,6 +131,21 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         stop,
         tasks,
     })
+}
+
+/// The listeners' TLS from `[tls]`, read at start so a bad file stops the router.
+fn load_tls(tls: &TlsConfig) -> Result<Option<ServerTls>, RouterError> {
+    if !tls.enabled() {
+        return Ok(None);
+    }
+    let client_ca = Some(Path::new(&tls.client_ca_file)).filter(|_| !tls.client_ca_file.is_empty());
+    ServerTls::load(
+        Path::new(&tls.cert_file),
+        Path::new(&tls.key_file),
+        client_ca,
+    )
+    .map(Some)
+    .map_err(|e| RouterError::Config(format!("tls: {e}")))
 }
 
 impl Running {

@@ -90,7 +90,7 @@ impl AppState {
             policy: config.scheduler.policy,
             temperature: config.scheduler.temperature,
         };
-        let upstream = Upstream::new(&config.upstream);
+        let upstream = Upstream::new(&config.upstream)?;
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,

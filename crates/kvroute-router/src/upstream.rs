@@ -5,6 +5,9 @@
 //! slow client slows the worker's stream down (backpressure) instead of the
 //! router buffering it, and a client that goes away drops the body, which closes
 //! the upstream connection: the worker sees the cancel.
+//!
+//! `https://` workers go through a second client with rustls (trusting the
+//! system's roots and `upstream.ca_file`); `http://` ones never touch TLS.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -15,8 +18,9 @@ use http::{HeaderMap, Request, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::TokioExecutor;
 
 use crate::booking::Booking;
@@ -29,6 +33,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
+    https: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     first_byte_timeout: Duration,
     idle_timeout: Duration,
     health_timeout: Duration,
@@ -56,18 +61,38 @@ const DROPPED_REQUEST_HEADERS: [&str; 6] = [
 ];
 
 impl Upstream {
-    pub fn new(config: &UpstreamConfig) -> Self {
+    pub fn new(config: &UpstreamConfig) -> Result<Self, RouterError> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
-        Self {
-            client,
+        let ca_file =
+            Some(std::path::Path::new(&config.ca_file)).filter(|_| !config.ca_file.is_empty());
+        let tls = kvroute_tls::https_client_config(ca_file)
+            .map_err(|e| RouterError::Config(format!("upstream.ca_file: {e}")))?;
+        let mut tls_connector = connector.clone();
+        // The plain connector refuses https:// URIs; here TLS wraps it.
+        tls_connector.enforce_http(false);
+        let tls_connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_only()
+            .enable_http1()
+            .wrap_connector(tls_connector);
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_idle_timeout(Duration::from_secs(90));
+        Ok(Self {
+            client: builder.build(connector),
+            https: builder.build(tls_connector),
             first_byte_timeout: Duration::from_millis(config.first_byte_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             health_timeout: Duration::from_millis(config.health_timeout_ms),
+        })
+    }
+
+    fn send(&self, request: Request<Full<Bytes>>) -> ResponseFuture {
+        if request.uri().scheme() == Some(&http::uri::Scheme::HTTPS) {
+            self.https.request(request)
+        } else {
+            self.client.request(request)
         }
     }
 
@@ -91,7 +116,7 @@ impl Upstream {
                 request.headers_mut().append(name, value.clone());
             }
         }
-        match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
+        match tokio::time::timeout(self.first_byte_timeout, self.send(request)).await {
             Err(_) => Err(Failure::Timeout),
             Ok(Err(e)) if e.is_connect() => Err(Failure::Connect(format!("{e:?}"))),
             Ok(Err(e)) => Err(Failure::Other(format!("{e:?}"))),
@@ -106,7 +131,7 @@ impl Upstream {
             return false;
         };
         matches!(
-            tokio::time::timeout(self.health_timeout, self.client.request(request)).await,
+            tokio::time::timeout(self.health_timeout, self.send(request)).await,
             Ok(Ok(response)) if response.status().is_success()
         )
     }

@@ -94,9 +94,13 @@ impl<'a> Session<'a> {
     async fn run(mut self, router: &str) -> Result<Ended, String> {
         let shared = self.shared;
         let config = &shared.config;
-        let mut client = KvRouterClient::connect(router.to_string())
+        let endpoint =
+            kvroute_tls::grpc_endpoint(router, &config.router_tls).map_err(|e| e.to_string())?;
+        let channel = endpoint
+            .connect()
             .await
-            .map_err(|e| format!("cannot connect: {e}"))?;
+            .map_err(|e| format!("cannot connect: {e:?}"))?;
+        let mut client = KvRouterClient::new(channel);
         let (tx, rx) = mpsc::channel::<WorkerMessage>(256);
         // Taken with the dump, so both describe the same instance.
         let dump = self.dump();

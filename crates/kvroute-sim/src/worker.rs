@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvroute_tls::{GrpcClientTls, ServerConfig};
 use kvroute_tokenize::TokenizerSpec;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc, watch};
@@ -35,6 +36,10 @@ pub struct WorkerConfig {
     pub router: Option<String>,
     /// Bearer token for the router's gRPC ingest, if it requires one.
     pub auth_token: Option<String>,
+    /// CA and client certificate for an `https://` router.
+    pub router_tls: GrpcClientTls,
+    /// Serve HTTPS with this config instead of plain HTTP.
+    pub http_tls: Option<Arc<ServerConfig>>,
     /// How text prompts are tokenized: must be the router's tokenizer.
     pub tokenizer: TokenizerSpec,
     pub load_report_interval: Duration,
@@ -51,6 +56,8 @@ impl WorkerConfig {
             http_addr: ([127, 0, 0, 1], 0).into(),
             router: None,
             auth_token: None,
+            router_tls: GrpcClientTls::default(),
+            http_tls: None,
             tokenizer: TokenizerSpec::Tiktoken {
                 encoding: "cl100k_base".into(),
             },
@@ -204,7 +211,10 @@ impl Worker {
             log.append(event);
         }
         let shared = Arc::new(Shared {
-            base_url: format!("http://{http_addr}"),
+            base_url: match config.http_tls {
+                Some(_) => format!("https://{http_addr}"),
+                None => format!("http://{http_addr}"),
+            },
             tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
             config,
             core: Mutex::new(Core {
