@@ -474,7 +474,11 @@ impl Config {
             .try_into()
             .map_err(|e: toml::de::Error| RouterError::Config(format!("{origin}: {e}")))?;
         config.skipped_env = skipped_env;
-        config.validate()?;
+        // Say where the bad value came from (the file's errors above name it too).
+        config.validate().map_err(|e| match e {
+            RouterError::Config(problem) => RouterError::Config(format!("{origin}: {problem}")),
+            other => other,
+        })?;
         Ok(config)
     }
 

@@ -461,6 +461,8 @@ impl Stream {
     }
 
     async fn apply(&self, item: Work, dumps: &mut DumpState) {
+        // Held for writing only by tests that fill the queue on purpose.
+        let _gate = self.state.ingest_gate.read().await;
         match item {
             Work::Events(batch, _permit) => {
                 // What this stream applied: a later, older dump would roll it back.

@@ -46,6 +46,7 @@ pub const LIMIT_REFUSALS: &str = "kvroute_limit_refusals_total";
 pub const INDEX_EVICTED: &str = "kvroute_index_evicted_blocks_total";
 pub const STALE_DUMPS: &str = "kvroute_stale_dumps_total";
 pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
+pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -151,6 +152,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         DUMP_ORPHANS,
         "Dump blocks whose parent the dump did not hold, not indexed",
+    ),
+    (
+        ALIVE_TASKS,
+        "Tokio tasks alive in the router's runtime (a leak shows as growth under steady load)",
     ),
 ];
 

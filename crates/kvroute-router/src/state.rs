@@ -34,6 +34,10 @@ pub struct AppState {
     pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
+    /// A test hook: while a test holds it for writing, event batches and dumps
+    /// wait in their queues instead of being applied, so that a full queue
+    /// is reached without racing the index. Nothing else takes it for writing.
+    pub ingest_gate: tokio::sync::RwLock<()>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -101,6 +105,7 @@ impl AppState {
             metrics,
             writers: Writers::default(),
             queued: AtomicUsize::new(0),
+            ingest_gate: tokio::sync::RwLock::new(()),
         }))
     }
 
@@ -276,6 +281,10 @@ impl AppState {
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let tasks = runtime.metrics().num_alive_tasks();
+            ::metrics::gauge!(metrics::ALIVE_TASKS).set(tasks as f64);
         }
         self.metrics
             .as_ref()
