@@ -116,8 +116,8 @@ pub struct Replay {
 
 /// What the client saw of one request.
 #[derive(Clone, Debug, Default)]
-struct Outcome {
-    ok: bool,
+pub(crate) struct Outcome {
+    pub(crate) ok: bool,
     ttft_s: f64,
     itl_s: Vec<f64>,
     e2e_s: f64,
@@ -237,7 +237,7 @@ pub async fn run(
 
 /// The streaming request body, written directly: a `serde_json::Value` of
 /// tens of thousands of numbers would cost the client more than the router.
-fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
+pub(crate) fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
     use std::fmt::Write as _;
     let mut body = String::with_capacity(tokens.len() * 6 + 160);
     let _ = write!(
@@ -255,7 +255,7 @@ fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
     body
 }
 
-async fn send(
+pub(crate) async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     url: hyper::Uri,
     body: String,

@@ -4,6 +4,7 @@
 mod e2e;
 mod index;
 mod router;
+mod soak;
 
 use clap::{Args, Subcommand};
 
@@ -21,6 +22,10 @@ enum BenchTarget {
     Router(router::BenchRouterArgs),
     /// Replay a trace through the router and a simulated fleet under several policies.
     E2e(e2e::E2eArgs),
+    /// The router process and a simulated fleet under a steady replay with churn
+    /// (restarts, leaves, joins): the router's memory, descriptors and tasks at
+    /// start and end, and failed requests.
+    Soak(soak::SoakArgs),
     /// The router process of `bench router`'s separated proxy measurement.
     #[command(hide = true)]
     RouterProxy(router::RouterProxyArgs),
@@ -31,6 +36,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchTarget::Index(args) => index::run(args),
         BenchTarget::Router(args) => router::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
+        BenchTarget::Soak(args) => soak::run(args),
         BenchTarget::RouterProxy(args) => router::router_proxy(args),
     }
 }

@@ -845,3 +845,99 @@ fn bad_endpoints_are_clear_errors_at_start() {
         assert!(stderr.contains(message), "stderr: {stderr}");
     }
 }
+
+/// A mirror twice tonic's 4 MiB default message size as one dump (about 28
+/// bytes a block): the bridge registers with it and the router holds all of it,
+/// also after the router restarts and the bridge resends it as a dump in parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_over_the_message_size_registers_and_resyncs() {
+    mirror_registers_and_resyncs(300_000, DEADLINE, "").await;
+}
+
+/// The same with 2M blocks: minutes in a debug build, so not in CI. Run with
+/// `cargo test --test bridge -- --ignored`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_mirror_of_two_million_blocks_registers_and_resyncs() {
+    // A debug build applies the 2M-block dump in about 20 s, and index readers
+    // (the test's polling included) wait for it: a keepalive timeout shorter
+    // than that would close the connection it arrived on.
+    let keepalive = "[ingest]\nkeepalive_timeout_ms = 120000\n";
+    mirror_registers_and_resyncs(2_000_000, Duration::from_secs(600), keepalive).await;
+}
+
+async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration, extra_config: &str) {
+    const CHAIN: u64 = 10_000;
+    let grpc = format!("127.0.0.1:{}", free_ports(1));
+    let config = format!(
+        "block_size = {ROUTER_BLOCK_SIZE}\n{extra_config}[auth]\nworker_token = \"{TOKEN}\"\nadmin_token = \"{ADMIN_TOKEN}\"\n"
+    );
+    let router = RouterProcess::start_on(&grpc, &config);
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(1);
+    let mut publisher = Publisher::bind(events_port, None, "kv").await;
+    let mut bridge = Bridge::spawn(
+        &[
+            format!("--engine-events=tcp://127.0.0.1:{events_port}"),
+            "--topic=kv".into(),
+            format!("--router-token={TOKEN}"),
+        ],
+        &router.grpc,
+        &engine_url,
+        ROUTER_BLOCK_SIZE,
+    );
+    // Read the bridge's log as it comes, so that it never blocks on a full pipe.
+    let mut log = bridge.process.child.stderr.take().unwrap();
+    std::thread::spawn(move || std::io::copy(&mut log, &mut std::io::stderr()));
+    until_subscribed(&mut publisher, &bridge, Encoding::Array, 0).await;
+    for c in 0..blocks / CHAIN {
+        let ids: Vec<u64> = (c * CHAIN + 1..=(c + 1) * CHAIN).collect();
+        let first_token = (c * CHAIN) as u32 * ROUTER_BLOCK_SIZE;
+        let chain = stored(unsigned(&ids), None, tokens(first_token, CHAIN as u32));
+        publisher
+            .publish(encode(&[chain], Encoding::Array, 0))
+            .await;
+    }
+    let indexed = |router: &RouterProcess| {
+        let url = format!("{}/workers/{WORKER_ID}", router.http);
+        async move {
+            let worker = admin_get(&Http::default(), &url).await;
+            if !worker.status.is_success() {
+                return 0;
+            }
+            worker.json()["index"][0]["indexed_blocks"]
+                .as_u64()
+                .unwrap_or(0)
+        }
+    };
+    let started = Instant::now();
+    while bridge.metric("kvroute_bridge_mirror_blocks", &[]).await != blocks as f64
+        || indexed(&router).await != blocks
+    {
+        assert!(
+            started.elapsed() < deadline,
+            "the router never indexed every block"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A new router knows nothing: the bridge's dump on reconnecting restores it.
+    drop(router);
+    let router = RouterProcess::start_on(&grpc, &config);
+    let started = Instant::now();
+    while indexed(&router).await != blocks {
+        assert!(
+            started.elapsed() < deadline,
+            "the reconnect's dump was never applied"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let probe = tokens((blocks - CHAIN) as u32 * ROUTER_BLOCK_SIZE, 8);
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/route", router.http),
+            &serde_json::json!({"model": "test-model", "prompt": probe}),
+        )
+        .await;
+    assert_eq!(reply.json()["overlap_blocks"], 8, "{}", reply.text());
+}

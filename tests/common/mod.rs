@@ -449,6 +449,8 @@ impl TestWorker {
             .route("/v1/completions", post(complete))
             .route("/v1/chat/completions", post(complete))
             .route("/health", get(health))
+            // Whatever the router forwards (its own limit applies) is counted here.
+            .layer(axum::extract::DefaultBodyLimit::disable())
             .with_state(Arc::clone(&state));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr: SocketAddr = listener.local_addr().unwrap();

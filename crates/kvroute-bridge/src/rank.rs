@@ -231,6 +231,7 @@ impl RankMirror {
             dp_rank: self.key.dp_rank,
             last_event_id: self.last_event_id,
             chains,
+            more: false,
         }
     }
 }

@@ -99,7 +99,12 @@ impl RouterLink {
         loads: &mut mpsc::Receiver<proto::LoadReport>,
     ) -> Ended {
         let channel = match kvroute_tls::grpc_endpoint(&self.url, &self.tls) {
-            Ok(endpoint) => endpoint.connect_timeout(CONNECT_TIMEOUT).connect().await,
+            Ok(endpoint) => {
+                proto::with_keepalive(endpoint)
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .connect()
+                    .await
+            }
             Err(e) => return Ended::Refused(Status::invalid_argument(e.to_string())),
         };
         let channel = match channel {
@@ -118,13 +123,15 @@ impl RouterLink {
             tokenizer: self.tokenizer.clone(),
             instance_id: *instance.borrow_and_update(),
         };
-        // Queued before the call starts, so they are the stream's first messages.
+        // Queued before the call starts, so it is the stream's first message;
+        // the dumps follow once the call is open, before any event.
         let _ = out.try_send(message(WorkerBody::Register(register)));
         let mut dumped = HashMap::new();
+        let mut dumps = Vec::new();
         for mirror in &self.mirrors {
             let dump = mirror.lock().unwrap().dump();
             dumped.insert(dump.dp_rank, dump.last_event_id);
-            let _ = out.try_send(message(WorkerBody::Dump(dump)));
+            dumps.extend(dump_parts(dump));
             counter!(crate::metrics::DUMPS_SENT, "reason" => "connect").increment(1);
         }
         let mut request = Request::new(ReceiverStream::new(out_rx));
@@ -146,6 +153,11 @@ impl RouterLink {
         };
         counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "registered").increment(1);
         info!(router = %self.url, worker_id = self.worker_id, models = ?served.models, "registered with the router");
+        for part in dumps {
+            if out.send(message(part)).await.is_err() {
+                return Ended::Lost("request stream closed".into());
+            }
+        }
         loop {
             let outgoing = tokio::select! {
                 batch = events.recv() => {
@@ -155,32 +167,34 @@ impl RouterLink {
                     if batch.events.is_empty() {
                         continue;
                     }
-                    WorkerBody::Events(batch)
+                    vec![WorkerBody::Events(batch)]
                 }
                 load = loads.recv() => match load {
-                    Some(load) => WorkerBody::Load(load),
+                    Some(load) => vec![WorkerBody::Load(load)],
                     None => return Ended::Lost("bridge shutting down".into()),
                 },
                 Ok(()) = instance.changed() => return Ended::Restarted,
                 reply = inbound.message() => match reply {
-                    Ok(Some(reply)) => match self.on_reply(reply) {
-                        Some(body) => body,
-                        None => continue,
-                    },
+                    Ok(Some(reply)) => self.on_reply(reply),
                     Ok(None) => return Ended::Lost("closed by the router".into()),
                     Err(status) => return ended_by(status),
                 },
             };
-            if out.send(message(outgoing)).await.is_err() {
-                return Ended::Lost("request stream closed".into());
+            for body in outgoing {
+                if out.send(message(body)).await.is_err() {
+                    return Ended::Lost("request stream closed".into());
+                }
             }
         }
     }
 
-    /// A reply to send back, if the router's message calls for one.
-    fn on_reply(&self, reply: proto::RouterMessage) -> Option<WorkerBody> {
-        match reply.body? {
-            RouterBody::Ack(_) => None,
+    /// What to send back, if the router's message calls for anything.
+    fn on_reply(&self, reply: proto::RouterMessage) -> Vec<WorkerBody> {
+        let Some(body) = reply.body else {
+            return Vec::new();
+        };
+        match body {
+            RouterBody::Ack(_) => Vec::new(),
             RouterBody::Resync(resync) => {
                 let mirror = self.mirrors.get(resync.dp_rank as usize);
                 let Some(mirror) = mirror else {
@@ -188,7 +202,7 @@ impl RouterLink {
                         dp_rank = resync.dp_rank,
                         "router asked to resync a rank this bridge does not have"
                     );
-                    return None;
+                    return Vec::new();
                 };
                 info!(
                     dp_rank = resync.dp_rank,
@@ -196,14 +210,23 @@ impl RouterLink {
                     "router asked for a resync: sending a full dump"
                 );
                 counter!(crate::metrics::DUMPS_SENT, "reason" => "resync").increment(1);
-                Some(WorkerBody::Dump(mirror.lock().unwrap().dump()))
+                let dump = mirror.lock().unwrap().dump();
+                dump_parts(dump)
             }
             RouterBody::Error(error) => {
                 warn!(router = %self.url, "router reported: {}", error.message);
-                None
+                Vec::new()
             }
         }
     }
+}
+
+/// A dump in parts that each fit the router's message limit.
+fn dump_parts(dump: proto::Dump) -> Vec<WorkerBody> {
+    dump.into_parts(proto::DUMP_PART_BLOCKS)
+        .into_iter()
+        .map(WorkerBody::Dump)
+        .collect()
 }
 
 fn message(body: WorkerBody) -> proto::WorkerMessage {

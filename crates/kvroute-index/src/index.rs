@@ -256,19 +256,33 @@ impl KvIndex {
         indices.free.push(Reverse(slot.idx));
     }
 
-    /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as of `last_event_id`.
-    pub fn replace_worker(&self, worker: WorkerKey, last_event_id: u64, events: &[EventKind]) {
+    /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as
+    /// of `last_event_id`. Returns the blocks it could not place: those whose
+    /// parent the dump did not hold.
+    pub fn replace_worker(
+        &self,
+        worker: WorkerKey,
+        last_event_id: u64,
+        events: &[EventKind],
+    ) -> u64 {
         self.with_slot(worker, |slot| {
             let mut state = slot.state.lock().unwrap();
             let mut eviction = self.lock_eviction();
             self.clear(slot, &mut state, &mut eviction);
             state.last_event_id = Some(last_event_id);
+            let mut orphans = 0;
             for kind in events {
-                self.apply_kind(slot, &mut state, kind, &mut eviction);
+                if let ApplyOutcome::Applied {
+                    rejected_blocks, ..
+                } = self.apply_kind(slot, &mut state, kind, &mut eviction)
+                {
+                    orphans += rejected_blocks;
+                }
             }
             if let Some(eviction) = eviction.as_deref_mut() {
                 self.evict_over_limit(eviction);
             }
+            orphans
         })
     }
 
@@ -367,15 +381,34 @@ impl KvIndex {
     /// Protects the blocks of a request's path from eviction until the guard is
     /// dropped: call it while the request is being routed. Free without `max_blocks`.
     pub fn pin_path(&self, local_hashes: &[u64]) -> PinnedPath<'_> {
-        let seqs = match &self.eviction {
-            Some(eviction) => {
-                let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
-                eviction.lock().unwrap().lru.pin(&seqs, 1);
-                seqs
-            }
-            None => Vec::new(),
+        PinnedPath {
+            index: self,
+            seqs: self.pin_seqs(local_hashes),
+        }
+    }
+
+    /// [`Self::pin_path`] for a guard that outlives the borrow: a proxied
+    /// response's body holds it until the response ends.
+    pub fn pin_path_owned(self: &Arc<Self>, local_hashes: &[u64]) -> OwnedPinnedPath {
+        OwnedPinnedPath {
+            seqs: self.pin_seqs(local_hashes),
+            index: Arc::clone(self),
+        }
+    }
+
+    fn pin_seqs(&self, local_hashes: &[u64]) -> Vec<u64> {
+        let Some(eviction) = &self.eviction else {
+            return Vec::new();
         };
-        PinnedPath { index: self, seqs }
+        let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
+        eviction.lock().unwrap().lru.pin(&seqs, 1);
+        seqs
+    }
+
+    fn unpin_seqs(&self, seqs: &[u64]) {
+        if let Some(eviction) = &self.eviction {
+            eviction.lock().unwrap().lru.pin(seqs, -1);
+        }
     }
 
     /// Heap bytes the index holds: block table, workers' engine-hash maps and the
@@ -717,8 +750,18 @@ pub struct PinnedPath<'a> {
 
 impl Drop for PinnedPath<'_> {
     fn drop(&mut self) {
-        if let Some(eviction) = &self.index.eviction {
-            eviction.lock().unwrap().lru.pin(&self.seqs, -1);
-        }
+        self.index.unpin_seqs(&self.seqs);
+    }
+}
+
+/// A [`PinnedPath`] that owns its reference to the index.
+pub struct OwnedPinnedPath {
+    index: Arc<KvIndex>,
+    seqs: Vec<u64>,
+}
+
+impl Drop for OwnedPinnedPath {
+    fn drop(&mut self) {
+        self.index.unpin_seqs(&self.seqs);
     }
 }

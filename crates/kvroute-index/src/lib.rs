@@ -25,5 +25,7 @@ pub use hash::{
     BlockHasher, ExtraKeys, MultimodalItem, multimodal_identifier_hash, salt_key, sequence_hash,
     sequence_hashes,
 };
-pub use index::{IndexConfig, IndexStats, KvIndex, PinnedPath, WorkerDump, WorkerMatch};
+pub use index::{
+    IndexConfig, IndexStats, KvIndex, OwnedPinnedPath, PinnedPath, WorkerDump, WorkerMatch,
+};
 pub use predicted::{PredictedConfig, PredictedIndex};

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -16,8 +15,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute_index::ExtraKeys;
 use serde_json::{Value, json};
+use tokio::sync::Semaphore;
 
 use crate::error::RouterError;
+use crate::limits;
 use crate::metrics;
 use crate::proxy::Forward;
 use crate::state::{AppState, RouteInput};
@@ -34,11 +35,21 @@ pub fn router(state: Arc<AppState>) -> Router {
             Arc::clone(&state),
             require_admin,
         ));
-    Router::new()
+    let max_inflight = state.config.limits.max_inflight_requests;
+    let routed = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
         .route("/v1/route", post(dry_run))
+        .route_layer(middleware::from_fn_with_state(
+            Inflight {
+                permits: Arc::new(Semaphore::new(max_inflight)),
+                max: max_inflight,
+            },
+            limit_inflight,
+        ));
+    Router::new()
+        .merge(routed)
+        .route("/v1/models", get(models))
         .route(
             "/healthz",
             get(|| async { axum::Json(json!({"status": "ok"})) }),
@@ -66,6 +77,31 @@ async fn count_responses(request: Request, next: Next) -> Response {
     ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => response.status().as_u16().to_string())
         .increment(1);
     response
+}
+
+/// The router's requests in flight, against `limits.max_inflight_requests`.
+#[derive(Clone)]
+struct Inflight {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+/// Caps requests in flight across the router, from arrival to the end of the
+/// response body: beyond `limits.max_inflight_requests`, 503 with Retry-After.
+/// Not tower's `ConcurrencyLimit`: it lets its permit go once the response
+/// headers are out, so streams — the long part of a request — would escape it.
+async fn limit_inflight(
+    State(inflight): State<Inflight>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Ok(permit) = inflight.permits.try_acquire_owned() else {
+        limits::count(limits::INFLIGHT_REQUESTS);
+        return RouterError::Overloaded(inflight.max).into_response();
+    };
+    next.run(request)
+        .await
+        .map(|body| crate::proxy::holding(body, permit))
 }
 
 async fn require_admin(
@@ -285,7 +321,7 @@ async fn proxy(
         },
     )
     .await?;
-    Ok(response.map(Body::new))
+    Ok(response)
 }
 
 /// `POST /v1/route`: what would happen to this request, without proxying it.

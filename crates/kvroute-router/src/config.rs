@@ -88,6 +88,8 @@ pub struct Config {
     pub tokenizer: TokenizerSpec,
     /// Accept workers that declare another tokenizer than the router's.
     pub allow_tokenizer_mismatch: bool,
+    pub index: IndexConfig,
+    pub limits: LimitsConfig,
     pub tls: TlsConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
@@ -203,12 +205,52 @@ pub struct SchedulerConfig {
 pub struct IngestConfig {
     /// How long a disconnected worker's index entries are kept for a reconnect.
     pub grace_period_ms: u64,
-    /// Event batches buffered per worker stream before the router drops and resyncs.
-    pub event_queue_batches: usize,
+    /// Bytes of event batches buffered per worker stream before the router drops and resyncs.
+    pub event_queue_bytes: usize,
+    /// HTTP/2 ping interval on idle worker connections; 0: none.
+    pub keepalive_interval_ms: u64,
+    /// A ping unanswered this long closes the connection: the worker leaves routing.
+    pub keepalive_timeout_ms: u64,
     /// How long a resync request may go unanswered before it is asked again.
     pub resync_timeout_ms: u64,
     /// Resync requests sent for one gap before the rank is cleared instead.
     pub resync_attempts: u32,
+}
+
+/// The event index.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Most (worker, block) entries kept; beyond it the least recently used
+    /// unpinned leaves go first.
+    pub max_blocks: usize,
+}
+
+/// Caps on what clients and workers can make the router hold or do. Each
+/// refusal is counted in `kvroute_limit_refusals_total{limit}`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Data-parallel ranks per registration.
+    pub max_dp_ranks: usize,
+    /// Model names per registration.
+    pub max_models: usize,
+    /// LoRA adapter names per registration.
+    pub max_lora_names: usize,
+    /// Bytes in a model or LoRA name, and in a base URL.
+    pub max_name_bytes: usize,
+    /// Registered workers, static ones included.
+    pub max_workers: usize,
+    /// Worker streams open at once.
+    pub max_streams: usize,
+    /// Events in one `EventBatch`.
+    pub max_events_per_batch: usize,
+    /// Largest gRPC message accepted, in bytes.
+    pub max_grpc_message_bytes: usize,
+    /// Blocks of one request recorded in the predicted layer (a prefix of its path).
+    pub max_predicted_blocks_per_request: usize,
+    /// Proxied and dry-run requests handled at once; beyond it 503 with Retry-After.
+    pub max_inflight_requests: usize,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -284,6 +326,8 @@ impl Default for Config {
             upstream: UpstreamConfig::default(),
             tokenizer: TokenizerSpec::None,
             allow_tokenizer_mismatch: false,
+            index: IndexConfig::default(),
+            limits: LimitsConfig::default(),
             tls: TlsConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
@@ -321,9 +365,39 @@ impl Default for IngestConfig {
     fn default() -> Self {
         Self {
             grace_period_ms: 30_000,
-            event_queue_batches: 1024,
+            event_queue_bytes: 64 << 20,
+            keepalive_interval_ms: 10_000,
+            keepalive_timeout_ms: 10_000,
             resync_timeout_ms: 5_000,
             resync_attempts: 3,
+        }
+    }
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        // 32 Mi entries, about 3 GiB of heap at ~100 bytes per entry with the
+        // eviction order (DESIGN.md of kvroute-index): 160 engines holding
+        // 200k blocks each.
+        Self {
+            max_blocks: 32 << 20,
+        }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_dp_ranks: 256,
+            max_models: 64,
+            max_lora_names: 1024,
+            max_name_bytes: 512,
+            max_workers: 4096,
+            max_streams: 4096,
+            max_events_per_batch: 65_536,
+            max_grpc_message_bytes: 16 << 20,
+            max_predicted_blocks_per_request: 16_384,
+            max_inflight_requests: 8192,
         }
     }
 }
@@ -385,7 +459,11 @@ impl Config {
             .try_into()
             .map_err(|e: toml::de::Error| RouterError::Config(format!("{origin}: {e}")))?;
         config.skipped_env = skipped_env;
-        config.validate()?;
+        // Say where the bad value came from (the file's errors above name it too).
+        config.validate().map_err(|e| match e {
+            RouterError::Config(problem) => RouterError::Config(format!("{origin}: {problem}")),
+            other => other,
+        })?;
         Ok(config)
     }
 
@@ -448,9 +526,40 @@ impl Config {
                 s.busy_kv_ratio
             ));
         }
-        if self.ingest.event_queue_batches == 0 {
-            return fail("ingest.event_queue_batches must be at least 1".into());
+        let l = &self.limits;
+        for (name, value) in [
+            ("max_dp_ranks", l.max_dp_ranks),
+            ("max_models", l.max_models),
+            ("max_name_bytes", l.max_name_bytes),
+            ("max_workers", l.max_workers),
+            ("max_streams", l.max_streams),
+            ("max_events_per_batch", l.max_events_per_batch),
+            ("max_grpc_message_bytes", l.max_grpc_message_bytes),
+            ("max_inflight_requests", l.max_inflight_requests),
+            (
+                "max_predicted_blocks_per_request",
+                l.max_predicted_blocks_per_request,
+            ),
+        ] {
+            if value == 0 {
+                return fail(format!("limits.{name} must be at least 1"));
+            }
         }
+        if self.index.max_blocks == 0 {
+            return fail("index.max_blocks must be at least 1".into());
+        }
+        // A batch the queue could never hold would be dropped and resent forever.
+        if self.ingest.event_queue_bytes < l.max_grpc_message_bytes {
+            return fail(format!(
+                "ingest.event_queue_bytes ({}) must be at least limits.max_grpc_message_bytes ({})",
+                self.ingest.event_queue_bytes, l.max_grpc_message_bytes
+            ));
+        }
+        // Semaphore permits are counted in u32 chunks; keep the queue well inside.
+        if self.ingest.event_queue_bytes > u32::MAX as usize {
+            return fail("ingest.event_queue_bytes must be below 4 GiB".into());
+        }
+        self.validate_durations()?;
         if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.resync_timeout_ms) {
             return fail(format!(
                 "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
@@ -498,6 +607,38 @@ impl Config {
             }
             if w.dp_ranks.is_empty() {
                 return fail(format!("workers: id {} has no dp rank", w.id));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Longest duration any `_ms` key may take: a week. Far beyond any sensible
+/// timeout, far below where `Instant + Duration` overflows and panics.
+const MAX_DURATION_MS: u64 = 7 * 24 * 3600 * 1000;
+
+impl Config {
+    fn validate_durations(&self) -> Result<(), RouterError> {
+        let (s, i, u) = (&self.scheduler, &self.ingest, &self.upstream);
+        for (name, ms) in [
+            ("scheduler.queue_timeout_ms", s.queue_timeout_ms),
+            ("scheduler.predicted_ttl_ms", s.predicted_ttl_ms),
+            ("scheduler.predicted_bridge_ms", s.predicted_bridge_ms),
+            ("ingest.grace_period_ms", i.grace_period_ms),
+            ("ingest.keepalive_interval_ms", i.keepalive_interval_ms),
+            ("ingest.keepalive_timeout_ms", i.keepalive_timeout_ms),
+            ("upstream.connect_timeout_ms", u.connect_timeout_ms),
+            ("upstream.first_byte_timeout_ms", u.first_byte_timeout_ms),
+            ("upstream.idle_timeout_ms", u.idle_timeout_ms),
+            ("upstream.breaker_cooldown_ms", u.breaker_cooldown_ms),
+            ("upstream.health_interval_ms", u.health_interval_ms),
+            ("upstream.health_timeout_ms", u.health_timeout_ms),
+            ("upstream.shutdown_grace_ms", u.shutdown_grace_ms),
+        ] {
+            if ms > MAX_DURATION_MS {
+                return Err(RouterError::Config(format!(
+                    "{name} = {ms} is longer than a week ({MAX_DURATION_MS} ms)"
+                )));
             }
         }
         Ok(())
@@ -776,5 +917,51 @@ mod tests {
             config.ingest.resync_attempts,
             defaults.ingest.resync_attempts
         );
+        assert_eq!(config.index.max_blocks, defaults.index.max_blocks);
+        assert_eq!(
+            config.limits.max_inflight_requests,
+            defaults.limits.max_inflight_requests
+        );
+        assert_eq!(
+            config.ingest.event_queue_bytes,
+            defaults.ingest.event_queue_bytes
+        );
+    }
+
+    #[test]
+    fn durations_that_would_overflow_an_instant_are_refused() {
+        for key in [
+            "KVROUTE_UPSTREAM__IDLE_TIMEOUT_MS",
+            "KVROUTE_INGEST__GRACE_PERIOD_MS",
+            "KVROUTE_SCHEDULER__PREDICTED_TTL_MS",
+        ] {
+            let err = Config::load(None, env(&[(key, "9223372036854775807")])).unwrap_err();
+            let name = key["KVROUTE_".len()..]
+                .to_ascii_lowercase()
+                .replace("__", ".");
+            assert!(err.to_string().contains(&name), "{err}");
+        }
+        let config = Config::load(
+            None,
+            env(&[("KVROUTE_UPSTREAM__IDLE_TIMEOUT_MS", "604800000")]),
+        );
+        assert!(config.is_ok());
+    }
+
+    #[test]
+    fn limits_and_index_bound_load_from_the_environment() {
+        let config = Config::load(
+            None,
+            env(&[
+                ("KVROUTE_INDEX__MAX_BLOCKS", "1000"),
+                ("KVROUTE_LIMITS__MAX_DP_RANKS", "8"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.index.max_blocks, 1000);
+        assert_eq!(config.limits.max_dp_ranks, 8);
+        let err =
+            Config::load(None, env(&[("KVROUTE_INGEST__EVENT_QUEUE_BYTES", "1024")])).unwrap_err();
+        assert!(err.to_string().contains("max_grpc_message_bytes"), "{err}");
     }
 }

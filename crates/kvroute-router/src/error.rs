@@ -26,6 +26,8 @@ pub enum RouterError {
     UnknownWorker(String),
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
+    #[error("the router has {0} requests in flight already (limits.max_inflight_requests)")]
+    Overloaded(usize),
     #[error("{0}")]
     Upstream(String),
     #[error("{0}")]
@@ -43,7 +45,9 @@ impl RouterError {
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
             RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-            RouterError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RouterError::Unavailable { .. } | RouterError::Overloaded(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             RouterError::Upstream(_) => StatusCode::BAD_GATEWAY,
             RouterError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -61,6 +65,7 @@ impl RouterError {
             RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             RouterError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             RouterError::Unavailable { .. } => ("server_error", "no_worker_available"),
+            RouterError::Overloaded(_) => ("server_error", "overloaded"),
             RouterError::Upstream(_) => ("server_error", "upstream_error"),
             RouterError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
         }
@@ -83,6 +88,11 @@ impl IntoResponse for RouterError {
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            RouterError::Overloaded(_) => {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(1));
             }
             // RFC 6750: every 401 says which scheme would do.
             RouterError::Unauthorized => {

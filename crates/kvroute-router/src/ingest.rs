@@ -1,8 +1,9 @@
 //! gRPC ingest: workers' event streams, and the unary `Route` RPC.
 //!
 //! Per stream, a reader task takes messages off the wire and an applier task
-//! applies event batches to the index in order. Between them is a bounded queue:
-//! when the index falls behind, the reader drops the batch, counts it and asks
+//! applies event batches to the index in order. Between them is a queue bounded
+//! in bytes (`ingest.event_queue_bytes`, batches measured by their encoded
+//! size): when the index falls behind, the reader drops the batch, counts it and asks
 //! the worker to resend from the first dropped id, so a slow index neither
 //! stalls anything else nor silently loses an event. The HTTP path never waits on
 //! this queue; it only reads the index.
@@ -25,8 +26,17 @@
 //! ids seen last): a new instance of a known worker clears all its ranks. Each
 //! registration claims the worker in [`Writers`](crate::writers::Writers), which
 //! fences the previous stream: it ends, and nothing more of it is applied.
+//!
+//! A dump may come in parts (`Dump.more`), each under the gRPC message limit;
+//! the applier gathers a rank's parts and replaces the rank's state with all of
+//! them at once, so routing never sees half a dump. A stream's first dump of a
+//! rank is the worker's picture as it (re)connects and always applies; a later
+//! one older than what is applied is refused (a late answer to an earlier
+//! resync would roll the rank back). Blocks a dump cannot place under a parent
+//! are counted, not dropped silently.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,12 +47,14 @@ use kvroute_proto::{
     RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
     route_request, router_message, worker_message,
 };
-use tokio::sync::{Notify, mpsc, watch};
+use prost::Message as _;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::RouterError;
+use crate::limits;
 use crate::metrics;
 use crate::registry::{Registration, ReportedLoad, Source, worker_label};
 use crate::state::{AppState, RouteInput};
@@ -53,11 +65,17 @@ pub struct Ingest {
     state: Arc<AppState>,
     /// Set on shutdown: streams end, so that the gRPC server can stop.
     stopped: watch::Receiver<bool>,
+    /// Worker streams open now, against `limits.max_streams`.
+    streams: Arc<AtomicUsize>,
 }
 
 impl Ingest {
     pub fn new(state: Arc<AppState>, stopped: watch::Receiver<bool>) -> Self {
-        Self { state, stopped }
+        Self {
+            state,
+            stopped,
+            streams: Arc::default(),
+        }
     }
 }
 
@@ -75,9 +93,50 @@ struct Resync {
     deadline: Instant,
 }
 
+/// Queued work, holding its bytes of the stream's queue until applied.
 enum Work {
-    Events(EventBatch),
-    Dump(Dump),
+    Events(EventBatch, OwnedSemaphorePermit),
+    Dump(Dump, OwnedSemaphorePermit),
+}
+
+/// The parts of a rank's dump gathered so far.
+struct DumpParts {
+    last_event_id: u64,
+    chains: Vec<EventKind>,
+    blocks: usize,
+}
+
+/// A stream's dumps per dp rank: parts gathered, and ranks it has applied to.
+#[derive(Default)]
+struct DumpState {
+    parts: HashMap<u32, DumpParts>,
+    applied: HashSet<u32>,
+}
+
+/// A message's share of the queue's bytes (at least 1, so that empty ones
+/// still count; the config keeps the queue under `u32::MAX`).
+fn queue_bytes(encoded_len: usize) -> u32 {
+    encoded_len.clamp(1, u32::MAX as usize) as u32
+}
+
+/// One open stream's place under `limits.max_streams`, given back on drop.
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    fn take(streams: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        streams
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        Some(Self(Arc::clone(streams)))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// One registered stream's context, shared by its reader and applier.
@@ -107,6 +166,15 @@ impl KvRouter for Ingest {
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         let grant = self.state.credentials.worker(request.metadata())?;
+        let max_streams = self.state.config.limits.max_streams;
+        let slot = StreamSlot::take(&self.streams, max_streams).ok_or_else(|| {
+            limits::refuse(
+                limits::STREAMS,
+                Status::resource_exhausted(format!(
+                    "{max_streams} worker streams are open already (limits.max_streams)"
+                )),
+            )
+        })?;
         let mut inbound = request.into_inner();
         let first = inbound
             .message()
@@ -148,7 +216,9 @@ impl KvRouter for Ingest {
         );
 
         let (out, out_rx) = mpsc::channel(256);
-        let (work_tx, work_rx) = mpsc::channel(state.config.ingest.event_queue_batches);
+        // Bounded by the semaphore's bytes, not by the count of items.
+        let (work_tx, work_rx) = mpsc::unbounded_channel();
+        let queue = Arc::new(Semaphore::new(state.config.ingest.event_queue_bytes));
         let stream = Stream {
             state,
             worker_id,
@@ -161,9 +231,18 @@ impl KvRouter for Ingest {
         tokio::spawn(stream.clone().apply_loop(work_rx, claim.applier_alive));
         let stopped = self.stopped.clone();
         tokio::spawn(async move {
-            let result = stream.read_loop(&mut inbound, work_tx, stopped).await;
+            let _slot = slot;
+            let result = stream
+                .read_loop(&mut inbound, work_tx, queue, stopped)
+                .await;
             if let Err(status) = result {
                 tracing::warn!(worker = stream.worker_id, %status, "worker stream failed");
+                // Ours are counted where raised; this one comes from the decoder.
+                if status.code() == tonic::Code::OutOfRange {
+                    limits::count(limits::GRPC_MESSAGE_BYTES);
+                }
+                // The worker learns why: the status ends its response stream.
+                let _ = stream.out.send(Err(status)).await;
             }
             stream.disconnected(generation);
         });
@@ -253,6 +332,7 @@ async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(
 }
 
 fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {
+    limits::check_registration(&state.config.limits, &register)?;
     if state
         .config
         .workers
@@ -297,9 +377,11 @@ impl Stream {
     async fn read_loop(
         &self,
         inbound: &mut Streaming<WorkerMessage>,
-        work: mpsc::Sender<Work>,
+        work: mpsc::UnboundedSender<Work>,
+        queue: Arc<Semaphore>,
         mut stopped: watch::Receiver<bool>,
     ) -> Result<(), Status> {
+        let max_events = self.state.config.limits.max_events_per_batch;
         // dp rank → the first id of the batch dropped on a full queue, until resent.
         let mut dropped_from: HashMap<u32, u64> = HashMap::new();
         let mut fence = self.fence.clone();
@@ -318,6 +400,15 @@ impl Stream {
             };
             match message.body {
                 Some(worker_message::Body::Events(batch)) => {
+                    if batch.events.len() > max_events {
+                        return Err(limits::refuse(
+                            limits::EVENTS_PER_BATCH,
+                            Status::invalid_argument(format!(
+                                "a batch of {} events is over limits.max_events_per_batch ({max_events})",
+                                batch.events.len()
+                            )),
+                        ));
+                    }
                     let Some(first_id) = batch.events.first().map(|e| e.event_id) else {
                         continue;
                     };
@@ -332,9 +423,13 @@ impl Stream {
                         }
                         dropped_from.remove(&rank);
                     }
-                    if let Err(mpsc::error::TrySendError::Full(_)) =
-                        work.try_send(Work::Events(batch))
-                    {
+                    let bytes = queue_bytes(batch.encoded_len());
+                    if let Ok(permit) = Arc::clone(&queue).try_acquire_many_owned(bytes) {
+                        if work.send(Work::Events(batch, permit)).is_err() {
+                            break;
+                        }
+                    } else {
+                        limits::count(limits::EVENT_QUEUE_BYTES);
                         self.count_dropped_batch();
                         tracing::debug!(
                             worker = self.worker_id,
@@ -354,7 +449,11 @@ impl Stream {
                     {
                         dropped_from.remove(&dump.dp_rank);
                     }
-                    if work.send(Work::Dump(dump)).await.is_err() {
+                    let bytes = queue_bytes(dump.encoded_len());
+                    let Ok(permit) = Arc::clone(&queue).acquire_many_owned(bytes).await else {
+                        break;
+                    };
+                    if work.send(Work::Dump(dump, permit)).is_err() {
                         break;
                     }
                 }
@@ -372,8 +471,9 @@ impl Stream {
     /// Applies the queue in order until the stream ends or is fenced, and keeps
     /// resync requests' deadlines. `_alive` is dropped on return: whoever fenced
     /// the stream waits for that before touching the worker's state.
-    async fn apply_loop(self, mut work: mpsc::Receiver<Work>, _alive: ApplierAlive) {
+    async fn apply_loop(self, mut work: mpsc::UnboundedReceiver<Work>, _alive: ApplierAlive) {
         let mut fence = self.fence.clone();
+        let mut dumps = DumpState::default();
         loop {
             let deadline = self.next_resync_deadline();
             let item = tokio::select! {
@@ -394,15 +494,24 @@ impl Stream {
             tokio::select! {
                 biased;
                 _ = fenced(&mut fence) => return,
-                () = self.apply(item) => {}
+                () = self.apply(item, &mut dumps) => {}
             }
         }
     }
 
-    async fn apply(&self, item: Work) {
+    async fn apply(&self, item: Work, dumps: &mut DumpState) {
+        // Held for writing only by tests that fill the queue on purpose.
+        let _gate = self.state.ingest_gate.read().await;
         match item {
-            Work::Events(batch) => self.apply_batch(batch).await,
-            Work::Dump(dump) => self.apply_dump(dump).await,
+            Work::Events(batch, _permit) => {
+                // What this stream applied: a later, older dump would roll it back.
+                dumps.applied.insert(batch.dp_rank);
+                self.apply_batch(batch).await;
+            }
+            Work::Dump(dump, permit) => {
+                drop(permit);
+                self.apply_dump_part(dump, dumps).await;
+            }
         }
     }
 
@@ -510,20 +619,86 @@ impl Stream {
         self.ack(key);
     }
 
-    async fn apply_dump(&self, dump: Dump) {
+    /// Gathers one part of a rank's dump; with the last part, applies them all.
+    async fn apply_dump_part(&self, dump: Dump, dumps: &mut DumpState) {
         let Some(key) = self.key(dump.dp_rank) else {
             self.send_error(format!("dp rank {} was not registered", dump.dp_rank))
                 .await;
             return;
         };
-        let events: Vec<EventKind> = dump.chains.into_iter().map(convert_stored).collect();
-        self.state
-            .index
-            .replace_worker(key, dump.last_event_id, &events);
-        self.pending.lock().unwrap().remove(&key.dp_rank);
-        ::metrics::counter!(metrics::DUMPS, "worker" => worker_label(key)).increment(1);
-        tracing::info!(worker = %worker_label(key), blocks = self.state.index.worker_blocks(key), "dump applied");
+        let rank = key.dp_rank;
+        // A part of another dump than the one gathered: that one was abandoned.
+        let parts = match dumps.parts.remove(&rank) {
+            Some(parts) if parts.last_event_id == dump.last_event_id => parts,
+            _ => DumpParts {
+                last_event_id: dump.last_event_id,
+                chains: Vec::new(),
+                blocks: 0,
+            },
+        };
+        let Some(parts) = self.gather(key, parts, dump, dumps).await else {
+            return;
+        };
+        // Seconds for millions of blocks: off the async threads, so that other
+        // streams and the connections' keepalive pings go on meanwhile.
+        let index = Arc::clone(&self.state.index);
+        let orphans = tokio::task::spawn_blocking(move || {
+            index.replace_worker(key, parts.last_event_id, &parts.chains)
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        dumps.applied.insert(rank);
+        self.pending.lock().unwrap().remove(&rank);
+        let label = worker_label(key);
+        ::metrics::counter!(metrics::DUMPS, "worker" => label.clone()).increment(1);
+        if orphans > 0 {
+            ::metrics::counter!(metrics::DUMP_ORPHANS, "worker" => label.clone())
+                .increment(orphans);
+            tracing::warn!(worker = %label, orphans, "dump blocks without their parent were not indexed");
+        }
+        tracing::info!(worker = %label, blocks = self.state.index.worker_blocks(key), "dump applied");
         self.ack(key);
+    }
+
+    /// Adds `dump`'s chains to `parts`: the whole dump once its last part is in,
+    /// `None` while more are due or when it is refused (stale, or too large).
+    async fn gather(
+        &self,
+        key: WorkerKey,
+        mut parts: DumpParts,
+        dump: Dump,
+        dumps: &mut DumpState,
+    ) -> Option<DumpParts> {
+        let rank = key.dp_rank;
+        let applied = self.state.index.last_event_id(key);
+        if dumps.applied.contains(&rank) && applied.is_some_and(|a| dump.last_event_id < a) {
+            ::metrics::counter!(metrics::STALE_DUMPS, "worker" => worker_label(key)).increment(1);
+            self.send_error(format!(
+                "dump of dp rank {rank} as of event {} refused: event {} is applied already",
+                dump.last_event_id,
+                applied.unwrap_or_default()
+            ))
+            .await;
+            return None;
+        }
+        parts.blocks += dump.chains.iter().map(|c| c.blocks.len()).sum::<usize>();
+        let max_blocks = self.state.config.index.max_blocks;
+        if parts.blocks > max_blocks {
+            limits::count(limits::DUMP_BLOCKS);
+            self.send_error(format!(
+                "dump of dp rank {rank} refused: over {max_blocks} blocks (index.max_blocks)"
+            ))
+            .await;
+            return None;
+        }
+        parts
+            .chains
+            .extend(dump.chains.into_iter().map(convert_stored));
+        if dump.more {
+            dumps.parts.insert(rank, parts);
+            return None;
+        }
+        Some(parts)
     }
 
     fn count_dropped_batch(&self) {
@@ -713,7 +888,8 @@ mod tests {
             resync_asked: Arc::default(),
             fence: claim.fence,
         };
-        let (work, work_rx) = mpsc::channel(16);
+        let (work, work_rx) = mpsc::unbounded_channel();
+        let queue = Arc::new(Semaphore::new(1 << 20));
         tokio::spawn(stream.apply_loop(work_rx, claim.applier_alive));
         let now = std::time::Instant::now();
         state
@@ -724,7 +900,8 @@ mod tests {
             dp_rank: 0,
             events: vec![stored(1, 11, 111), stored(3, 13, 333)],
         };
-        work.send(Work::Events(batch)).await.unwrap();
+        let permit = Arc::clone(&queue).try_acquire_owned().unwrap();
+        work.send(Work::Events(batch, permit)).unwrap();
 
         let started = Instant::now();
         let mut asked_at = Vec::new();
@@ -763,7 +940,8 @@ mod tests {
             dp_rank: 0,
             events: vec![stored(9, 19, 999)],
         };
-        work.send(Work::Events(batch)).await.unwrap();
+        let permit = Arc::clone(&queue).try_acquire_owned().unwrap();
+        work.send(Work::Events(batch, permit)).unwrap();
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(state.index.last_event_id(key), Some(9));
     }

@@ -19,6 +19,7 @@ pub mod cached_tokens;
 pub mod config;
 pub mod error;
 pub mod ingest;
+pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod registry;

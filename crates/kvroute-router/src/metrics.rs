@@ -43,6 +43,11 @@ pub const QUEUED: &str = "kvroute_queued_requests";
 pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
 pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
 pub const UNTOKENIZED: &str = "kvroute_untokenized_requests_total";
+pub const LIMIT_REFUSALS: &str = "kvroute_limit_refusals_total";
+pub const INDEX_EVICTED: &str = "kvroute_index_evicted_blocks_total";
+pub const STALE_DUMPS: &str = "kvroute_stale_dumps_total";
+pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
+pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -137,6 +142,26 @@ pub const FAMILIES: &[(&str, &str)] = &[
         IDLE_TIMEOUTS,
         "Proxied responses cut off because the worker went silent past the idle timeout",
     ),
+    (
+        LIMIT_REFUSALS,
+        "Inputs refused (or, for predicted_blocks, cut) at a configured limit, by limit",
+    ),
+    (
+        INDEX_EVICTED,
+        "Blocks evicted from the index by its index.max_blocks bound",
+    ),
+    (
+        STALE_DUMPS,
+        "Dumps refused because they were older than the state already applied",
+    ),
+    (
+        DUMP_ORPHANS,
+        "Dump blocks whose parent the dump did not hold, not indexed",
+    ),
+    (
+        ALIVE_TASKS,
+        "Tokio tasks alive in the router's runtime (a leak shows as growth under steady load)",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -208,6 +233,9 @@ fn install() -> Renderer {
     }
     for phase in ["tokenize", "hash", "find_matches", "schedule", "total"] {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
+    }
+    for &limit in crate::limits::ALL {
+        let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
     }
     for reason in ["connect", "status"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);

@@ -8,8 +8,10 @@
 
 use std::time::Instant;
 
+use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, header};
+use http_body_util::BodyExt;
 use kvroute_index::ExtraKeys;
 
 use crate::booking::Booking;
@@ -45,7 +47,7 @@ pub struct Forward<'a> {
 pub async fn forward(
     state: &AppState,
     request: Forward<'_>,
-) -> Result<Response<TrackedBody>, RouterError> {
+) -> Result<Response<Body>, RouterError> {
     let retries = state.config.upstream.retries;
     let mut tried: Vec<u64> = Vec::new();
     let mut last_error = None;
@@ -67,6 +69,8 @@ pub async fn forward(
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
         state.record_prediction(&routed);
+        // The worker uses these blocks until the response ends: keep them indexed.
+        let pinned = state.index.pin_path_owned(&routed.local_hashes);
         let Routed {
             decision,
             mut booking,
@@ -117,7 +121,10 @@ pub async fn forward(
                     sse,
                     check,
                 );
-                return Ok(Response::from_parts(parts, body));
+                return Ok(Response::from_parts(
+                    parts,
+                    holding(Body::new(body), pinned),
+                ));
             }
             Ok(response) => {
                 last_error = Some(RouterError::Upstream(format!(
@@ -164,6 +171,14 @@ pub async fn forward(
         ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
     }
     Err(last_error.expect("the loop ran at least once and failed"))
+}
+
+/// `body`, keeping `guard` alive until the body is dropped.
+pub fn holding<G: Send + 'static>(body: Body, guard: G) -> Body {
+    Body::new(body.map_frame(move |frame| {
+        let _held = &guard;
+        frame
+    }))
 }
 
 /// Waits for the worker's response headers. A non-streaming response's headers

@@ -177,6 +177,7 @@ pub struct Limits {
     pub breaker_failures: u32,
     pub breaker_cooldown: Duration,
     pub policy: Policy,
+    pub max_workers: usize,
 }
 
 impl Limits {
@@ -189,6 +190,7 @@ impl Limits {
             breaker_failures: config.upstream.breaker_failures,
             breaker_cooldown: Duration::from_millis(config.upstream.breaker_cooldown_ms),
             policy: config.scheduler.policy,
+            max_workers: config.limits.max_workers,
         }
     }
 }
@@ -268,6 +270,13 @@ impl Registry {
             reg.dp_ranks
         };
         let mut fleet = self.lock();
+        let max = self.limits.max_workers;
+        if !fleet.workers.contains_key(&reg.worker_id) && fleet.workers.len() >= max {
+            crate::limits::count(crate::limits::WORKERS);
+            return Err(format!(
+                "{max} workers are registered already (limits.max_workers)"
+            ));
+        }
         fleet.remove_worker_entry(reg.worker_id, false);
         // Unique across workers and removals, so a later registration always has a
         // greater generation, even after the worker was forgotten in between.

@@ -104,8 +104,17 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         }
     }));
 
-    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()));
-    let mut grpc_server = tonic::transport::Server::builder();
+    let max_message = state.config.limits.max_grpc_message_bytes;
+    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()))
+        .max_decoding_message_size(max_message);
+    // Pings find half-open connections (a worker host gone without a FIN): an
+    // unanswered one closes the connection, which ends the worker's stream.
+    let keepalive = &state.config.ingest;
+    let interval = (keepalive.keepalive_interval_ms > 0)
+        .then(|| Duration::from_millis(keepalive.keepalive_interval_ms));
+    let mut grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(interval)
+        .http2_keepalive_timeout(Some(Duration::from_millis(keepalive.keepalive_timeout_ms)));
     if let Some(tls) = grpc_tls {
         grpc_server = grpc_server
             .tls_config(tls)

@@ -36,6 +36,10 @@ pub struct AppState {
     pub writers: Writers,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
+    /// A test hook: while a test holds it for writing, event batches and dumps
+    /// wait in their queues instead of being applied, so that a full queue
+    /// is reached without racing the index. Nothing else takes it for writing.
+    pub ingest_gate: tokio::sync::RwLock<()>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -64,7 +68,9 @@ impl AppState {
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
         let tokenizer = RouterTokenizer::new(&config.tokenizer, config.allow_tokenizer_mismatch)?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
-        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        let index = Arc::new(KvIndex::new(IndexConfig {
+            max_blocks: Some(config.index.max_blocks),
+        }));
         let predicted = Arc::new(PredictedIndex::new(PredictedConfig {
             ttl: std::time::Duration::from_millis(config.scheduler.predicted_ttl_ms),
             max_blocks: config.scheduler.predicted_max_blocks,
@@ -104,6 +110,7 @@ impl AppState {
             metrics,
             writers: Writers::default(),
             queued: AtomicUsize::new(0),
+            ingest_gate: tokio::sync::RwLock::new(()),
         }))
     }
 
@@ -111,7 +118,15 @@ impl AppState {
     /// publishes events keeps the prediction only until its `Stored` events can
     /// have arrived (`predicted_bridge_ms`) under `kv`, which trusts events; the
     /// rest keep it for `predicted_ttl_ms`.
+    /// Records at most `limits.max_predicted_blocks_per_request` blocks: a
+    /// prefix of the path, which is still a valid prediction.
     pub fn record_prediction<B>(&self, routed: &Routed<B>) {
+        let max_blocks = self.config.limits.max_predicted_blocks_per_request;
+        let mut hashes = routed.local_hashes.as_slice();
+        if hashes.len() > max_blocks {
+            crate::limits::count(crate::limits::PREDICTED_BLOCKS);
+            hashes = &hashes[..max_blocks];
+        }
         let scheduler = &self.config.scheduler;
         let ttl_ms = if routed.decision.publishes_events && scheduler.policy == Policy::Kv {
             scheduler.predicted_bridge_ms
@@ -120,7 +135,7 @@ impl AppState {
         };
         self.predicted.record_for(
             routed.decision.worker,
-            &routed.local_hashes,
+            hashes,
             Instant::now(),
             std::time::Duration::from_millis(ttl_ms),
         );
@@ -269,8 +284,13 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEXED_BLOCKS).set(stats.blocks as f64);
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
+        ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let tasks = runtime.metrics().num_alive_tasks();
+            ::metrics::gauge!(metrics::ALIVE_TASKS).set(tasks as f64);
         }
         self.metrics
             .as_ref()

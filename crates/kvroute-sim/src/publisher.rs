@@ -1,6 +1,6 @@
 //! The worker's side of the router's gRPC stream.
 //!
-//! Each connection starts with `Register`, then a full `Dump` of the pool taken
+//! Each connection starts with `Register`, then a full `Dump` (in parts) of the pool taken
 //! under the same lock as the event log's last id, so the router's view is
 //! exact whatever it knew before (it may have restarted, or purged this
 //! worker). Events after that id follow in batches as the engine produces them,
@@ -107,7 +107,7 @@ impl<'a> Session<'a> {
         let config = &shared.config;
         let endpoint =
             kvroute_tls::grpc_endpoint(router, &config.router_tls).map_err(|e| e.to_string())?;
-        let channel = endpoint
+        let channel = kvroute_proto::with_keepalive(endpoint)
             .connect()
             .await
             .map_err(|e| format!("cannot connect: {e:?}"))?;
@@ -127,7 +127,6 @@ impl<'a> Session<'a> {
             instance_id: self.instance_id,
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
-        let _ = tx.try_send(dump);
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         if let Some(token) = &config.auth_token {
             let value = MetadataValue::try_from(format!("Bearer {token}"))
@@ -140,6 +139,7 @@ impl<'a> Session<'a> {
             .map_err(|status| format!("the router refused the stream: {}", status.message()))?
             .into_inner();
         tracing::info!(worker = config.worker_id, "registered with {router}");
+        send_all(&tx, dump).await?;
         let mut stopped = shared.stop.subscribe();
         let mut load_tick = tokio::time::interval(config.load_report_interval);
         loop {
@@ -149,9 +149,7 @@ impl<'a> Session<'a> {
                         tracing::info!(worker = config.worker_id, "engine restarted: registering the new instance");
                         return Ok(Ended::Restarted);
                     };
-                    if let Some(batch) = pending {
-                        send(&tx, batch).await?;
-                    }
+                    send_all(&tx, pending).await?;
                 }
                 reply = inbound.message() => {
                     let reply = reply.map_err(|status| format!("stream error: {}", status.message()))?
@@ -162,7 +160,7 @@ impl<'a> Session<'a> {
                             let Ok(answer) = self.resync(resync.from_event_id) else {
                                 return Ok(Ended::Restarted);
                             };
-                            send(&tx, answer).await?;
+                            send_all(&tx, answer).await?;
                         }
                         Some(router_message::Body::Error(error)) => {
                             tracing::warn!(worker = config.worker_id, "router error: {}", error.message);
@@ -178,29 +176,30 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// A dump of the pool and the id it is current to; later events follow it.
-    fn dump(&mut self) -> WorkerMessage {
+    /// A dump of the pool and the id it is current to, in parts; later events follow it.
+    fn dump(&mut self) -> Vec<WorkerMessage> {
         let core = self.shared.core();
         self.instance_id = core.instance_id;
         self.sent_upto = core.log.last_id();
-        message(worker_message::Body::Dump(dump_of(
-            &core.engine.dump(),
-            core.log.last_id(),
-        )))
+        dump_of(&core.engine.dump(), core.log.last_id())
+            .into_parts(kvroute_proto::DUMP_PART_BLOCKS)
+            .into_iter()
+            .map(|part| message(worker_message::Body::Dump(part)))
+            .collect()
     }
 
     /// The events not yet sent, minus any the `DropEvents` fault swallows.
-    fn pending(&mut self) -> Result<Option<WorkerMessage>, Restarted> {
+    fn pending(&mut self) -> Result<Vec<WorkerMessage>, Restarted> {
         let mut core = self.shared.core();
         if core.instance_id != self.instance_id {
             return Err(Restarted);
         }
         if !core.publishing {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let Some(mut events) = core.log.since(self.sent_upto + 1) else {
             drop(core);
-            return Ok(Some(self.dump()));
+            return Ok(self.dump());
         };
         self.sent_upto = core.log.last_id();
         let dropped = (core.drop_next as usize).min(events.len());
@@ -210,10 +209,13 @@ impl<'a> Session<'a> {
             let start = usize::from(events.len() > dropped);
             events.drain(start..start + dropped);
         }
-        Ok((!events.is_empty()).then(|| batch(events)))
+        Ok((!events.is_empty())
+            .then(|| batch(events))
+            .into_iter()
+            .collect())
     }
 
-    fn resync(&mut self, from: u64) -> Result<WorkerMessage, Restarted> {
+    fn resync(&mut self, from: u64) -> Result<Vec<WorkerMessage>, Restarted> {
         let core = self.shared.core();
         if core.instance_id != self.instance_id {
             return Err(Restarted);
@@ -221,7 +223,7 @@ impl<'a> Session<'a> {
         Ok(match core.log.since(from) {
             Some(events) => {
                 self.sent_upto = self.sent_upto.max(core.log.last_id());
-                batch(events)
+                vec![batch(events)]
             }
             None => {
                 drop(core);
@@ -241,6 +243,16 @@ impl<'a> Session<'a> {
             prefill_tokens_in_flight: load.prefill_tokens,
         }))
     }
+}
+
+async fn send_all(
+    tx: &mpsc::Sender<WorkerMessage>,
+    messages: Vec<WorkerMessage>,
+) -> Result<(), String> {
+    for message in messages {
+        send(tx, message).await?;
+    }
+    Ok(())
 }
 
 async fn send(tx: &mpsc::Sender<WorkerMessage>, message: WorkerMessage) -> Result<(), String> {
@@ -272,5 +284,6 @@ fn dump_of(blocks: &[PoolEvent], last_event_id: u64) -> Dump {
         dp_rank: 0,
         last_event_id,
         chains,
+        more: false,
     }
 }

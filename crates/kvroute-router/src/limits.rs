@@ -1,0 +1,137 @@
+//! Hard limits on what a worker or client can make the router hold or do.
+//!
+//! Everything a peer controls has a cap from `[limits]` (or `[ingest]`,
+//! `[index]`), checked before any work that grows with it — a registration's
+//! sizes before the registry lock is taken — and every refusal is counted in
+//! one metric family, `kvroute_limit_refusals_total{limit}`, so an operator sees
+//! which cap a fleet runs into.
+
+use kvroute_proto::Register;
+use tonic::Status;
+
+use crate::config::LimitsConfig;
+use crate::metrics;
+
+/// The `limit` label of each cap.
+pub const DP_RANKS: &str = "dp_ranks";
+pub const MODELS: &str = "models";
+pub const LORA_NAMES: &str = "lora_names";
+pub const NAME_BYTES: &str = "name_bytes";
+pub const WORKERS: &str = "workers";
+pub const STREAMS: &str = "streams";
+pub const EVENTS_PER_BATCH: &str = "events_per_batch";
+pub const GRPC_MESSAGE_BYTES: &str = "grpc_message_bytes";
+pub const EVENT_QUEUE_BYTES: &str = "event_queue_bytes";
+pub const DUMP_BLOCKS: &str = "dump_blocks";
+pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
+pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
+
+pub const ALL: &[&str] = &[
+    DP_RANKS,
+    MODELS,
+    LORA_NAMES,
+    NAME_BYTES,
+    WORKERS,
+    STREAMS,
+    EVENTS_PER_BATCH,
+    GRPC_MESSAGE_BYTES,
+    EVENT_QUEUE_BYTES,
+    DUMP_BLOCKS,
+    PREDICTED_BLOCKS,
+    INFLIGHT_REQUESTS,
+];
+
+/// Counts one refusal (or truncation) by `limit`.
+pub fn count(limit: &'static str) {
+    ::metrics::counter!(metrics::LIMIT_REFUSALS, "limit" => limit).increment(1);
+}
+
+/// Counts the refusal and returns `status` for it.
+pub fn refuse(limit: &'static str, status: Status) -> Status {
+    count(limit);
+    status
+}
+
+/// Checks a registration's sizes; cheap, and done before the registry lock.
+pub fn check_registration(limits: &LimitsConfig, register: &Register) -> Result<(), Status> {
+    let too_many = |limit: &'static str, what: &str, n: usize, max: usize| {
+        refuse(
+            limit,
+            Status::invalid_argument(format!(
+                "Register has {n} {what}; at most {max} are accepted (limits.max_{limit})"
+            )),
+        )
+    };
+    let counts = [
+        (
+            DP_RANKS,
+            "dp_ranks",
+            register.dp_ranks.len(),
+            limits.max_dp_ranks,
+        ),
+        (MODELS, "models", register.models.len(), limits.max_models),
+        (
+            LORA_NAMES,
+            "lora_names",
+            register.lora_names.len(),
+            limits.max_lora_names,
+        ),
+    ];
+    for (limit, what, n, max) in counts {
+        if n > max {
+            return Err(too_many(limit, what, n, max));
+        }
+    }
+    let names = register.models.iter().chain(&register.lora_names);
+    for name in names.chain(std::iter::once(&register.base_url)) {
+        if name.len() > limits.max_name_bytes {
+            let shown: String = name.chars().take(40).collect();
+            return Err(refuse(
+                NAME_BYTES,
+                Status::invalid_argument(format!(
+                    "a name or base_url of {} bytes ({shown:?}…) is longer than {} (limits.max_name_bytes)",
+                    name.len(),
+                    limits.max_name_bytes
+                )),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn register() -> Register {
+        Register {
+            worker_id: 1,
+            dp_ranks: vec![0],
+            models: vec!["m".into()],
+            base_url: "http://127.0.0.1:1".into(),
+            block_size: 16,
+            total_kv_blocks: 1,
+            lora_names: Vec::new(),
+            ..Register::default()
+        }
+    }
+
+    #[test]
+    fn registrations_over_a_limit_are_refused_naming_it() {
+        let limits = LimitsConfig::default();
+        assert!(check_registration(&limits, &register()).is_ok());
+        let mut r = register();
+        r.dp_ranks = (0..1_000_000).collect();
+        let status = check_registration(&limits, &r).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().contains("limits.max_dp_ranks"), "{status}");
+        let mut r = register();
+        r.lora_names = vec!["a".into(); limits.max_lora_names + 1];
+        let status = check_registration(&limits, &r).unwrap_err();
+        assert!(status.message().contains("max_lora_names"), "{status}");
+        let mut r = register();
+        r.models = vec!["x".repeat(limits.max_name_bytes + 1)];
+        let status = check_registration(&limits, &r).unwrap_err();
+        assert!(status.message().contains("max_name_bytes"), "{status}");
+    }
+}
