@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::booking::Booking;
 use crate::cached_tokens::Check;
@@ -78,7 +78,12 @@ impl Upstream {
             .enable_http1()
             .wrap_connector(tls_connector);
         let mut builder = Client::builder(TokioExecutor::new());
-        builder.pool_idle_timeout(Duration::from_secs(90));
+        // Without a pool timer hyper-util enforces the idle timeout only at
+        // checkout, so a worker's idle connections from its busiest moment
+        // (a descriptor and a task each) would stay open for good.
+        builder
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_timer(TokioTimer::new());
         Ok(Self {
             client: builder.build(connector),
             https: builder.build(tls_connector),
