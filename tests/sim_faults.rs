@@ -18,19 +18,6 @@ async fn router_and_sim(n: usize) -> (RouterProcess, SimFleet) {
     (router, sim)
 }
 
-async fn wait_registered(router: &RouterProcess, n: usize) {
-    let http = Http::default();
-    let url = format!("{}/workers", router.http);
-    eventually("workers to register", || async {
-        let workers = http.get(&url).await.json();
-        let connected = workers["workers"].as_array().map_or(0, |w| {
-            w.iter().filter(|w| w["state"] == "connected").count()
-        });
-        connected == n
-    })
-    .await;
-}
-
 /// A completion of `tokens` through the router.
 async fn complete(router: &RouterProcess, tokens: &[u32]) -> Reply {
     let body = json!({"model": "sim-model", "prompt": tokens, "max_tokens": 2});

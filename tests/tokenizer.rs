@@ -8,19 +8,6 @@ use common::*;
 use kvroute_proto::TokenizerInfo;
 use serde_json::{Value, json};
 
-async fn wait_registered(router: &RouterProcess, n: usize) {
-    let http = Http::default();
-    let url = format!("{}/workers", router.http);
-    eventually("workers to register", || async {
-        let workers = http.get(&url).await.json();
-        let connected = workers["workers"].as_array().map_or(0, |w| {
-            w.iter().filter(|w| w["state"] == "connected").count()
-        });
-        connected == n
-    })
-    .await;
-}
-
 /// What the sim reports as cached of a completion's prompt.
 fn cached_tokens(reply: &Reply) -> u64 {
     let body = reply.json();

@@ -374,6 +374,20 @@ pub fn tokens(start: u32, n: usize) -> Vec<u32> {
 /// How long [`eventually`] waits: generous, for a loaded CI machine.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// Waits until `n` workers are connected to `router`.
+pub async fn wait_registered(router: &RouterProcess, n: usize) {
+    let http = Http::default();
+    let url = format!("{}/workers", router.http);
+    eventually("workers to register", || async {
+        let workers = http.get(&url).await.json();
+        let connected = workers["workers"].as_array().map_or(0, |w| {
+            w.iter().filter(|w| w["state"] == "connected").count()
+        });
+        connected == n
+    })
+    .await;
+}
+
 /// Polls `check` every 20 ms until it holds, failing after [`DEADLINE`].
 pub async fn eventually<F, Fut>(what: &str, mut check: F)
 where
