@@ -18,9 +18,10 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
@@ -128,6 +129,9 @@ struct WorkerSlot {
     held: AtomicU64,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
+    /// Blocks were evicted under `max_blocks` since the worker's last clear:
+    /// its engine-hash map, and so its digest, no longer follow its events alone.
+    trimmed: AtomicBool,
     state: Mutex<WorkerState>,
 }
 
@@ -151,6 +155,8 @@ struct WorkerState {
     last_event_id: Option<u64>,
     /// Engine block hash → the block it names.
     blocks: HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>,
+    /// Digest of the keys of `blocks`, kept as they change (unless `trimmed`).
+    digest: BlockSetDigest,
     counters: Counters,
 }
 
@@ -332,6 +338,18 @@ impl KvIndex {
         Some(WorkerDump {
             last_event_id: state.last_event_id,
             events,
+        })
+    }
+
+    /// The digest of the engine block hashes `worker` holds, with the event id
+    /// it is current to, read together; `None` for a worker the index does not know.
+    pub fn digest(&self, worker: WorkerKey) -> Option<IndexedDigest> {
+        let slot = self.find_slot(worker)?;
+        let state = slot.state.lock().unwrap();
+        Some(IndexedDigest {
+            last_event_id: state.last_event_id,
+            digest: state.digest,
+            trimmed: slot.trimmed.load(Ordering::Relaxed),
         })
     }
 
@@ -555,6 +573,7 @@ impl KvIndex {
                 idx,
                 held: AtomicU64::new(0),
                 dangling: AtomicU64::new(0),
+                trimmed: AtomicBool::new(false),
                 state: Mutex::default(),
             });
             indices.by_idx[idx as usize] = Some(slot.clone());
@@ -597,10 +616,12 @@ impl KvIndex {
                         for block in blocks {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
                             let seq = r.key();
-                            if let Some(old) = state.blocks.insert(block.block_hash, r)
-                                && old.key() != seq
-                            {
-                                held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                            match state.blocks.insert(block.block_hash, r) {
+                                None => state.digest.insert(block.block_hash),
+                                Some(old) if old.key() != seq => {
+                                    held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                                }
+                                Some(_) => {}
                             }
                             let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
                             let (added, created) = writer.shard(r.shard()).insert(
@@ -631,7 +652,10 @@ impl KvIndex {
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
                     match state.blocks.remove(hash) {
-                        Some(r) => held_delta -= self.unhold(&mut writer, slot, r, eviction),
+                        Some(r) => {
+                            state.digest.remove(*hash);
+                            held_delta -= self.unhold(&mut writer, slot, r, eviction);
+                        }
                         None => unknown_removals += 1,
                     }
                 }
@@ -665,7 +689,9 @@ impl KvIndex {
         }
         slot.add_held(-released);
         state.blocks.shrink_to_fit();
+        state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
+        slot.trimmed.store(false, Ordering::Relaxed);
     }
 
     /// Takes the worker's membership of one block away; returns 1 if the worker
@@ -721,6 +747,7 @@ impl KvIndex {
             if let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) {
                 slot.add_held(-1);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
+                slot.trimmed.store(true, Ordering::Relaxed);
             }
         }
     }
