@@ -79,3 +79,75 @@ pub fn check(state: &AppState, key: WorkerKey, digest: &Digest, resyncing: bool)
     }
     verdict
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_index::{EventKind, KvEvent, StoredBlock};
+
+    use super::*;
+    use crate::config::Config;
+
+    fn store(event_id: u64, hashes: std::ops::Range<u64>) -> KvEvent {
+        KvEvent {
+            event_id,
+            kind: EventKind::Stored {
+                parent_hash: None,
+                blocks: hashes
+                    .map(|h| StoredBlock {
+                        block_hash: h,
+                        tokens_hash: h,
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    fn digest(last_event_id: u64, hashes: std::ops::Range<u64>) -> Digest {
+        let d = BlockSetDigest::of(hashes);
+        Digest {
+            dp_rank: 0,
+            last_event_id,
+            block_count: d.block_count,
+            block_set_hash: d.block_set_hash,
+        }
+    }
+
+    #[test]
+    fn digests_are_compared_only_at_the_same_event_id_on_an_untrimmed_rank() {
+        let mut config = Config::default();
+        config.index.max_blocks = 6;
+        let state = AppState::new(config, None).unwrap();
+        let key = WorkerKey::new(1, 0);
+        assert_eq!(
+            check(&state, key, &digest(1, 0..4), false),
+            Verdict::NotCurrent
+        );
+        state.index.apply(key, &store(1, 0..4));
+        assert_eq!(
+            check(&state, key, &digest(1, 0..4), false),
+            Verdict::Matched
+        );
+        assert_eq!(
+            check(&state, key, &digest(1, 0..3), false),
+            Verdict::Diverged
+        );
+        assert_eq!(
+            check(&state, key, &digest(1, 1..5), false),
+            Verdict::Diverged
+        );
+        assert_eq!(
+            check(&state, key, &digest(2, 0..3), false),
+            Verdict::NotCurrent
+        );
+        assert_eq!(
+            check(&state, key, &digest(1, 0..3), true),
+            Verdict::NotCurrent
+        );
+        // Over the cap: the index evicts some of the rank's blocks itself.
+        state.index.apply(key, &store(2, 10..14));
+        assert_eq!(
+            check(&state, key, &digest(2, 0..3), false),
+            Verdict::Trimmed
+        );
+    }
+}
