@@ -34,6 +34,10 @@
 //! one older than what is applied is refused (a late answer to an earlier
 //! resync would roll the rank back). Blocks a dump cannot place under a parent
 //! are counted, not dropped silently.
+//!
+//! A worker's `Digest` of a rank takes the same queue, so it is checked against
+//! the index after exactly the events sent before it ([`crate::verify`]); a
+//! difference asks for a full dump, and no applied event settles that request.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -87,3 +87,53 @@ impl RouterView {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_proto::{Cleared, Removed};
+
+    use super::*;
+    use crate::events::stored;
+
+    fn event(event_id: u64, kind: kv_event::Kind) -> KvEvent {
+        KvEvent {
+            event_id,
+            kind: Some(kind),
+        }
+    }
+
+    #[test]
+    fn the_view_follows_the_dump_then_the_events_by_the_protocols_rules() {
+        let mut view = RouterView::default();
+        view.reset(&Dump {
+            dp_rank: 0,
+            last_event_id: 4,
+            chains: vec![stored(None, 1, 10), stored(Some(1), 2, 20)],
+            more: false,
+        });
+        view.apply(&[
+            // Already covered by the dump: skipped.
+            event(4, kv_event::Kind::Stored(stored(None, 99, 990))),
+            event(5, kv_event::Kind::Stored(stored(Some(2), 3, 30))),
+            // Its parent is not held: refused, as the router refuses it.
+            event(6, kv_event::Kind::Stored(stored(Some(7), 8, 80))),
+            event(
+                7,
+                kv_event::Kind::Removed(Removed {
+                    block_hashes: vec![1, 5],
+                }),
+            ),
+        ]);
+        let digest = view.take_digest();
+        let expected = BlockSetDigest::of([2, 3]);
+        assert_eq!(digest.last_event_id, 7);
+        assert_eq!(
+            (digest.block_count, digest.block_set_hash),
+            (expected.block_count, expected.block_set_hash)
+        );
+        assert_eq!(view.since_digest(), 0);
+        view.apply(&[event(8, kv_event::Kind::Cleared(Cleared {}))]);
+        assert_eq!(view.since_digest(), 1);
+        assert_eq!(view.take_digest().block_count, 0);
+    }
+}
