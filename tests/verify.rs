@@ -28,19 +28,6 @@ async fn scrape(http_url: &str, name: &str, labels: Labels<'_>) -> f64 {
     metric(&text.text(), name, labels)
 }
 
-async fn wait_connected(http_url: &str, n: usize) {
-    let http = Http::default();
-    let url = format!("{http_url}/workers");
-    eventually("workers to register", || async {
-        let workers = http.get(&url).await.json();
-        let connected = workers["workers"].as_array().map_or(0, |w| {
-            w.iter().filter(|w| w["state"] == "connected").count()
-        });
-        connected == n
-    })
-    .await;
-}
-
 /// A rank's blocks as (parent, engine hash, tokens hash), order aside.
 fn links(events: &[EventKind]) -> BTreeSet<(Option<u64>, u64, u64)> {
     let mut links = BTreeSet::new();
@@ -74,7 +61,7 @@ async fn a_corrupted_index_is_caught_by_the_digest_counted_and_healed() {
     let http_url = format!("http://{}", router.http_addr);
     let grpc_url = format!("http://{}", router.grpc_addr);
     let sim = SimFleet::start_with(Some(&grpc_url), 1, &["--digest-interval-ms", "50"], &[]);
-    wait_connected(&http_url, 1).await;
+    wait_registered_at(&http_url, 1).await;
     let key = WorkerKey::new(sim.workers[0].0, 0);
     let label = key.worker_id.to_string();
     let labels = [("worker", label.as_str())];
@@ -243,16 +230,18 @@ async fn a_worker_moves_to_the_next_router_when_its_router_dies() {
     first.process.child.kill().unwrap();
     first.process.child.wait().unwrap();
     wait_registered(&second, 1).await;
-    // It registered with its dump: the blocks cached through the first router.
-    let route = Http::default()
-        .post(
-            &format!("{}/v1/route", second.http),
-            &json!({"model": "sim-model", "prompt": prompt(1)}),
-        )
-        .await
-        .json();
-    assert_eq!(route["worker_id"], id, "{route}");
-    assert_eq!(route["overlap_blocks"], 4, "{route}");
+    // Its dump follows the registration: the blocks cached through the first router.
+    eventually("the second router to index the worker's cache", || async {
+        let route = Http::default()
+            .post(
+                &format!("{}/v1/route", second.http),
+                &json!({"model": "sim-model", "prompt": prompt(1)}),
+            )
+            .await
+            .json();
+        route["worker_id"] == id && route["overlap_blocks"] == 4
+    })
+    .await;
     let reply = complete(&second.http, &prompt(2)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.worker(), id);

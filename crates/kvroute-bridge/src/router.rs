@@ -77,7 +77,14 @@ impl RouterLink {
             let served = self.engine.models().await;
             match served {
                 Ok(served) => match self
-                    .session(url, &served, &mut instance, &mut events, &mut loads)
+                    .session(
+                        url,
+                        &served,
+                        &mut instance,
+                        &mut events,
+                        &mut loads,
+                        &mut backoff,
+                    )
                     .await
                 {
                     Ended::Restarted => {
@@ -108,6 +115,7 @@ impl RouterLink {
         instance: &mut watch::Receiver<u64>,
         events: &mut mpsc::Receiver<WorkerBody>,
         loads: &mut mpsc::Receiver<proto::LoadReport>,
+        backoff: &mut Backoff,
     ) -> Ended {
         let channel = match kvroute_tls::grpc_endpoint(url, &self.tls) {
             Ok(endpoint) => {
@@ -163,6 +171,8 @@ impl RouterLink {
             Err(status) => return ended_by(status),
         };
         counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "registered").increment(1);
+        // A stream that worked: when it fails, the next URL gets the shortest back-off.
+        backoff.reset();
         info!(router = %url, worker_id = self.worker_id, models = ?served.models, "registered with the router");
         for part in dumps {
             if out.send(message(part)).await.is_err() {
