@@ -14,6 +14,10 @@
 //!
 //! With `max_blocks`, an [`crate::lru`] order evicts least-recently-used leaf
 //! blocks when the index holds more memberships than the limit.
+//!
+//! A dump (millions of blocks) is built beside the worker's state under a
+//! hidden slot, a few hundred blocks per lock hold, and swapped in at once, so
+//! routing and other workers go on meanwhile and never see half of it.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -455,10 +459,11 @@ impl KvIndex {
             return Err(state.blocks);
         };
         let mut old_state = old.state.lock().unwrap();
-        let mut eviction = self.lock_eviction();
         state.counters = std::mem::take(&mut old_state.counters);
         let old_blocks = std::mem::take(&mut old_state.blocks);
+        // Nobody else locks the hidden slot's state: it is in no registry yet.
         *shadow.state.lock().unwrap() = state;
+        let mut eviction = self.lock_eviction();
         if let Some(eviction) = eviction.as_deref_mut() {
             eviction.memberships = eviction.memberships + shadow.held.load(Ordering::Relaxed)
                 - old.held.load(Ordering::Relaxed);
