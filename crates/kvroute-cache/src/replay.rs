@@ -5,7 +5,9 @@
 //!    all resident, stopping at the first that is not;
 //! 2. `hit_tokens = min(k × block_size, input_length)`, `prompt_tokens =
 //!    input_length`;
-//! 3. every block of the request, hit or miss, is then accessed in order.
+//! 3. every block of the request, hit or miss, is then accessed in order,
+//!    each described by its depth in the prompt ([`crate::AccessHint`]; every
+//!    request is of normal priority).
 //!
 //! Alongside the token counts it measures what an operator weighs when picking
 //! a policy: evictions, how long accesses that evicted took, how many evicted
@@ -18,7 +20,7 @@ use hdrhistogram::Histogram;
 use kvroute_trace::TraceRequest;
 use rustc_hash::FxHashMap;
 
-use crate::{BlockCache, BlockId};
+use crate::{AccessHint, BlockCache, BlockId, Priority};
 
 /// One request's result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,6 +164,10 @@ pub fn replay<C: BlockCache + ?Sized>(
             hit_tokens: resident_prefix.saturating_mul(block_size).min(input_length),
         };
         for (position, &block) in (start..).zip(blocks) {
+            cache.hint(AccessHint {
+                depth: (position - start) as u32,
+                priority: Priority::Normal,
+            });
             let started = Instant::now();
             let access = cache.access(block, &mut evicted);
             if !evicted.is_empty() {
