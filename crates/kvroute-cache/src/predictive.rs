@@ -103,9 +103,17 @@ impl Predictive {
         if n == 0 {
             return None;
         }
-        let mut best = if n <= SAMPLES { 0 } else { self.random_below(n) };
+        let mut best = if n <= SAMPLES {
+            0
+        } else {
+            self.random_below(n)
+        };
         for i in 1..n.min(SAMPLES) {
-            let at = if n <= SAMPLES { i } else { self.random_below(n) };
+            let at = if n <= SAMPLES {
+                i
+            } else {
+                self.random_below(n)
+            };
             if self.worse(&self.entries[at], &self.entries[best]) {
                 best = at;
             }

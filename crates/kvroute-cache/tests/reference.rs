@@ -530,7 +530,11 @@ impl BlockCache for NaivePredictive {
         if self.blocks.len() >= self.capacity {
             evicted.extend(self.evict_one());
         }
-        let bucket = if depth == 0 { 0 } else { (depth.ilog2() as usize + 1).min(15) };
+        let bucket = if depth == 0 {
+            0
+        } else {
+            (depth.ilog2() as usize + 1).min(15)
+        };
         self.admitted[bucket] += 1.0;
         self.blocks.push((block, now, false, bucket));
         Access::Miss
