@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use kvroute_cache::PolicyKind;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Evicted blocks remembered (to recognise re-prefills), per pool slot.
 pub const REMEMBERED_PER_BLOCK: usize = 8;
@@ -97,7 +97,7 @@ impl Totals {
 }
 
 /// One policy's figures, as served and printed.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PolicyFigures {
     pub policy: String,
     pub evictions: u64,
@@ -110,6 +110,95 @@ pub struct PolicyFigures {
     pub memory_utilisation: f64,
     pub busy_s: f64,
     pub throughput_lost: f64,
+}
+
+impl PolicyFigures {
+    /// One policy's figures over several engines: counts add up, rates are
+    /// taken over the sums (utilisation and throughput lost weighted by busy
+    /// time, the mean decision time by evictions), and the p99 decision time
+    /// and Jain's index are the worst engine's. `None` for no figures.
+    pub fn combine(figures: &[PolicyFigures]) -> Option<PolicyFigures> {
+        let first = figures.first()?;
+        let sum = |f: &dyn Fn(&PolicyFigures) -> f64| figures.iter().map(f).sum::<f64>();
+        let ratio = |a: f64, b: f64| if b == 0.0 { 0.0 } else { a / b };
+        let evictions = figures.iter().map(|f| f.evictions).sum::<u64>();
+        let re_prefilled = figures.iter().map(|f| f.re_prefilled_blocks).sum::<u64>();
+        let busy = sum(&|f| f.busy_s);
+        Some(PolicyFigures {
+            policy: first.policy.clone(),
+            evictions,
+            decision_mean_us: ratio(
+                sum(&|f| f.decision_mean_us * f.evictions as f64),
+                evictions as f64,
+            ),
+            decision_p99_us: figures
+                .iter()
+                .map(|f| f.decision_p99_us)
+                .fold(0.0, f64::max),
+            re_prefilled_blocks: re_prefilled,
+            re_prefill_rate: ratio(re_prefilled as f64, evictions as f64),
+            requests: figures.iter().map(|f| f.requests).sum(),
+            jain_fairness: figures.iter().map(|f| f.jain_fairness).fold(1.0, f64::min),
+            memory_utilisation: ratio(sum(&|f| f.memory_utilisation * f.busy_s), busy),
+            busy_s: busy,
+            throughput_lost: ratio(sum(&|f| f.throughput_lost * f.busy_s), busy),
+        })
+    }
+}
+
+/// One goal of the issue, checked on a policy's figures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Goal {
+    pub figure: &'static str,
+    pub goal: &'static str,
+    pub value: String,
+    pub met: bool,
+}
+
+impl PolicyFigures {
+    /// The goals, each with this policy's value and whether it is met.
+    pub fn goals(&self) -> Vec<Goal> {
+        let pct = |x: f64| format!("{:.1}%", x * 100.0);
+        let us = |x: f64| format!("{x:.2} µs");
+        vec![
+            Goal {
+                figure: "decision time mean",
+                goal: "< 100 µs",
+                value: us(self.decision_mean_us),
+                met: self.decision_mean_us < 100.0,
+            },
+            Goal {
+                figure: "decision time p99",
+                goal: "< 100 µs",
+                value: us(self.decision_p99_us),
+                met: self.decision_p99_us < 100.0,
+            },
+            Goal {
+                figure: "re-prefill rate",
+                goal: "< 20%",
+                value: pct(self.re_prefill_rate),
+                met: self.re_prefill_rate < 0.2,
+            },
+            Goal {
+                figure: "Jain fairness (requests)",
+                goal: ">= 0.8",
+                value: format!("{:.3}", self.jain_fairness),
+                met: self.jain_fairness >= 0.8,
+            },
+            Goal {
+                figure: "memory utilisation",
+                goal: ">= 90%",
+                value: pct(self.memory_utilisation),
+                met: self.memory_utilisation >= 0.9,
+            },
+            Goal {
+                figure: "throughput lost vs infinite",
+                goal: "< 5%",
+                value: pct(self.throughput_lost),
+                met: self.throughput_lost < 0.05,
+            },
+        ]
+    }
 }
 
 /// Per-policy figures and the memory of recent victims.

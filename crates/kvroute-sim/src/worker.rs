@@ -286,6 +286,10 @@ impl Worker {
         (core.engine.stats(), core.engine.load())
     }
 
+    pub fn eviction_policy(&self) -> kvroute_cache::PolicyKind {
+        self.shared.core().engine.eviction_policy()
+    }
+
     /// What each eviction policy cost this engine while it ran.
     pub fn eviction_figures(&self) -> Vec<crate::eviction::PolicyFigures> {
         self.shared.core().engine.eviction_figures()
