@@ -84,7 +84,9 @@ impl Totals {
         Totals {
             policy,
             evictions: 0,
-            decision_ns: Histogram::new(3).expect("3 significant figures is a valid precision"),
+            // `saturating_record` never grows a histogram, so bound it explicitly.
+            decision_ns: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+                .expect("1 ns to 1 h at 3 significant figures is a valid range"),
             re_prefills: 0,
             requests: 0,
             fairness_sum: 0.0,
