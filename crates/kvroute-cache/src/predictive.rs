@@ -8,9 +8,11 @@
 //! left, `P = (reused + 1) / (admitted + 2)`. A block's eviction score is its
 //! age (accesses since its last use, plus one) divided by `√P`: the older and
 //! the less likely to come back, the sooner it goes. With every `P` equal it is
-//! LRU. The square root keeps one-off blocks from being thrown out on arrival
-//! (on the bundled traces it beats both `age ÷ P` and plain age). Ties go to
-//! the older last access, then the smaller id.
+//! LRU. The square root softens the penalty so that one-off blocks are not
+//! thrown out on arrival: on the conversation trace at 4,096 blocks, `age ÷ √P`
+//! hit 11.5% of prompt tokens, `age ÷ P` 11.0% and plain age 8.6%. On the
+//! synthetic trace plain age did best (23.1% against 21.1%). Ties go to the
+//! older last access, then the smaller id.
 //!
 //! Scores change with time, so there is no static order to keep: like Redis'
 //! sampled LRU, the victim is the worst of 64 residents drawn at random (a
