@@ -480,9 +480,11 @@ fn take_entry<T>(list: &mut Vec<T>, found: impl Fn(&T) -> bool) -> bool {
 // --------------------------------------------------------------- Predictive
 
 /// The predictive policy's rule by full scan (exact below 64 residents):
-/// score = (age + 1) for a block reused while resident, else (age + 1) /
-/// √((reused + 1) / (admitted + 2)) of its depth bucket (0, 1, 2–3, 4–7, ...);
-/// the victim has the largest score, ties to the older use, then the smaller id.
+/// score = (age + 1) for a block reused while resident or admitted while among
+/// the last `capacity` victims, else (age + 1) / √((reused + 1) / (admitted + 2))
+/// of its depth bucket (0, 1, 2–3, 4–7, ...), where such returns count as
+/// reused; the victim has the largest score, ties to the older use, then the
+/// smaller id.
 struct NaivePredictive {
     capacity: usize,
     now: u64,
@@ -491,6 +493,8 @@ struct NaivePredictive {
     blocks: Vec<(u64, u64, bool, usize)>,
     admitted: [f64; 16],
     reused: [f64; 16],
+    /// Every victim, oldest first (only the last `capacity` matter).
+    victims: Vec<u64>,
 }
 
 impl NaivePredictive {
@@ -502,6 +506,7 @@ impl NaivePredictive {
             blocks: vec![],
             admitted: [0.0; 16],
             reused: [0.0; 16],
+            victims: vec![],
         }
     }
     fn score(&self, e: &(u64, u64, bool, usize)) -> f64 {
@@ -535,8 +540,13 @@ impl BlockCache for NaivePredictive {
         } else {
             (depth.ilog2() as usize + 1).min(15)
         };
+        let window = &self.victims[self.victims.len().saturating_sub(self.capacity)..];
+        let returning = window.contains(&block);
         self.admitted[bucket] += 1.0;
-        self.blocks.push((block, now, false, bucket));
+        if returning {
+            self.reused[bucket] += 1.0;
+        }
+        self.blocks.push((block, now, returning, bucket));
         Access::Miss
     }
     fn hint(&mut self, hint: AccessHint) {
@@ -555,7 +565,9 @@ impl BlockCache for NaivePredictive {
                 .total_cmp(&self.score(eb))
                 .then((eb.1, eb.0).cmp(&(ea.1, ea.0)))
         })?;
-        Some(self.blocks.remove(at).0)
+        let victim = self.blocks.remove(at).0;
+        self.victims.push(victim);
+        Some(victim)
     }
     fn len(&self) -> usize {
         self.blocks.len()
