@@ -19,6 +19,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_router::config::Policy;
 use kvroute_router::server::{self, Running};
+use kvroute_sim::eviction::PolicyFigures;
 use kvroute_sim::trace::trace_tokens;
 use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
 use kvroute_trace::TraceRequest;
@@ -118,6 +119,11 @@ pub struct Replay {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Outcome {
     pub(crate) ok: bool,
+    /// The request's priority class (0 low, 1 normal, 2 high).
+    class: u8,
+    /// From the final usage chunk.
+    prompt_tokens: u64,
+    cached_tokens: u64,
     ttft_s: f64,
     itl_s: Vec<f64>,
     e2e_s: f64,
@@ -148,10 +154,26 @@ pub struct WorkerLoad {
     pub preemptions: u64,
 }
 
+/// One priority class's share of a run, as the client saw it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ClassReport {
+    pub class: u8,
+    pub requests: usize,
+    /// Cached over prompt tokens, from the responses' usage.
+    pub hit_rate: f64,
+    pub ttft_ms: Percentiles,
+}
+
 /// One policy's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyReport {
     pub policy: String,
+    /// The engines' eviction policy.
+    pub eviction: String,
+    /// What the eviction policy cost, over the fleet.
+    pub eviction_figures: Option<PolicyFigures>,
+    /// Requests are given classes 0, 1, 2 in turn (`priority_class`).
+    pub classes: Vec<ClassReport>,
     pub requests: usize,
     pub failed: usize,
     pub duration_s: f64,
@@ -201,7 +223,8 @@ pub async fn run(
     let first_ts = trace.first().map_or(0, |r| r.timestamp_ms);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
-    for request in trace {
+    for (index, request) in trace.iter().enumerate() {
+        let class = (index % 3) as u8;
         let offset = (request.timestamp_ms - first_ts) as f64 / replay.time_scale;
         tokio::time::sleep_until((start + Duration::from_secs_f64(offset / 1000.0)).into()).await;
         let max_tokens = replay
@@ -215,8 +238,10 @@ pub async fn run(
         let client = client.clone();
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
-            let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens);
-            send(&client, url, body).await.unwrap_or_default()
+            let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens, class);
+            let mut outcome = send(&client, url, body).await.unwrap_or_default();
+            outcome.class = class;
+            outcome
         }));
     }
     let mut outcomes = Vec::with_capacity(tasks.len());
@@ -237,12 +262,12 @@ pub async fn run(
 
 /// The streaming request body, written directly: a `serde_json::Value` of
 /// tens of thousands of numbers would cost the client more than the router.
-pub(crate) fn completion_body(tokens: &[u32], max_tokens: u64) -> String {
+pub(crate) fn completion_body(tokens: &[u32], max_tokens: u64, class: u8) -> String {
     use std::fmt::Write as _;
-    let mut body = String::with_capacity(tokens.len() * 6 + 160);
+    let mut body = String::with_capacity(tokens.len() * 6 + 180);
     let _ = write!(
         body,
-        r#"{{"model":"{MODEL}","max_tokens":{max_tokens},"stream":true,"#
+        r#"{{"model":"{MODEL}","max_tokens":{max_tokens},"priority_class":{class},"stream":true,"#
     );
     body.push_str(r#""stream_options":{"include_usage":true},"prompt":["#);
     for (i, token) in tokens.iter().enumerate() {
@@ -290,6 +315,12 @@ pub(crate) async fn send(
                 return Some(outcome);
             }
             let chunk: Value = serde_json::from_str(data).ok()?;
+            if let Some(usage) = chunk.get("usage") {
+                outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+                outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0);
+            }
             if chunk["choices"].as_array().is_some_and(|c| !c.is_empty()) {
                 let now = Instant::now();
                 match last_token {
@@ -382,8 +413,38 @@ fn report(
     let steps: u64 = pacing.iter().map(|p| p.steps).sum();
     let total_lag: f64 = pacing.iter().map(|p| p.total_lag.as_secs_f64()).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
+    let classes = (0..3u8)
+        .map(|class| {
+            let of_class: Vec<&&Outcome> = ok.iter().filter(|o| o.class == class).collect();
+            let prompt: u64 = of_class.iter().map(|o| o.prompt_tokens).sum();
+            let cached: u64 = of_class.iter().map(|o| o.cached_tokens).sum();
+            ClassReport {
+                class,
+                requests: of_class.len(),
+                hit_rate: if prompt == 0 {
+                    0.0
+                } else {
+                    cached as f64 / prompt as f64
+                },
+                ttft_ms: percentiles(of_class.iter().map(|o| o.ttft_s * 1000.0).collect()),
+            }
+        })
+        .collect();
+    let eviction = fleet
+        .workers
+        .first()
+        .map_or_else(String::new, |w| w.eviction_policy().to_string());
+    let figures: Vec<PolicyFigures> = fleet
+        .workers
+        .iter()
+        .flat_map(|w| w.eviction_figures())
+        .filter(|f| f.policy == eviction)
+        .collect();
     PolicyReport {
         policy: policy.as_str().to_string(),
+        eviction_figures: PolicyFigures::combine(&figures),
+        eviction,
+        classes,
         requests: outcomes.len(),
         failed: outcomes.len() - ok.len(),
         duration_s,
@@ -423,12 +484,14 @@ fn report(
     }
 }
 
-/// The side-by-side table of `demo` and `bench e2e`.
-pub fn table(reports: &[PolicyReport]) -> String {
+/// The side-by-side table of `demo` and `bench e2e`; `with_eviction` adds
+/// the eviction policy's goals and the per-class figures. When the runs used
+/// different eviction policies, columns are named `routing/eviction`.
+pub fn table(reports: &[PolicyReport], with_eviction: bool) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     type Cell<'a> = &'a dyn Fn(&PolicyReport) -> String;
-    let rows: [(&str, Cell); 12] = [
+    let base: [(&str, Cell); 12] = [
         ("prefix hit rate (workers)", &|r| {
             format!("{:.1}%", r.worker_hit_rate * 100.0)
         }),
@@ -461,10 +524,87 @@ pub fn table(reports: &[PolicyReport]) -> String {
                 .join("/")
         }),
     ];
-    let cells: Vec<(&str, Vec<String>)> = rows
-        .iter()
-        .map(|(name, cell)| (*name, reports.iter().map(cell).collect()))
+    let mut rows: Vec<(String, Cell)> = base
+        .into_iter()
+        .map(|(name, cell)| (name.to_string(), cell))
         .collect();
+    let goal_cells: Vec<Vec<String>>;
+    let class_cells: Vec<Vec<String>>;
+    if with_eviction {
+        rows.push(("evictions".into(), &|r| {
+            r.eviction_figures
+                .as_ref()
+                .map_or("-".into(), |f| f.evictions.to_string())
+        }));
+        // One row per goal; the goal list is the same for every policy.
+        goal_cells = reports
+            .iter()
+            .map(|r| {
+                r.eviction_figures.as_ref().map_or(Vec::new(), |f| {
+                    f.goals()
+                        .iter()
+                        .map(|g| format!("{} {}", g.value, if g.met { "met" } else { "missed" }))
+                        .collect()
+                })
+            })
+            .collect();
+        class_cells = reports
+            .iter()
+            .map(|r| {
+                r.classes
+                    .iter()
+                    .flat_map(|c| {
+                        [
+                            format!("{:.1}%", c.hit_rate * 100.0),
+                            format!("{:.0} / {:.0} ms", c.ttft_ms.p50, c.ttft_ms.p99),
+                        ]
+                    })
+                    .collect()
+            })
+            .collect();
+    } else {
+        goal_cells = Vec::new();
+        class_cells = Vec::new();
+    }
+    let mut cells: Vec<(String, Vec<String>)> = rows
+        .iter()
+        .map(|(name, cell)| (name.clone(), reports.iter().map(cell).collect()))
+        .collect();
+    if with_eviction {
+        let goals = reports
+            .iter()
+            .find_map(|r| r.eviction_figures.as_ref())
+            .map(PolicyFigures::goals)
+            .unwrap_or_default();
+        for (i, goal) in goals.iter().enumerate() {
+            cells.push((
+                format!("{} ({})", goal.figure, goal.goal),
+                goal_cells
+                    .iter()
+                    .map(|c| c.get(i).cloned().unwrap_or_else(|| "-".into()))
+                    .collect(),
+            ));
+        }
+        for class in 0..3 {
+            for (j, what) in ["hit rate", "TTFT p50 / p99"].iter().enumerate() {
+                cells.push((
+                    format!("class {class} {what}"),
+                    class_cells
+                        .iter()
+                        .map(|c| c.get(class * 2 + j).cloned().unwrap_or_else(|| "-".into()))
+                        .collect(),
+                ));
+            }
+        }
+    }
+    let mixed = reports.iter().any(|r| r.eviction != reports[0].eviction);
+    let label = |r: &PolicyReport| {
+        if mixed {
+            format!("{}/{}", r.policy, r.eviction)
+        } else {
+            r.policy.clone()
+        }
+    };
     // Each policy's column is as wide as its widest cell, so long cells (eight
     // workers' request counts) never run into the next column.
     let widths: Vec<usize> = (0..reports.len())
@@ -472,19 +612,20 @@ pub fn table(reports: &[PolicyReport]) -> String {
             cells
                 .iter()
                 .map(|(_, row)| row[i].len())
-                .chain([reports[i].policy.len()])
+                .chain([label(&reports[i]).len()])
                 .max()
                 .unwrap_or(0)
                 + 3
         })
         .collect();
-    let _ = write!(out, "{:<28}", "");
+    let name_width = cells.iter().map(|(name, _)| name.len()).max().unwrap_or(0) + 2;
+    let _ = write!(out, "{:<name_width$}", "");
     for (r, width) in reports.iter().zip(&widths) {
-        let _ = write!(out, "{:>width$}", r.policy);
+        let _ = write!(out, "{:>width$}", label(r));
     }
     out.push('\n');
     for (name, row) in cells {
-        let _ = write!(out, "{name:<28}");
+        let _ = write!(out, "{name:<name_width$}");
         for (cell, width) in row.iter().zip(&widths) {
             let _ = write!(out, "{cell:>width$}");
         }
@@ -499,7 +640,8 @@ mod tests {
 
     #[test]
     fn the_hand_written_body_is_the_json_it_means() {
-        let body: Value = serde_json::from_str(&completion_body(&[7, 0, 42], 5)).unwrap();
+        let body: Value = serde_json::from_str(&completion_body(&[7, 0, 42], 5, 2)).unwrap();
+        assert_eq!(body["priority_class"], 2);
         assert_eq!(body["prompt"], serde_json::json!([7, 0, 42]));
         assert_eq!(body["max_tokens"], 5);
         assert_eq!(body["model"], MODEL);

@@ -67,7 +67,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
-        println!("\n{}", e2e::table(&reports));
+        println!("\n{}", e2e::table(&reports, false));
         if args.once {
             return anyhow::Ok(());
         }

@@ -7,3 +7,4 @@ pub mod hash;
 pub mod replay;
 pub mod serve;
 pub mod sim;
+pub mod sim_stats;

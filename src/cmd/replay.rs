@@ -19,7 +19,7 @@ use crate::plot::{LineChart, Series, write_line_chart};
 pub struct ReplayArgs {
     /// Mooncake JSON Lines trace.
     trace: PathBuf,
-    /// Eviction policy: lru, lfu, fifo, s3fifo, arc, or the bounds belady and infinite.
+    /// Eviction policy: lru, lfu, fifo, s3fifo, arc, predictive, qos, or the bounds belady and infinite.
     #[arg(long, required_unless_present = "compare", conflicts_with = "compare")]
     policy: Option<PolicyKind>,
     /// Cache capacity in blocks (ignored by `infinite`).
@@ -281,13 +281,13 @@ fn print_table(
     );
     print!("{:<18}", "policy \\ blocks");
     for capacity in capacities {
-        print!("{capacity:>10}");
+        print!("{capacity:>12}");
     }
     println!();
     for &policy in policies {
         print!("{:<18}", label(policy));
         for &capacity in capacities {
-            print!("{:>10.2}", 100.0 * hit_rate(policy, capacity));
+            print!("{:>12.2}", 100.0 * hit_rate(policy, capacity));
         }
         println!();
     }
@@ -302,7 +302,7 @@ fn print_table(
             .copied()
             .max_by(|&a, &b| hit_rate(a, capacity).total_cmp(&hit_rate(b, capacity)))
             .map_or("", PolicyKind::name);
-        print!("{best:>10}");
+        print!("{best:>12}");
     }
     println!();
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, Subcommand};
 use kvroute_cache::PolicyKind;
 use kvroute_sim::{CostModel, EngineConfig, WorkerConfig, start_fleet};
 use kvroute_tls::GrpcClientTls;
@@ -29,9 +29,10 @@ pub struct EngineArgs {
     /// Most tokens (prefill chunks plus decodes) in one iteration.
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
-    /// Eviction policy of the cached blocks: lru, lfu, fifo, s3fifo, arc.
-    #[arg(long, default_value = "lru")]
-    pub eviction: PolicyKind,
+    /// Eviction policy of the cached blocks: lru, lfu, fifo, s3fifo, arc,
+    /// predictive or qos. `bench e2e` takes several, comma-separated, and runs each.
+    #[arg(long, value_delimiter = ',', default_value = "lru")]
+    pub eviction: Vec<PolicyKind>,
     /// Divides every simulated time (1: real time).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -44,7 +45,7 @@ impl EngineArgs {
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
-            eviction: self.eviction,
+            eviction: self.eviction.first().copied().unwrap_or(PolicyKind::Lru),
             cost: CostModel {
                 speedup: self.speedup,
                 ..CostModel::default()
@@ -90,7 +91,10 @@ impl From<RouterTlsArgs> for GrpcClientTls {
 }
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct SimArgs {
+    #[command(subcommand)]
+    command: Option<SimCommand>,
     /// Number of engines.
     #[arg(long, default_value_t = 1)]
     workers: usize,
@@ -130,14 +134,38 @@ pub struct SimArgs {
     /// How often each engine reports its load, in milliseconds.
     #[arg(long, default_value_t = 100)]
     load_report_ms: u64,
+    /// Log one line per eviction (time, policy, blocks freed, why).
+    #[arg(long)]
+    log_evictions: bool,
     #[command(flatten)]
     digest: DigestArgs,
     #[command(flatten)]
     engine: EngineArgs,
 }
 
+#[derive(Subcommand)]
+enum SimCommand {
+    /// Print a running simulated engine's eviction figures per policy, with
+    /// the goals met or missed.
+    Stats(StatsArgs),
+}
+
+#[derive(Args)]
+struct StatsArgs {
+    /// The engine's HTTP URL, e.g. http://127.0.0.1:8001.
+    #[arg(long)]
+    url: String,
+}
+
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    if let Some(SimCommand::Stats(stats)) = args.command {
+        return crate::cmd::sim_stats::run(&stats.url);
+    }
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(
+        args.engine.eviction.len() == 1,
+        "--eviction takes one policy here (bench e2e compares several)"
+    );
     kvroute_router::server::init_logging(&Default::default())?;
     let mut template = WorkerConfig::new(args.first_worker_id, args.engine.engine_config());
     template.model = args.model;
@@ -156,6 +184,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     template.auth_token = args.router_token;
     template.tokenizer = args.tokenizer;
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
+    template.log_evictions = args.log_evictions;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         let workers = start_fleet(&template, args.workers, args.base_port).await?;

@@ -28,17 +28,24 @@
 //!   see no reuse history: a pinned/unpinned pair that keeps policy state would
 //!   be needed for those to differ from FIFO-like behaviour in a pool.
 //!
-//! The policies ([`PolicyKind`]) are [`Lru`], [`Fifo`], [`Lfu`], [`S3Fifo`] and
-//! [`ArcCache`], plus two labelled bounds that are not real policies: [`Infinite`]
+//! The policies ([`PolicyKind`]) are [`Lru`], [`Fifo`], [`Lfu`], [`S3Fifo`],
+//! [`ArcCache`], [`Predictive`] (learns reuse distances per prefix depth) and
+//! [`Qos`] (priority classes, LRU within a class), plus two labelled bounds that are not real policies: [`Infinite`]
 //! (never evicts: the most any policy can hit) and [`Belady`] (block-level MIN,
 //! which needs the future block sequence). The queue-based policies share the
 //! intrusive lists of `list.rs`, whose invariants are written there.
+//!
+//! Before an access, its caller may describe it with [`BlockCache::hint`] (the
+//! block's depth in its prompt and the request's [`Priority`]); only the
+//! policies that learn from depth or honour classes read it.
 
 mod arc;
 mod belady;
 mod infinite;
 mod lfu;
 mod list;
+mod predictive;
+mod qos;
 mod queue;
 pub mod replay;
 mod s3fifo;
@@ -50,6 +57,8 @@ pub use arc::ArcCache;
 pub use belady::Belady;
 pub use infinite::Infinite;
 pub use lfu::Lfu;
+pub use predictive::Predictive;
+pub use qos::Qos;
 pub use queue::{Fifo, Lru};
 pub use replay::{PreparedTrace, ReplayReport, RequestOutcome, replay};
 pub use s3fifo::{S3Fifo, S3FifoParams};
@@ -65,6 +74,37 @@ pub enum Access {
     /// The block was not resident (a ghost entry is not resident) and has been
     /// admitted.
     Miss,
+}
+
+/// A request's priority class: under [`Qos`], low blocks are evicted before
+/// normal ones and normal before high.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    Low = 0,
+    #[default]
+    Normal = 1,
+    High = 2,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::Low, Priority::Normal, Priority::High];
+
+    /// The class numbered 0, 1 or 2, as requests carry it.
+    pub fn from_class(class: u64) -> Option<Priority> {
+        Self::ALL.get(usize::try_from(class).ok()?).copied()
+    }
+
+    pub fn class(self) -> u8 {
+        self as u8
+    }
+}
+
+/// What the caller knows about the next [`BlockCache::access`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AccessHint {
+    /// The block's position in its prompt (0 = first block).
+    pub depth: u32,
+    pub priority: Priority,
 }
 
 /// A block cache with an eviction policy. See the crate docs for how the replay
@@ -86,6 +126,20 @@ pub trait BlockCache {
     /// would to make room for an admission; `None` when nothing is resident
     /// (and always for the infinite bound, which never needs room).
     fn evict_one(&mut self) -> Option<BlockId>;
+
+    /// Describes the next `access` only. Policies that neither learn from
+    /// depth nor honour priority classes ignore it.
+    fn hint(&mut self, _hint: AccessHint) {}
+
+    /// Takes in a block that was resident under another policy (a switch of
+    /// policy at run time), called in that policy's eviction order, first
+    /// victim first, with room guaranteed by the caller: nothing is evicted.
+    /// By default an access, which evicts nothing below capacity.
+    fn adopt(&mut self, block: BlockId) {
+        let mut evicted = Vec::new();
+        self.access(block, &mut evicted);
+        debug_assert!(evicted.is_empty(), "adopt evicted {evicted:?}");
+    }
 
     /// Resident blocks.
     fn len(&self) -> usize;
@@ -126,22 +180,35 @@ pub enum PolicyKind {
     Fifo,
     S3Fifo,
     Arc,
+    Predictive,
+    Qos,
     Belady,
     Infinite,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::Lru,
         PolicyKind::Lfu,
         PolicyKind::Fifo,
         PolicyKind::S3Fifo,
         PolicyKind::Arc,
+        PolicyKind::Predictive,
+        PolicyKind::Qos,
         PolicyKind::Belady,
         PolicyKind::Infinite,
     ];
-    pub const NAMES: [&'static str; 7] =
-        ["lru", "lfu", "fifo", "s3fifo", "arc", "belady", "infinite"];
+    pub const NAMES: [&'static str; 9] = [
+        "lru",
+        "lfu",
+        "fifo",
+        "s3fifo",
+        "arc",
+        "predictive",
+        "qos",
+        "belady",
+        "infinite",
+    ];
 
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
@@ -170,6 +237,8 @@ impl PolicyKind {
             PolicyKind::Fifo => Box::new(Fifo::new(capacity)?),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new(capacity, s3fifo)?),
             PolicyKind::Arc => Box::new(ArcCache::new(capacity)?),
+            PolicyKind::Predictive => Box::new(Predictive::new(capacity)?),
+            PolicyKind::Qos => Box::new(Qos::new(capacity)?),
             PolicyKind::Belady => Box::new(Belady::new(capacity, future)?),
             PolicyKind::Infinite => Box::new(Infinite::default()),
         })

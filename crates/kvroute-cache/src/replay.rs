@@ -5,7 +5,9 @@
 //!    all resident, stopping at the first that is not;
 //! 2. `hit_tokens = min(k × block_size, input_length)`, `prompt_tokens =
 //!    input_length`;
-//! 3. every block of the request, hit or miss, is then accessed in order.
+//! 3. every block of the request, hit or miss, is then accessed in order,
+//!    each described by its depth in the prompt ([`crate::AccessHint`]; every
+//!    request is of normal priority).
 //!
 //! Alongside the token counts it measures what an operator weighs when picking
 //! a policy: evictions, how long accesses that evicted took, how many evicted
@@ -18,7 +20,7 @@ use hdrhistogram::Histogram;
 use kvroute_trace::TraceRequest;
 use rustc_hash::FxHashMap;
 
-use crate::{BlockCache, BlockId};
+use crate::{AccessHint, BlockCache, BlockId, Priority};
 
 /// One request's result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -133,7 +135,10 @@ pub fn replay<C: BlockCache + ?Sized>(
     mut after_request: impl FnMut(),
 ) -> ReplayReport {
     let capacity = cache.capacity().map(|c| c as f64);
-    let mut latency = Histogram::<u64>::new(3).expect("3 significant figures is a valid precision");
+    // Bounded explicitly: `saturating_record` never grows an auto-resizing
+    // histogram, so one from `new(3)` clamps anything past 2 µs down to 2 ns.
+    let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+        .expect("1 ns to 1 h at 3 significant figures is a valid range");
     let mut evicted = Vec::new();
     let mut report = ReplayReport {
         total_requests: trace.requests(),
@@ -162,6 +167,10 @@ pub fn replay<C: BlockCache + ?Sized>(
             hit_tokens: resident_prefix.saturating_mul(block_size).min(input_length),
         };
         for (position, &block) in (start..).zip(blocks) {
+            cache.hint(AccessHint {
+                depth: (position - start) as u32,
+                priority: Priority::Normal,
+            });
             let started = Instant::now();
             let access = cache.access(block, &mut evicted);
             if !evicted.is_empty() {
@@ -196,4 +205,54 @@ pub fn replay<C: BlockCache + ?Sized>(
         report.eviction_latency_p99_ns = Some(latency.value_at_quantile(0.99));
     }
     report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Access, Lru};
+
+    /// LRU that takes at least 5 µs over every access.
+    struct Slow(Lru);
+
+    impl BlockCache for Slow {
+        fn access(&mut self, block: BlockId, evicted: &mut Vec<BlockId>) -> Access {
+            std::thread::sleep(std::time::Duration::from_micros(5));
+            self.0.access(block, evicted)
+        }
+        fn contains(&self, block: BlockId) -> bool {
+            self.0.contains(block)
+        }
+        fn remove(&mut self, block: BlockId) -> bool {
+            self.0.remove(block)
+        }
+        fn evict_one(&mut self) -> Option<BlockId> {
+            self.0.evict_one()
+        }
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn capacity(&self) -> Option<usize> {
+            self.0.capacity()
+        }
+    }
+
+    #[test]
+    fn eviction_latencies_past_two_microseconds_are_not_clamped() {
+        let trace: Vec<TraceRequest> = (0..20)
+            .map(|i| TraceRequest {
+                timestamp_ms: 0,
+                input_length: 8,
+                output_length: 1,
+                hash_ids: vec![i, i + 100],
+            })
+            .collect();
+        let mut cache = Slow(Lru::new(4).unwrap());
+        let report = replay(&mut cache, &PreparedTrace::new(&trace), 4, || {});
+        assert!(report.evictions > 0);
+        assert!(
+            report.eviction_latency_p50_ns.unwrap() >= 5_000,
+            "{report:?}"
+        );
+    }
 }

@@ -217,6 +217,28 @@ impl BlockCache for S3Fifo {
         }
     }
 
+    /// Fills M first, then S, all with count 0: admitting to S would push
+    /// S's overflow out to G, losing blocks that the caller is carrying over.
+    fn adopt(&mut self, block: BlockId) {
+        match self.map.get(&block) {
+            Some(&slot) if self.slab.get(slot).queue == GHOST => {
+                self.slab.unlink(&mut self.ghost, slot);
+                self.map.remove(&block);
+                self.slab.release(slot);
+            }
+            Some(_) => return,
+            None => {}
+        }
+        let (queue, list) = if self.main.len() < self.main_cap {
+            (MAIN, &mut self.main)
+        } else {
+            (SMALL, &mut self.small)
+        };
+        let slot = self.slab.insert(block, queue, 0);
+        self.slab.push_back(list, slot);
+        self.map.insert(block, slot);
+    }
+
     fn len(&self) -> usize {
         self.small.len() + self.main.len()
     }

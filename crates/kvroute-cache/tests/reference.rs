@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 
 use kvroute_cache::{
-    Access, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind, PreparedTrace,
-    S3Fifo, S3FifoParams, replay,
+    Access, AccessHint, ArcCache, Belady, BlockCache, Fifo, Infinite, Lfu, Lru, PolicyKind,
+    Predictive, PreparedTrace, Priority, Qos, S3Fifo, S3FifoParams, replay,
 };
 use kvroute_trace::TraceRequest;
 use proptest::prelude::*;
@@ -17,6 +17,8 @@ enum Op {
     Access(u64),
     Remove(u64),
     EvictOne,
+    /// Describes the next access: depth and priority class.
+    Hint(u32, u8),
 }
 
 /// The naive models implement the same trait, so the same driver checks them.
@@ -38,6 +40,14 @@ fn check_same(
                 prop_assert_eq!(real.remove(block), naive.remove(block), "op {} {:?}", i, op)
             }
             Op::EvictOne => prop_assert_eq!(real.evict_one(), naive.evict_one(), "op {}", i),
+            Op::Hint(depth, class) => {
+                let hint = AccessHint {
+                    depth,
+                    priority: Priority::from_class(class.into()).unwrap(),
+                };
+                real.hint(hint);
+                naive.hint(hint);
+            }
         }
         prop_assert_eq!(real.len(), naive.len(), "op {} {:?}", i, op);
         for block in 0..BLOCKS {
@@ -61,6 +71,7 @@ fn ops(pool_ops: bool) -> impl Strategy<Value = Vec<Op>> {
             8 => (0..BLOCKS).prop_map(Op::Access),
             1 => (0..BLOCKS).prop_map(Op::Remove),
             1 => Just(Op::EvictOne),
+            4 => (0u32..20, 0u8..3).prop_map(|(depth, class)| Op::Hint(depth, class)),
         ]
         .boxed()
     } else {
@@ -414,6 +425,158 @@ impl BlockCache for NaiveArc {
     }
 }
 
+// ---------------------------------------------------------------------- QoS
+
+/// Blocks in recency order (oldest first) with their class; the victim is the
+/// oldest block of the lowest class present.
+struct NaiveQos {
+    capacity: usize,
+    next_class: u8,
+    blocks: Vec<(u64, u8)>,
+}
+
+impl BlockCache for NaiveQos {
+    fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
+        let class = std::mem::take(&mut self.next_class);
+        self.next_class = 1;
+        if let Some(at) = self.blocks.iter().position(|e| e.0 == block) {
+            let (_, old) = self.blocks.remove(at);
+            self.blocks.push((block, old.max(class)));
+            return Access::Hit;
+        }
+        if self.blocks.len() >= self.capacity {
+            evicted.extend(self.evict_one());
+        }
+        self.blocks.push((block, class));
+        Access::Miss
+    }
+    fn hint(&mut self, hint: AccessHint) {
+        self.next_class = hint.priority.class();
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.blocks.iter().any(|e| e.0 == block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        take_entry(&mut self.blocks, |e| e.0 == block)
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        let lowest = self.blocks.iter().map(|e| e.1).min()?;
+        let at = self.blocks.iter().position(|e| e.1 == lowest)?;
+        Some(self.blocks.remove(at).0)
+    }
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.capacity)
+    }
+}
+
+fn take_entry<T>(list: &mut Vec<T>, found: impl Fn(&T) -> bool) -> bool {
+    let at = list.iter().position(found);
+    at.map(|at| list.remove(at)).is_some()
+}
+
+// --------------------------------------------------------------- Predictive
+
+/// The predictive policy's rule by full scan (exact below 64 residents):
+/// score = (age + 1) for a block reused while resident or admitted while among
+/// the last `capacity` victims, else (age + 1) / √((reused + 1) / (admitted + 2))
+/// of its depth bucket (0, 1, 2–3, 4–7, ...), where such returns count as
+/// reused; the victim has the largest score, ties to the older use, then the
+/// smaller id.
+struct NaivePredictive {
+    capacity: usize,
+    now: u64,
+    next_depth: u32,
+    /// (block, last use, reused, depth bucket)
+    blocks: Vec<(u64, u64, bool, usize)>,
+    admitted: [f64; 16],
+    reused: [f64; 16],
+    /// Every victim, oldest first (only the last `capacity` matter).
+    victims: Vec<u64>,
+}
+
+impl NaivePredictive {
+    fn new(capacity: usize) -> Self {
+        NaivePredictive {
+            capacity,
+            now: 0,
+            next_depth: 0,
+            blocks: vec![],
+            admitted: [0.0; 16],
+            reused: [0.0; 16],
+            victims: vec![],
+        }
+    }
+    fn score(&self, e: &(u64, u64, bool, usize)) -> f64 {
+        let age = (self.now - e.1) as f64 + 1.0;
+        if e.2 {
+            age
+        } else {
+            age / ((self.reused[e.3] + 1.0) / (self.admitted[e.3] + 2.0)).sqrt()
+        }
+    }
+}
+
+impl BlockCache for NaivePredictive {
+    fn access(&mut self, block: u64, evicted: &mut Vec<u64>) -> Access {
+        let depth = std::mem::take(&mut self.next_depth);
+        let now = self.now;
+        self.now += 1;
+        if let Some(e) = self.blocks.iter_mut().find(|e| e.0 == block) {
+            if !e.2 {
+                e.2 = true;
+                self.reused[e.3] += 1.0;
+            }
+            e.1 = now;
+            return Access::Hit;
+        }
+        if self.blocks.len() >= self.capacity {
+            evicted.extend(self.evict_one());
+        }
+        let bucket = if depth == 0 {
+            0
+        } else {
+            (depth.ilog2() as usize + 1).min(15)
+        };
+        let window = &self.victims[self.victims.len().saturating_sub(self.capacity)..];
+        let returning = window.contains(&block);
+        self.admitted[bucket] += 1.0;
+        if returning {
+            self.reused[bucket] += 1.0;
+        }
+        self.blocks.push((block, now, returning, bucket));
+        Access::Miss
+    }
+    fn hint(&mut self, hint: AccessHint) {
+        self.next_depth = hint.depth;
+    }
+    fn contains(&self, block: u64) -> bool {
+        self.blocks.iter().any(|e| e.0 == block)
+    }
+    fn remove(&mut self, block: u64) -> bool {
+        take_entry(&mut self.blocks, |e| e.0 == block)
+    }
+    fn evict_one(&mut self) -> Option<u64> {
+        let at = (0..self.blocks.len()).max_by(|&a, &b| {
+            let (ea, eb) = (&self.blocks[a], &self.blocks[b]);
+            self.score(ea)
+                .total_cmp(&self.score(eb))
+                .then((eb.1, eb.0).cmp(&(ea.1, ea.0)))
+        })?;
+        let victim = self.blocks.remove(at).0;
+        self.victims.push(victim);
+        Some(victim)
+    }
+    fn len(&self) -> usize {
+        self.blocks.len()
+    }
+    fn capacity(&self) -> Option<usize> {
+        Some(self.capacity)
+    }
+}
+
 // ------------------------------------------------------------------- Belady
 
 /// MIN by scanning the rest of the sequence for every resident block.
@@ -492,6 +655,47 @@ proptest! {
     }
 
     #[test]
+    fn qos_matches_naive(capacity in 1usize..6, ops in ops(true)) {
+        let mut naive = NaiveQos { capacity, next_class: 1, blocks: vec![] };
+        check_same(&mut Qos::new(capacity).unwrap(), &mut naive, &ops)?;
+    }
+
+    #[test]
+    fn predictive_matches_naive(capacity in 1usize..9, ops in ops(true)) {
+        check_same(&mut Predictive::new(capacity).unwrap(), &mut NaivePredictive::new(capacity), &ops)?;
+    }
+
+    #[test]
+    fn adopting_another_policys_blocks_loses_none(
+        from in prop::sample::select(vec![PolicyKind::Lru, PolicyKind::S3Fifo, PolicyKind::Arc, PolicyKind::Predictive, PolicyKind::Qos]),
+        to in prop::sample::select(vec![PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::Fifo, PolicyKind::S3Fifo, PolicyKind::Arc, PolicyKind::Predictive, PolicyKind::Qos]),
+        capacity in 2usize..12,
+        ops in ops(true),
+    ) {
+        let mut old = from.build(capacity, S3FifoParams::default(), &[]).unwrap();
+        let mut evicted = vec![];
+        for op in ops {
+            match op {
+                Op::Access(block) => { old.access(block, &mut evicted); }
+                Op::Remove(block) => { old.remove(block); }
+                Op::EvictOne => { old.evict_one(); }
+                Op::Hint(..) => {}
+            }
+        }
+        let before: HashSet<u64> = (0..BLOCKS).filter(|&b| old.contains(b)).collect();
+        let mut new = to.build(capacity, S3FifoParams::default(), &[]).unwrap();
+        let mut order = vec![];
+        while let Some(victim) = old.evict_one() {
+            order.push(victim);
+            new.adopt(victim);
+        }
+        let after: HashSet<u64> = (0..BLOCKS).filter(|&b| new.contains(b)).collect();
+        prop_assert_eq!(order.len(), before.len());
+        prop_assert_eq!(&after, &before);
+        prop_assert_eq!(new.len(), before.len());
+    }
+
+    #[test]
     fn belady_matches_naive(capacity in 1usize..6, sequence in prop::collection::vec(0..BLOCKS, 0..150)) {
         let mut cache = Belady::new(capacity, &sequence).unwrap();
         let got: Vec<(Access, Vec<u64>)> = sequence
@@ -531,7 +735,8 @@ fn hit_tokens(kind: PolicyKind, capacity: usize, trace: &PreparedTrace) -> u64 {
     replay(cache.as_mut(), trace, BLOCK_SIZE, || {}).total_hit_tokens
 }
 
-/// The replay rules applied straight to the trace's own ids: per request the
+/// The replay rules applied straight to the trace's own ids (each access hinted
+/// with its depth): per request the
 /// hit tokens, then the evictions and the final size.
 fn naive_replay(cache: &mut dyn BlockCache, trace: &[TraceRequest]) -> (Vec<u64>, u64, usize) {
     let mut hits = Vec::new();
@@ -542,7 +747,11 @@ fn naive_replay(cache: &mut dyn BlockCache, trace: &[TraceRequest]) -> (Vec<u64>
             k += 1;
         }
         hits.push((k as u64 * BLOCK_SIZE).min(request.input_length));
-        for &block in &request.hash_ids {
+        for (depth, &block) in request.hash_ids.iter().enumerate() {
+            cache.hint(AccessHint {
+                depth: depth as u32,
+                priority: Priority::Normal,
+            });
             cache.access(block, &mut evicted);
         }
     }

@@ -28,11 +28,12 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use kvroute_cache::PolicyKind;
+use kvroute_cache::{PolicyKind, Priority};
 use kvroute_index::{BlockHasher, ExtraKeys, sequence_hashes};
 
 use crate::SimError;
 use crate::cost::{BatchShape, CostModel};
+use crate::eviction::{EvictionRecord, PolicyFigures};
 use crate::pool::{BlockKey, KvPool, PoolEvent};
 
 /// The engine's limits and costs.
@@ -94,6 +95,16 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Requests, prompt and cached tokens per priority class (low, normal, high).
+    pub classes: [ClassStats; 3],
+}
+
+/// One priority class's share of the counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 /// Current load, as the router and `/metrics` see it.
@@ -122,6 +133,7 @@ struct Seq {
     published: usize,
     cached_tokens: usize,
     counted: bool,
+    priority: Priority,
 }
 
 impl Seq {
@@ -187,6 +199,32 @@ impl Engine {
         self.pool.evictions()
     }
 
+    pub fn eviction_policy(&self) -> PolicyKind {
+        self.pool.policy()
+    }
+
+    /// Switches the cached blocks' eviction policy at run time; none is lost.
+    /// Returns the old policy.
+    pub fn set_eviction_policy(&mut self, policy: PolicyKind) -> Result<PolicyKind, SimError> {
+        let old = self.pool.set_policy(policy)?;
+        self.config.eviction = policy;
+        Ok(old)
+    }
+
+    /// What each policy cost while it ran (see [`crate::eviction`]).
+    pub fn eviction_figures(&self) -> Vec<PolicyFigures> {
+        self.pool.eviction_stats().figures()
+    }
+
+    pub fn log_evictions(&mut self, on: bool) {
+        self.pool.log_evictions(on);
+    }
+
+    /// Eviction decisions since the last call, when logging.
+    pub fn take_eviction_log(&mut self) -> Vec<EvictionRecord> {
+        self.pool.take_eviction_log()
+    }
+
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()
     }
@@ -228,6 +266,18 @@ impl Engine {
         max_tokens: u32,
         extra: &ExtraKeys,
     ) -> Result<SeqId, SimError> {
+        self.submit_prioritized(tokens, max_tokens, extra, Priority::Normal)
+    }
+
+    /// Queues a request of a priority class: under the `qos` policy its blocks
+    /// are kept before those of lower classes.
+    pub fn submit_prioritized(
+        &mut self,
+        tokens: &[u32],
+        max_tokens: u32,
+        extra: &ExtraKeys,
+        priority: Priority,
+    ) -> Result<SeqId, SimError> {
         if tokens.is_empty() {
             return Err(SimError::BadRequest("the prompt has no tokens".into()));
         }
@@ -264,6 +314,7 @@ impl Engine {
             published: 0,
             cached_tokens: 0,
             counted: false,
+            priority,
         });
         Ok(id)
     }
@@ -407,8 +458,11 @@ impl Engine {
             self.stats.finished += 1;
         }
         self.stats.steps += 1;
+        let duration = self.config.cost.step_time(batch);
+        let utilisation = self.pool.utilisation();
+        self.pool.eviction_stats_mut().step(duration, utilisation);
         Some(Step {
-            duration: self.config.cost.step_time(batch),
+            duration,
             batch,
             emitted,
         })
@@ -417,17 +471,34 @@ impl Engine {
     fn admit(&mut self, mut seq: Seq) {
         let bs = self.config.block_size;
         let hit = self.pool.match_prefix(&seq.blocks);
+        // Blocks an eviction took that this request must prefill again.
+        let lost = seq.blocks[hit..]
+            .iter()
+            .filter(|b| {
+                !self.pool.is_held(b.hash) && self.pool.eviction_stats().was_evicted(b.hash)
+            })
+            .count();
+        let cost = self.config.cost;
+        let stats = self.pool.eviction_stats_mut();
+        stats.lost(Duration::from_secs_f64(
+            (lost * bs) as f64 * cost.prefill_per_token_s / cost.speedup,
+        ));
         if !seq.counted {
+            stats.request(lost, seq.blocks.len());
             seq.counted = true;
             seq.cached_tokens = (hit * bs).min(seq.prompt_len);
             self.stats.requests += 1;
             self.stats.prompt_tokens += seq.prompt_len as u64;
             self.stats.cached_tokens += seq.cached_tokens as u64;
+            let class = &mut self.stats.classes[seq.priority.class() as usize];
+            class.requests += 1;
+            class.prompt_tokens += seq.prompt_len as u64;
+            class.cached_tokens += seq.cached_tokens as u64;
         }
         let mut parent = None;
         for (depth, block) in seq.blocks.iter().enumerate() {
             self.pool
-                .acquire(*block, parent, depth as u32)
+                .acquire(*block, parent, depth as u32, seq.priority)
                 .expect("admission checked that every block fits");
             parent = Some(block.hash);
         }
@@ -591,6 +662,145 @@ mod tests {
         assert_eq!(run(&mut engine)[0].cached_tokens, 16);
         engine.submit(&tokens(0..16), 1).unwrap();
         assert_eq!(run(&mut engine)[0].cached_tokens, 0);
+    }
+
+    /// What a router learns from the events: the announced blocks. Panics on
+    /// an event that contradicts it.
+    fn apply(view: &mut std::collections::BTreeSet<u64>, events: Vec<PoolEvent>) {
+        for event in events {
+            match event {
+                PoolEvent::Stored { hash, .. } => assert!(view.insert(hash), "stored twice"),
+                PoolEvent::Removed { hash } => assert!(view.remove(&hash), "removed unknown"),
+                PoolEvent::Cleared => view.clear(),
+            }
+        }
+    }
+
+    fn prompt_hashes(engine: &Engine, prompt: &[u32]) -> Vec<u64> {
+        sequence_hashes(
+            &engine
+                .hasher
+                .local_hashes_with(prompt, &ExtraKeys::default()),
+        )
+    }
+
+    #[test]
+    fn switching_policy_keeps_every_cached_block_and_sends_no_event() {
+        for (from, to) in [
+            (PolicyKind::Lru, PolicyKind::S3Fifo),
+            (PolicyKind::S3Fifo, PolicyKind::Arc),
+            (PolicyKind::Arc, PolicyKind::Predictive),
+            (PolicyKind::Predictive, PolicyKind::Qos),
+            (PolicyKind::Qos, PolicyKind::Lru),
+        ] {
+            let mut engine = Engine::new(EngineConfig {
+                eviction: from,
+                ..config(40)
+            })
+            .unwrap();
+            let mut view = std::collections::BTreeSet::new();
+            for start in [0, 1000, 2000, 3000, 4000, 5000] {
+                engine.submit(&tokens(start..start + 24), 1).unwrap();
+                run(&mut engine);
+            }
+            apply(&mut view, engine.take_events());
+            let before = engine.pool().cached_blocks();
+            assert!(!before.is_empty());
+            assert_eq!(engine.set_eviction_policy(to).unwrap(), from);
+            assert_eq!(engine.pool().cached_blocks(), before, "{from} -> {to}");
+            assert_eq!(engine.take_events(), [], "{from} -> {to}");
+            engine.pool().check();
+            // The carried-over blocks still hit, and the events stay consistent.
+            let hashes = prompt_hashes(&engine, &tokens(5000..5024));
+            let resident = hashes.iter().take_while(|h| before.contains(h)).count();
+            assert!(from == PolicyKind::S3Fifo || resident == 6, "{from}");
+            engine.submit(&tokens(5000..5024), 1).unwrap();
+            let hit = run(&mut engine)[0].cached_tokens as usize;
+            assert_eq!(hit, resident * 4, "{from} -> {to}");
+            for start in [6000, 7000, 8000, 0] {
+                engine.submit(&tokens(start..start + 24), 1).unwrap();
+                run(&mut engine);
+            }
+            apply(&mut view, engine.take_events());
+            assert_eq!(view, engine.pool().published_blocks(), "{from} -> {to}");
+            engine.pool().check();
+        }
+        let mut engine = Engine::new(config(8)).unwrap();
+        assert!(engine.set_eviction_policy(PolicyKind::Belady).is_err());
+        assert_eq!(engine.eviction_policy(), PolicyKind::Lru);
+    }
+
+    #[test]
+    fn qos_evicts_low_before_normal_before_high_then_lru() {
+        // 12 blocks: three 4-block prompts fill the pool, oldest first: high, low, normal.
+        let mut engine = Engine::new(EngineConfig {
+            eviction: PolicyKind::Qos,
+            ..config(12)
+        })
+        .unwrap();
+        let none = ExtraKeys::default();
+        let removed = |engine: &mut Engine| -> Vec<u64> {
+            let mut out: Vec<u64> = engine
+                .take_events()
+                .into_iter()
+                .filter_map(|e| match e {
+                    PoolEvent::Removed { hash } => Some(hash),
+                    _ => None,
+                })
+                .collect();
+            out.sort_unstable();
+            out
+        };
+        for (start, priority) in [
+            (0, Priority::High),
+            (100, Priority::Low),
+            (200, Priority::Normal),
+        ] {
+            engine
+                .submit_prioritized(&tokens(start..start + 16), 1, &none, priority)
+                .unwrap();
+            run(&mut engine);
+        }
+        removed(&mut engine);
+        // Each new high prompt needs 4 slots: first the low prompt goes, then
+        // the normal one, then the oldest high one (LRU within the class).
+        for (new, gone) in [(300, 100), (400, 200), (500, 0)] {
+            engine
+                .submit_prioritized(&tokens(new..new + 16), 1, &none, Priority::High)
+                .unwrap();
+            run(&mut engine);
+            let mut want = prompt_hashes(&engine, &tokens(gone..gone + 16));
+            want.sort_unstable();
+            assert_eq!(removed(&mut engine), want, "prompt {gone} goes");
+        }
+        let classes = engine.stats().classes;
+        assert_eq!(classes[Priority::High as usize].requests, 4);
+        assert_eq!(classes[Priority::Low as usize].requests, 1);
+        assert_eq!(classes[Priority::Normal as usize].requests, 1);
+    }
+
+    #[test]
+    fn eviction_log_and_figures_count_each_decision_and_re_prefill() {
+        let mut engine = Engine::new(config(8)).unwrap();
+        engine.log_evictions(true);
+        for start in [0, 1000, 2000, 0] {
+            engine.submit(&tokens(start..start + 16), 1).unwrap();
+            run(&mut engine);
+        }
+        let log = engine.take_eviction_log();
+        assert_eq!(log.len() as u64, engine.evictions());
+        assert!(log.iter().all(|r| r.policy == PolicyKind::Lru
+            && r.blocks_freed == 1
+            && r.reason == crate::eviction::Reason::Prefill));
+        let figures = &engine.eviction_figures()[0];
+        assert_eq!(figures.evictions, 8);
+        // The first prompt's 4 blocks were evicted, then asked for again.
+        assert_eq!(figures.re_prefilled_blocks, 4);
+        assert_eq!(figures.re_prefill_rate, 0.5);
+        assert_eq!(figures.requests, 4);
+        assert!(figures.jain_fairness < 1.0 && figures.jain_fairness > 0.0);
+        assert!(figures.throughput_lost > 0.0 && figures.memory_utilisation > 0.5);
+        assert!(engine.take_eviction_log().is_empty());
     }
 
     #[test]

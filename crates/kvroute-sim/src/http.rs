@@ -14,6 +14,13 @@
 //! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
 //! - `POST /admin/fault` with `{"fault": "stop_events" | "resume_events" |
 //!   "drop_events" | "restart" | "die", "count": N}` (count for drop_events).
+//! - `POST /admin/eviction` with `{"policy": NAME}` switches the eviction
+//!   policy while the engine runs (no restart, no cached block lost, no
+//!   event); `GET /admin/eviction` gives the current policy, each policy's
+//!   figures (see [`crate::eviction`]) and the per-class counters. Like
+//!   `/admin/fault`, these have no token: the simulator is a test fixture.
+//! - A request's `priority_class` (0 low, 1 normal, 2 high; default 1) is its
+//!   class under the `qos` eviction policy; the router forwards the body as is.
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -28,6 +35,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use futures_util::StreamExt;
+use kvroute_cache::{PolicyKind, Priority};
 use kvroute_index::ExtraKeys;
 use kvroute_proto::TokenizerInfo;
 use kvroute_tokenize::{Prompt, Tokenizer, TokenizerSpec, parse_completion_prompt};
@@ -90,6 +98,7 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .route("/admin/fault", post(fault))
+        .route("/admin/eviction", get(eviction_stats).post(switch_eviction))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .with_state(Arc::clone(&shared));
     let mut stopped = shared.stop.subscribe();
@@ -178,6 +187,7 @@ struct Parsed {
     max_tokens: u32,
     stream: bool,
     include_usage: bool,
+    priority: Priority,
 }
 
 fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
@@ -242,7 +252,14 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             .filter(|&n| n > 0)
             .ok_or_else(|| ApiError::bad("max_tokens must be a positive integer"))?,
     };
+    let priority = match json.get("priority_class") {
+        None | Some(Value::Null) => Priority::Normal,
+        Some(v) => v.as_u64().and_then(Priority::from_class).ok_or_else(|| {
+            ApiError::bad("`priority_class` must be 0 (low), 1 (normal) or 2 (high)")
+        })?,
+    };
     Ok(Parsed {
+        priority,
         model: model.to_string(),
         tokens,
         extra: ExtraKeys {
@@ -304,7 +321,12 @@ fn usage(last: &Emitted) -> Value {
 
 async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Response, ApiError> {
     let parsed = parse(&shared, body, kind)?;
-    let (id, rx) = shared.submit(&parsed.tokens, parsed.max_tokens, &parsed.extra)?;
+    let (id, rx) = shared.submit(
+        &parsed.tokens,
+        parsed.max_tokens,
+        &parsed.extra,
+        parsed.priority,
+    )?;
     let guard = AbortGuard {
         shared: Arc::clone(&shared),
         id,
@@ -472,6 +494,64 @@ async fn fault(
     Ok(Json(
         json!({"worker_id": shared.config.worker_id, "fault": name}),
     ))
+}
+
+/// Switches the eviction policy: `{"policy": NAME}`.
+async fn switch_eviction(
+    State(shared): State<Arc<Shared>>,
+    body: axum::body::Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let json: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let name = json
+        .get("policy")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("missing field `policy` (a string)"))?;
+    let policy: PolicyKind = name
+        .parse()
+        .map_err(|e: kvroute_cache::CacheError| ApiError::bad(e.to_string()))?;
+    if policy.is_bound() {
+        return Err(ApiError::bad(format!(
+            "`{policy}` is a reference bound, not a policy an engine can run"
+        )));
+    }
+    let (old, cached) = {
+        let mut core = shared.core();
+        let old = core.engine.set_eviction_policy(policy)?;
+        (old, core.engine.load().kv_blocks_cached)
+    };
+    tracing::info!(worker = shared.config.worker_id, from = %old, to = %policy, cached, "eviction policy switched");
+    Ok(Json(json!({
+        "worker_id": shared.config.worker_id,
+        "from": old.name(),
+        "to": policy.name(),
+        "cached_blocks": cached,
+    })))
+}
+
+/// The current policy, each policy's figures, and the per-class counters.
+async fn eviction_stats(State(shared): State<Arc<Shared>>) -> Json<Value> {
+    let core = shared.core();
+    let stats = core.engine.stats();
+    let classes: Vec<Value> = Priority::ALL
+        .iter()
+        .zip(stats.classes)
+        .map(|(class, c)| {
+            json!({
+                "class": class.class(),
+                "requests": c.requests,
+                "prompt_tokens": c.prompt_tokens,
+                "cached_tokens": c.cached_tokens,
+            })
+        })
+        .collect();
+    Json(json!({
+        "worker_id": shared.config.worker_id,
+        "policy": core.engine.eviction_policy().name(),
+        "kv_blocks_cached": core.engine.load().kv_blocks_cached,
+        "policies": core.engine.eviction_figures(),
+        "classes": classes,
+    }))
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {

@@ -8,6 +8,7 @@
 //! - [`engine`]: continuous batching over the pool (max-num-seqs,
 //!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
 //!   [`Engine::step`], timed by the [`cost`] model and never by a clock;
+//! - [`eviction`]: per-policy eviction figures and the eviction log;
 //! - [`events`]: the numbered event log a worker publishes, with a ring of
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
@@ -18,6 +19,7 @@
 pub mod cost;
 pub mod engine;
 pub mod events;
+pub mod eviction;
 pub mod http;
 pub mod pool;
 pub mod publisher;

@@ -18,12 +18,20 @@
 //! a `Stored` event) once its tokens have been computed; a block being prefilled
 //! holds its slot but cannot be hit yet. Evicting a cached block announces
 //! `Removed`. [`KvPool::clear`] empties everything and announces `Cleared`.
+//!
+//! The policy can be replaced while the engine runs ([`KvPool::set_policy`]):
+//! the cached blocks move to the new policy in the old one's eviction order,
+//! so none is lost and no event is sent. Each held block remembers its depth
+//! and the highest [`Priority`] of the requests that used it since it was
+//! last cached, which the policy is told ([`AccessHint`]) when it gets the block.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
-use kvroute_cache::{BlockCache, PolicyKind, S3FifoParams};
+use kvroute_cache::{AccessHint, BlockCache, PolicyKind, Priority, S3FifoParams};
 
 use crate::SimError;
+use crate::eviction::{EvictionRecord, EvictionStats, Reason};
 
 /// What changed in the pool, for the event stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,6 +65,7 @@ struct Held {
     depth: u32,
     refs: u32,
     published: bool,
+    priority: Priority,
 }
 
 pub struct KvPool {
@@ -69,6 +78,9 @@ pub struct KvPool {
     policy: PolicyKind,
     events: Vec<PoolEvent>,
     evictions: u64,
+    stats: EvictionStats,
+    /// Eviction decisions since the last `take_eviction_log`, when logging.
+    log: Option<Vec<EvictionRecord>>,
 }
 
 impl KvPool {
@@ -82,7 +94,71 @@ impl KvPool {
             policy,
             events: vec![PoolEvent::Cleared],
             evictions: 0,
+            stats: EvictionStats::new(policy, total),
+            log: None,
         })
+    }
+
+    pub fn policy(&self) -> PolicyKind {
+        self.policy
+    }
+
+    /// Replaces the eviction policy without losing a cached block: the old
+    /// policy gives up its blocks in its own eviction order (first victim
+    /// first) and the new one adopts them in that order, so what was about to
+    /// go still goes first. Returns the old policy.
+    pub fn set_policy(&mut self, policy: PolicyKind) -> Result<PolicyKind, SimError> {
+        let mut next = build_cache(policy, self.total)?;
+        while let Some(block) = self.cached.evict_one() {
+            self.adopt(next.as_mut(), block);
+        }
+        // Every policy gives up all its blocks; should one ever keep some, the
+        // pool's own record still brings them over.
+        let left: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(hash, h)| h.refs == 0 && !next.contains(**hash))
+            .map(|(hash, _)| *hash)
+            .collect();
+        for block in left {
+            self.adopt(next.as_mut(), block);
+        }
+        self.cached = next;
+        self.stats.switch_to(policy);
+        Ok(std::mem::replace(&mut self.policy, policy))
+    }
+
+    fn adopt(&self, cache: &mut (dyn BlockCache + Send), block: u64) {
+        if let Some(held) = self.held.get(&block) {
+            cache.hint(AccessHint {
+                depth: held.depth,
+                priority: held.priority,
+            });
+        }
+        cache.adopt(block);
+    }
+
+    /// Records each eviction decision for [`KvPool::take_eviction_log`].
+    pub fn log_evictions(&mut self, on: bool) {
+        self.log = on.then(Vec::new);
+    }
+
+    /// Eviction decisions since the last call (empty unless logging).
+    pub fn take_eviction_log(&mut self) -> Vec<EvictionRecord> {
+        self.log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    pub fn eviction_stats(&self) -> &EvictionStats {
+        &self.stats
+    }
+
+    pub fn eviction_stats_mut(&mut self) -> &mut EvictionStats {
+        &mut self.stats
+    }
+
+    /// Share of the slots holding a block, running or cached.
+    pub fn utilisation(&self) -> f64 {
+        (self.total - self.free()) as f64 / self.total.max(1) as f64
     }
 
     pub fn total(&self) -> usize {
@@ -129,23 +205,28 @@ impl KvPool {
             .count()
     }
 
-    /// References block `depth` of a prompt: shares it if held (taking it out
-    /// of the cached pool), otherwise takes a slot for it, unpublished.
+    /// References block `depth` of a prompt for a request of `priority`:
+    /// shares it if held (taking it out of the cached pool), otherwise takes a
+    /// slot for it, unpublished.
     pub fn acquire(
         &mut self,
         key: BlockKey,
         parent: Option<u64>,
         depth: u32,
+        priority: Priority,
     ) -> Result<(), OutOfBlocks> {
         if let Some(held) = self.held.get_mut(&key.hash) {
             if held.refs == 0 {
                 self.cached.remove(key.hash);
                 self.active += 1;
+                held.priority = priority;
             }
+            held.priority = held.priority.max(priority);
             held.refs += 1;
             return Ok(());
         }
-        self.take_slot()?;
+        self.take_slot(Reason::Prefill)?;
+        self.stats.re_prefilled(key.hash);
         self.active += 1;
         self.held.insert(
             key.hash,
@@ -155,6 +236,7 @@ impl KvPool {
                 depth,
                 refs: 1,
                 published: false,
+                priority,
             },
         );
         Ok(())
@@ -189,17 +271,24 @@ impl KvPool {
             self.held.remove(&hash);
             return;
         }
+        let hint = AccessHint {
+            depth: held.depth,
+            priority: held.priority,
+        };
         let mut evicted = Vec::new();
+        let started = Instant::now();
+        self.cached.hint(hint);
         self.cached.access(hash, &mut evicted);
-        // The policy's capacity is the whole pool, so admitting never evicts;
-        // handled anyway so the pool stays consistent with the policy.
+        // The policy's capacity is the whole pool, so admitting needs no room,
+        // but S3FIFO drops its small queue's overflow all the same.
+        let elapsed = started.elapsed();
         for victim in evicted {
-            self.forget(victim);
+            self.forget(victim, elapsed, Reason::Admission);
         }
     }
 
     pub fn alloc_private(&mut self) -> Result<(), OutOfBlocks> {
-        self.take_slot()?;
+        self.take_slot(Reason::Decode)?;
         self.private += 1;
         Ok(())
     }
@@ -245,22 +334,50 @@ impl KvPool {
         out
     }
 
-    fn take_slot(&mut self) -> Result<(), OutOfBlocks> {
+    fn take_slot(&mut self, reason: Reason) -> Result<(), OutOfBlocks> {
         if self.free() > 0 {
             return Ok(());
         }
+        let started = Instant::now();
         let victim = self.cached.evict_one().ok_or(OutOfBlocks)?;
-        self.forget(victim);
+        self.forget(victim, started.elapsed(), reason);
         Ok(())
     }
 
-    fn forget(&mut self, victim: u64) {
+    fn forget(&mut self, victim: u64, decision: Duration, reason: Reason) {
         self.held.remove(&victim);
         self.evictions += 1;
         self.events.push(PoolEvent::Removed { hash: victim });
+        self.stats.evicted(victim, decision);
+        if let Some(log) = &mut self.log {
+            log.push(EvictionRecord {
+                policy: self.policy,
+                blocks_freed: 1,
+                reason,
+            });
+        }
     }
 
     /// Asserts the slot accounting (tests only).
+    #[cfg(test)]
+    pub fn cached_blocks(&self) -> std::collections::BTreeSet<u64> {
+        self.held
+            .iter()
+            .filter(|(_, h)| h.refs == 0)
+            .map(|(hash, _)| *hash)
+            .collect()
+    }
+
+    /// Every published block, reachable from a root or not (tests only).
+    #[cfg(test)]
+    pub fn published_blocks(&self) -> std::collections::BTreeSet<u64> {
+        self.held
+            .iter()
+            .filter(|(_, h)| h.published)
+            .map(|(hash, _)| *hash)
+            .collect()
+    }
+
     #[cfg(test)]
     pub fn check(&self) {
         let active = self.held.values().filter(|h| h.refs > 0).count();

@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use kvroute_cache::Priority;
 use kvroute_index::ExtraKeys;
 use kvroute_tls::{GrpcClientTls, ServerConfig};
 use kvroute_tokenize::TokenizerSpec;
@@ -57,6 +58,8 @@ pub struct WorkerConfig {
     pub digest_events: u64,
     /// ... and at this interval (zero: never by time).
     pub digest_interval: Duration,
+    /// Log one line per eviction decision (time, policy, blocks freed, why).
+    pub log_evictions: bool,
 }
 
 impl WorkerConfig {
@@ -77,6 +80,7 @@ impl WorkerConfig {
             ring_events: DEFAULT_RING_EVENTS,
             digest_events: DEFAULT_DIGEST_EVENTS,
             digest_interval: DEFAULT_DIGEST_INTERVAL,
+            log_evictions: false,
         }
     }
 }
@@ -164,6 +168,7 @@ impl Shared {
         tokens: &[u32],
         max_tokens: u32,
         extra: &ExtraKeys,
+        priority: Priority,
     ) -> Result<(SeqId, mpsc::UnboundedReceiver<Emitted>), SimError> {
         if *self.stop.borrow() {
             return Err(SimError::Stopped);
@@ -171,7 +176,9 @@ impl Shared {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut core = self.core();
-            let id = core.engine.submit_with(tokens, max_tokens, extra)?;
+            let id = core
+                .engine
+                .submit_prioritized(tokens, max_tokens, extra, priority)?;
             core.streams.insert(id, tx);
             id
         };
@@ -186,8 +193,19 @@ impl Shared {
         }
     }
 
-    /// Moves the pool's new events into the log; wakes the publisher.
+    /// Moves the pool's new events into the log; wakes the publisher. Writes
+    /// the eviction log when asked to.
     fn log_events(&self, core: &mut Core) {
+        for record in core.engine.take_eviction_log() {
+            tracing::info!(
+                target: "kvroute_sim::eviction",
+                worker = self.config.worker_id,
+                policy = %record.policy,
+                blocks_freed = record.blocks_freed,
+                why = record.reason.as_str(),
+                "eviction"
+            );
+        }
         let events = core.engine.take_events();
         if !events.is_empty() {
             for event in events {
@@ -222,6 +240,7 @@ impl Worker {
         let (stop, _) = watch::channel(false);
         let mut log = EventLog::new(config.ring_events);
         let mut engine = engine;
+        engine.log_evictions(config.log_evictions);
         for event in engine.take_events() {
             log.append(event);
         }
@@ -275,6 +294,15 @@ impl Worker {
     pub fn stats(&self) -> (EngineStats, Load) {
         let core = self.shared.core();
         (core.engine.stats(), core.engine.load())
+    }
+
+    pub fn eviction_policy(&self) -> kvroute_cache::PolicyKind {
+        self.shared.core().engine.eviction_policy()
+    }
+
+    /// What each eviction policy cost this engine while it ran.
+    pub fn eviction_figures(&self) -> Vec<crate::eviction::PolicyFigures> {
+        self.shared.core().engine.eviction_figures()
     }
 
     /// How far this worker's iteration loop has run behind simulated time.

@@ -2,7 +2,10 @@
 //! fleet (all in this process, on loopback) under each routing policy:
 //! client-side TTFT, inter-token and end-to-end latency, throughput, the workers'
 //! actual prefix hit rate, the router's predicted hit rate, and Jain's fairness
-//! of the workers' load. Writes JSON, and a chart with `--plot`.
+//! of the workers' load. With `--eviction a,b,...` every routing policy runs
+//! once per eviction policy, and the table adds each eviction policy's goals
+//! (see `kvroute_sim::eviction`) and hit rate and TTFT per priority class
+//! (requests take classes 0, 1, 2 in turn). Writes JSON, and a chart with `--plot`.
 
 use std::path::PathBuf;
 
@@ -10,6 +13,8 @@ use anyhow::Context;
 use clap::Args;
 use kvroute_router::config::Policy;
 use serde_json::json;
+
+use kvroute_sim::EngineConfig;
 
 use crate::cmd::sim::EngineArgs;
 use crate::e2e::{self, Fleet, PolicyReport, Replay};
@@ -61,6 +66,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     let trace = kvroute_trace::read_trace(&args.trace, args.max_requests)
         .with_context(|| format!("cannot read the trace {}", args.trace.display()))?;
     let engine = args.engine.engine_config();
+    let evictions = args.engine.eviction.clone();
     let router = kvroute_router::Config::load(args.config.as_deref(), std::env::vars())?;
     let replay = Replay {
         time_scale: args.engine.speedup * args.rate,
@@ -69,19 +75,25 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     let reports = runtime.block_on(async {
         let mut reports = Vec::new();
-        for &policy in &args.policies {
-            eprintln!(
-                "bench e2e: {} requests under {} ...",
-                trace.len(),
-                policy.as_str()
-            );
-            let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
-            reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
-            fleet.shutdown().await;
+        for &eviction in &evictions {
+            let engine = EngineConfig {
+                eviction,
+                ..engine.clone()
+            };
+            for &policy in &args.policies {
+                eprintln!(
+                    "bench e2e: {} requests under {}, evicting with {eviction} ...",
+                    trace.len(),
+                    policy.as_str()
+                );
+                let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
+                reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
+                fleet.shutdown().await;
+            }
         }
         anyhow::Ok(reports)
     })?;
-    eprintln!("\n{}", e2e::table(&reports));
+    eprintln!("\n{}", e2e::table(&reports, true));
     for r in &reports {
         // A step delivered late delays every token after it: past a few timer
         // ticks on average, the latencies measure this machine, not the model.
@@ -100,6 +112,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         "workers": args.workers,
         "kv_blocks": engine.kv_blocks,
         "block_size": engine.block_size,
+        "evictions": evictions.iter().map(|e| e.name()).collect::<Vec<_>>(),
         "speedup": args.engine.speedup,
         "rate": args.rate,
         "max_output_tokens": args.max_output_tokens,

@@ -332,7 +332,7 @@ async fn pass(
         let offset = (request.timestamp_ms - first_ts) as f64 / speedup / 1000.0;
         tokio::time::sleep_until((start + Duration::from_secs_f64(offset)).into()).await;
         let tokens = trace_tokens(&request.hash_ids, request.input_length as usize);
-        let body = e2e::completion_body(&tokens, request.output_length.clamp(1, 32));
+        let body = e2e::completion_body(&tokens, request.output_length.clamp(1, 32), 1);
         let (client, url) = (client.clone(), url.clone());
         tasks.push(tokio::spawn(async move {
             e2e::send(&client, url, body).await.is_some_and(|o| o.ok)
