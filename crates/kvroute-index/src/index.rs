@@ -18,7 +18,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::event::{
@@ -26,7 +26,8 @@ use crate::event::{
 };
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs, shrink_sparse,
+    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs,
+    shrink_sparse,
 };
 
 /// Limits of the index.
@@ -161,7 +162,7 @@ const REGISTRY_SHARDS: usize = 16;
 type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
-/// to 64 ranks stays in the blocks' inline bitsets.
+/// to 63 ranks stays in the blocks' inline bitsets.
 #[derive(Default)]
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
@@ -182,8 +183,6 @@ pub struct KvIndex {
     /// Workers by key, sharded by key.
     registry: Box<[RwLock<WorkerMap>]>,
     indices: RwLock<Indices>,
-    /// Groups of 64 worker indices ever allocated (bitset words a lookup scans).
-    groups: AtomicUsize,
     eviction: Option<Mutex<Eviction>>,
     /// Counters of removed workers.
     retired: Mutex<Counters>,
@@ -201,7 +200,6 @@ impl KvIndex {
             table: Table::new(),
             registry: (0..REGISTRY_SHARDS).map(|_| RwLock::default()).collect(),
             indices: RwLock::default(),
-            groups: AtomicUsize::new(1),
             eviction: config.max_blocks.map(|max| {
                 Mutex::new(Eviction {
                     lru: Lru::default(),
@@ -291,7 +289,6 @@ impl KvIndex {
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
         let slot = self.find_slot(worker)?;
         let state = slot.state.lock().unwrap();
-        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
@@ -300,7 +297,7 @@ impl KvIndex {
         let mut reader = ShardReader::new(&self.table);
         for (engine, r) in held {
             let shard = reader.shard(r.shard());
-            if shard.workers(r.key(), group) & bit == 0 {
+            if !shard.holds(r.key(), slot.idx) {
                 continue;
             }
             let Some(&entry) = shard.entries.get(&r.key()) else {
@@ -462,47 +459,77 @@ impl KvIndex {
     }
 
     /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the keys of the path as deep as it was walked: they are computed
-    /// lazily, as most long requests match only a short prefix, and kept only
-    /// when needed (for the LRU, or for a second group of 64 workers).
+    /// and the keys of the path as deep as it was walked. One walk: keys are
+    /// chained lazily, as most long requests match only a short prefix, and
+    /// kept only for the LRU. The workers still matching are a bitset while
+    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list.
     fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
-        let groups = self.groups.load(Ordering::Acquire);
-        let keep_path = groups > 1 || self.eviction.is_some();
+        enum Active {
+            Bits(u64),
+            Ids(Vec<u32>),
+        }
+        let keep_path = self.eviction.is_some();
         let mut depths = Vec::new();
-        let mut path: Vec<BlockRef> = Vec::new();
+        let mut path = Vec::new();
         let mut reader = ShardReader::new(&self.table);
-        for group in 0..groups {
-            let base = 64 * group as u32;
-            let mut active = 0;
-            let mut parent = None;
-            for (depth, &local) in local_hashes.iter().enumerate() {
-                let r = match path.get(depth) {
-                    Some(&r) => r,
-                    None => {
-                        let r = BlockRef::child_of(parent, local);
-                        if keep_path {
-                            path.push(r);
-                        }
-                        r
+        let mut parent = None;
+        let mut active = Active::Bits(0);
+        for (depth, &local) in local_hashes.iter().enumerate() {
+            let r = BlockRef::child_of(parent, local);
+            if keep_path {
+                path.push(r.key());
+            }
+            parent = Some(r);
+            let holders = reader.shard(r.shard()).holders(r.key());
+            let depth = depth as u32;
+            if depth == 0 {
+                // The result is sized once, from the holders of block 0.
+                active = match holders {
+                    HolderSet::Bits(b) => {
+                        depths.reserve(b.count_ones() as usize);
+                        Active::Bits(b)
+                    }
+                    other => {
+                        let ids = other.ids();
+                        depths.reserve(ids.len());
+                        Active::Ids(ids)
                     }
                 };
-                parent = Some(r);
-                let holders = reader.shard(r.shard()).workers(r.key(), group);
-                let still = if depth == 0 {
-                    depths.reserve(holders.count_ones() as usize);
-                    holders
-                } else {
-                    active & holders
-                };
-                depths.extend(bits(active & !still, base).map(|i| (i, depth as u32)));
-                active = still;
-                if active == 0 {
-                    break;
+                if matches!(&active, Active::Bits(0))
+                    || matches!(&active, Active::Ids(ids) if ids.is_empty())
+                {
+                    return (depths, path);
                 }
+                continue;
             }
-            depths.extend(bits(active, base).map(|i| (i, local_hashes.len() as u32)));
+            let left = match &mut active {
+                Active::Bits(set) => {
+                    let still = holders.mask(*set);
+                    depths.extend(bits(*set & !still, 0).map(|i| (i, depth)));
+                    *set = still;
+                    still != 0
+                }
+                Active::Ids(ids) => {
+                    ids.retain(|&i| {
+                        let keep = holders.contains(i);
+                        if !keep {
+                            depths.push((i, depth));
+                        }
+                        keep
+                    });
+                    !ids.is_empty()
+                }
+            };
+            if !left {
+                return (depths, path);
+            }
         }
-        (depths, path.into_iter().map(BlockRef::key).collect())
+        let full = local_hashes.len() as u32;
+        match active {
+            Active::Bits(set) => depths.extend(bits(set, 0).map(|i| (i, full))),
+            Active::Ids(ids) => depths.extend(ids.into_iter().map(|i| (i, full))),
+        }
+        (depths, path)
     }
 
     /// The workers now, for walks that lock each in turn.
@@ -559,8 +586,6 @@ impl KvIndex {
             });
             indices.by_idx[idx as usize] = Some(slot.clone());
             workers.insert(worker, slot);
-            self.groups
-                .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
         }
     }
 
@@ -732,11 +757,10 @@ impl KvIndex {
         if !evicting || dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
             return;
         }
-        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut reader = ShardReader::new(&self.table);
         state
             .blocks
-            .retain(|_, r| reader.shard(r.shard()).workers(r.key(), group) & bit != 0);
+            .retain(|_, r| reader.shard(r.shard()).holds(r.key(), slot.idx));
         state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }
