@@ -10,7 +10,14 @@
 //! and every other lookup, in timeline order. Dynamo's events are applied by its
 //! own two event threads (the replay threads enqueue them, as its router does)
 //! and a run ends when its queues are flushed; its lookups run inline on the
-//! replay threads, as in Dynamo.
+//! replay threads, as in Dynamo. Throughput (ops/s, and ops per CPU-second of
+//! the whole process) comes from these runs.
+//!
+//! Lookup latency comes from a separate, settled pass: in such a concurrent run
+//! Dynamo's lookups meet whatever its queues have applied so far (a smaller
+//! tree while they lag), so the pass applies the timeline on one thread and,
+//! before each timed lookup, waits until every earlier event is applied. Both
+//! indexes then answer each lookup on the same state.
 //!
 //! Run from this directory (it is outside the workspace, with its own lock):
 //! `cargo run --release -- [--quick] [--rounds N] [--trace FILE] [--timeline NAME]`.
@@ -162,9 +169,14 @@ fn compare(
         let mut order = Indexer::ALL.to_vec();
         order.rotate_left(round % Indexer::ALL.len());
         for indexer in order {
-            let run = replay(runtime, indexer, &ops);
             let i = Indexer::ALL.iter().position(|&x| x == indexer).unwrap();
+            let run = replay(runtime, indexer, &ops);
             results[i].add(run, shape.ops());
+            let settled = settled_lookups(runtime, indexer, &ops, &mut results[i].preempted);
+            results[i]
+                .lookups
+                .add(settled)
+                .expect("histograms share bounds");
         }
     }
     // Memory: the same fleet with unbounded pools (nothing evicted), and the
@@ -192,13 +204,15 @@ fn compare(
     );
     for (indexer, t) in Indexer::ALL.iter().zip(&results) {
         println!(
-            "{:<8} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}",
+            "{:<8} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}   ({} of {} lookups preempted, left out)",
             indexer.name(),
             t.ops_per_s(),
             t.ops_per_cpu_s(),
             t.us(0.5),
             t.us(0.99),
-            t.us(0.999)
+            t.us(0.999),
+            t.preempted,
+            t.preempted + t.lookups.len(),
         );
     }
     for (name, per) in &memory {
@@ -286,13 +300,14 @@ impl Shape {
 struct Run {
     wall: Duration,
     cpu: Duration,
-    lookups: Histogram<u64>,
 }
 
 struct Totals {
     ops_per_s: Vec<f64>,
     ops_per_cpu_s: Vec<f64>,
     lookups: Histogram<u64>,
+    /// Lookups left out of `lookups`: the thread was descheduled meanwhile.
+    preempted: u64,
 }
 
 impl Totals {
@@ -301,6 +316,7 @@ impl Totals {
             ops_per_s: Vec::new(),
             ops_per_cpu_s: Vec::new(),
             lookups: histogram(),
+            preempted: 0,
         }
     }
 
@@ -308,9 +324,6 @@ impl Totals {
         self.ops_per_s.push(ops as f64 / run.wall.as_secs_f64());
         self.ops_per_cpu_s
             .push(ops as f64 / run.cpu.as_secs_f64().max(1e-3));
-        self.lookups
-            .add(run.lookups)
-            .expect("histograms share bounds");
     }
 
     fn ops_per_s(&self) -> f64 {
@@ -393,31 +406,39 @@ fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
     )
 }
 
+/// `op` in `indexer`'s own types.
+fn convert(indexer: Indexer, op: &TimelineOp) -> Op<'_> {
+    match (op, indexer) {
+        (TimelineOp::Event { worker, event }, Indexer::Dynamo) => {
+            Op::Dynamo(to_dynamo(*worker, event))
+        }
+        (TimelineOp::Event { worker, event }, _) => Op::Event(*worker, event),
+        (TimelineOp::Match { tokens_hashes }, Indexer::Dynamo) => {
+            Op::DynamoMatch(tokens_hashes.iter().copied().map(LocalBlockHash).collect())
+        }
+        (TimelineOp::Match { tokens_hashes }, _) => Op::Match(tokens_hashes),
+    }
+}
+
+/// The whole timeline in `indexer`'s own types, in order.
+fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op<'_>> {
+    ops.iter().map(|op| convert(indexer, op)).collect()
+}
+
 /// The timeline split over the replay threads: each thread gets the events of
 /// its share of the workers and every `THREADS`-th lookup, in timeline order.
 fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
     let mut shares: Vec<Vec<Op>> = (0..THREADS).map(|_| Vec::new()).collect();
     let mut lookups = 0;
     for op in ops {
-        match op {
-            TimelineOp::Event { worker, event } => {
-                let op = match indexer {
-                    Indexer::Dynamo => Op::Dynamo(to_dynamo(*worker, event)),
-                    _ => Op::Event(*worker, event),
-                };
-                shares[worker.worker_id as usize % THREADS].push(op);
-            }
-            TimelineOp::Match { tokens_hashes } => {
+        let thread = match op {
+            TimelineOp::Event { worker, .. } => worker.worker_id as usize % THREADS,
+            TimelineOp::Match { .. } => {
                 lookups += 1;
-                let op = match indexer {
-                    Indexer::Dynamo => {
-                        Op::DynamoMatch(tokens_hashes.iter().copied().map(LocalBlockHash).collect())
-                    }
-                    _ => Op::Match(tokens_hashes),
-                };
-                shares[lookups % THREADS].push(op);
+                lookups % THREADS
             }
-        }
+        };
+        shares[thread].push(convert(indexer, op));
     }
     shares
 }
@@ -483,7 +504,6 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
     let mut run = Run {
         wall: Duration::ZERO,
         cpu: Duration::ZERO,
-        lookups: histogram(),
     };
     std::thread::scope(|scope| {
         let handles: Vec<_> = shares
@@ -491,18 +511,10 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
             .map(|share| {
                 let (live, start) = (&live, &start);
                 scope.spawn(move || {
-                    let mut hist = histogram();
                     start.wait();
                     for op in share {
-                        if matches!(op, Op::Match(_) | Op::DynamoMatch(_)) {
-                            let t = Instant::now();
-                            live.run(op);
-                            hist.saturating_record(t.elapsed().as_nanos() as u64);
-                        } else {
-                            live.run(op);
-                        }
+                        live.run(op);
                     }
-                    hist
                 })
             })
             .collect();
@@ -510,9 +522,7 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
         start.wait();
         let t = Instant::now();
         for h in handles {
-            run.lookups
-                .add(h.join().unwrap())
-                .expect("histograms share bounds");
+            h.join().unwrap();
         }
         live.settle(runtime);
         run.wall = t.elapsed();
@@ -520,6 +530,49 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
     });
     drop(live);
     run
+}
+
+/// find_matches latencies (ns) of one settled pass: the timeline applied on
+/// one thread, every earlier event applied before each timed lookup.
+fn settled_lookups(
+    runtime: &tokio::runtime::Runtime,
+    indexer: Indexer,
+    ops: &[TimelineOp],
+    preempted: &mut u64,
+) -> Histogram<u64> {
+    let live = Live::new(indexer);
+    let mut hist = histogram();
+    let mut unsettled = false;
+    for op in converted(indexer, ops) {
+        if matches!(op, Op::Match(_) | Op::DynamoMatch(_)) {
+            if std::mem::take(&mut unsettled) {
+                live.settle(runtime);
+            }
+            let switches = involuntary_switches();
+            let t = Instant::now();
+            live.run(op);
+            let elapsed = t.elapsed();
+            // A lookup during which the scheduler took the CPU away measures
+            // the machine's other load, not the index: left out, and counted.
+            if involuntary_switches() == switches {
+                hist.saturating_record(elapsed.as_nanos() as u64);
+            } else {
+                *preempted += 1;
+            }
+        } else {
+            live.run(op);
+            unsettled = true;
+        }
+    }
+    hist
+}
+
+/// Times the calling thread was descheduled against its will so far.
+fn involuntary_switches() -> i64 {
+    // SAFETY: an all-zero rusage is valid, and getrusage writes one.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
+    usage.ru_nivcsw
 }
 
 /// Heap bytes an index holds per (worker, block) membership after applying the
@@ -532,14 +585,10 @@ fn bytes_per_membership(
     let live = Live::new(indexer);
     alloc::start();
     for op in ops {
-        if let TimelineOp::Event { worker, event } = op {
+        if let TimelineOp::Event { .. } = op {
             // Converted inside the counted span, so the events Dynamo frees
             // after applying them were counted when allocated.
-            let op = match indexer {
-                Indexer::Dynamo => Op::Dynamo(to_dynamo(*worker, event)),
-                _ => Op::Event(*worker, event),
-            };
-            live.run(op);
+            live.run(convert(indexer, op));
         }
     }
     live.settle(runtime);
