@@ -124,15 +124,31 @@ impl Counters {
 struct WorkerSlot {
     key: WorkerKey,
     idx: u32,
-    /// Blocks whose bit is set for this worker (its memberships). Read without
-    /// locks; written only through [`WorkerSlot::add_held`].
-    held: AtomicU64,
+    /// The block of counters holding this worker's: blocks whose bit is set
+    /// for it (its memberships). Read without locks; written only through
+    /// [`WorkerSlot::add_held`].
+    held: Arc<HeldCounters>,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
     state: Mutex<WorkerState>,
 }
 
+/// The `held` counters of 64 consecutive worker indices side by side, so that a
+/// lookup returning thousands of workers reads them without a pointer chase
+/// per worker.
+struct HeldCounters([AtomicU64; 64]);
+
+impl HeldCounters {
+    fn new() -> Self {
+        HeldCounters(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
 impl WorkerSlot {
+    fn held(&self) -> &AtomicU64 {
+        &self.held.0[self.idx as usize % 64]
+    }
+
     /// Adds `delta` to `held` with a plain load and store, not a locked
     /// read-modify-write (one per block op was a large share of ingest cost):
     /// writers of `held` are serialised. Without a limit only the worker's own
@@ -140,8 +156,8 @@ impl WorkerSlot {
     /// the evictor included, holds the eviction mutex.
     fn add_held(&self, delta: i64) {
         if delta != 0 {
-            let held = self.held.load(Ordering::Relaxed);
-            self.held
+            let held = self.held().load(Ordering::Relaxed);
+            self.held()
                 .store(held.wrapping_add_signed(delta), Ordering::Relaxed);
         }
     }
@@ -166,6 +182,10 @@ type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHa
 #[derive(Default)]
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
+    /// The key of each index (stale where free), and the held counters by 64
+    /// indices: dense, for lookups' results.
+    keys: Vec<WorkerKey>,
+    held: Vec<Arc<HeldCounters>>,
     free: BinaryHeap<Reverse<u32>>,
 }
 
@@ -344,7 +364,7 @@ impl KvIndex {
 
     pub fn worker_blocks(&self, worker: WorkerKey) -> u64 {
         self.find_slot(worker)
-            .map_or(0, |s| s.held.load(Ordering::Relaxed))
+            .map_or(0, |s| s.held().load(Ordering::Relaxed))
     }
 
     /// Per worker with at least one matching block: the matched depth of
@@ -365,11 +385,12 @@ impl KvIndex {
         let indices = self.indices.read().unwrap();
         let mut matches = Vec::with_capacity(depths.len());
         matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
-            let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
+            let i = idx as usize;
+            indices.by_idx.get(i)?.as_ref()?;
             Some(WorkerMatch {
-                worker: slot.key,
+                worker: indices.keys[i],
                 depth,
-                total_blocks: slot.held.load(Ordering::Relaxed),
+                total_blocks: indices.held[i / 64].0[i % 64].load(Ordering::Relaxed),
             })
         }));
         matches
@@ -435,7 +456,7 @@ impl KvIndex {
         let mut counters = self.retired.lock().unwrap().clone();
         let mut memberships = 0;
         for slot in &slots {
-            memberships += slot.held.load(Ordering::Relaxed);
+            memberships += slot.held().load(Ordering::Relaxed);
             counters.add(&slot.state.lock().unwrap().counters);
         }
         let mut events = Vec::new();
@@ -571,16 +592,25 @@ impl KvIndex {
             }
             let mut indices = self.indices.write().unwrap();
             let idx = match indices.free.pop() {
-                Some(Reverse(idx)) => idx,
+                Some(Reverse(idx)) => {
+                    indices.keys[idx as usize] = worker;
+                    idx
+                }
                 None => {
                     indices.by_idx.push(None);
+                    indices.keys.push(worker);
+                    if indices.by_idx.len() > 64 * indices.held.len() {
+                        indices.held.push(Arc::new(HeldCounters::new()));
+                    }
                     indices.by_idx.len() as u32 - 1
                 }
             };
+            let held = Arc::clone(&indices.held[idx as usize / 64]);
+            held.0[idx as usize % 64].store(0, Ordering::Relaxed);
             let slot = Arc::new(WorkerSlot {
                 key: worker,
                 idx,
-                held: AtomicU64::new(0),
+                held,
                 dangling: AtomicU64::new(0),
                 state: Mutex::default(),
             });
