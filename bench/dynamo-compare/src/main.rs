@@ -444,7 +444,7 @@ fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
 }
 
 enum Live {
-    Kvroute(KvIndex),
+    Kvroute(Box<KvIndex>),
     Dynamo(ThreadPoolIndexer<ConcurrentRadixTreeCompressed>),
     Dashmap(dash::DashIndex),
 }
@@ -452,7 +452,7 @@ enum Live {
 impl Live {
     fn new(indexer: Indexer) -> Live {
         match indexer {
-            Indexer::Kvroute => Live::Kvroute(KvIndex::new(IndexConfig::default())),
+            Indexer::Kvroute => Live::Kvroute(Box::new(KvIndex::new(IndexConfig::default()))),
             Indexer::Dynamo => Live::Dynamo(ThreadPoolIndexer::new(
                 ConcurrentRadixTreeCompressed::new(),
                 THREADS,
