@@ -22,7 +22,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::digest::{BlockSetDigest, IndexedDigest};
@@ -31,7 +31,8 @@ use crate::event::{
 };
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs, shrink_sparse,
+    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs,
+    shrink_sparse,
 };
 
 /// Limits of the index.
@@ -128,9 +129,10 @@ impl Counters {
 struct WorkerSlot {
     key: WorkerKey,
     idx: u32,
-    /// Blocks whose bit is set for this worker (its memberships). Read without
-    /// locks; written only through [`WorkerSlot::add_held`].
-    held: AtomicU64,
+    /// The block of counters holding this worker's: blocks whose bit is set
+    /// for it (its memberships). Read without locks; written only through
+    /// [`WorkerSlot::add_held`].
+    held: Arc<HeldCounters>,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
     /// Lookups see the slot's blocks and `max_blocks` counts them: false while
@@ -144,7 +146,22 @@ struct WorkerSlot {
     state: Mutex<WorkerState>,
 }
 
+/// The `held` counters of 64 consecutive worker indices side by side, so that a
+/// lookup returning thousands of workers reads them without a pointer chase
+/// per worker.
+struct HeldCounters([AtomicU64; 64]);
+
+impl HeldCounters {
+    fn new() -> Self {
+        HeldCounters(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
 impl WorkerSlot {
+    fn held(&self) -> &AtomicU64 {
+        &self.held.0[self.idx as usize % 64]
+    }
+
     /// Adds `delta` to `held` with a plain load and store, not a locked
     /// read-modify-write (one per block op was a large share of ingest cost):
     /// writers of `held` are serialised. Without a limit only the worker's own
@@ -152,8 +169,8 @@ impl WorkerSlot {
     /// the evictor included, holds the eviction mutex.
     fn add_held(&self, delta: i64) {
         if delta != 0 {
-            let held = self.held.load(Ordering::Relaxed);
-            self.held
+            let held = self.held().load(Ordering::Relaxed);
+            self.held()
                 .store(held.wrapping_add_signed(delta), Ordering::Relaxed);
         }
     }
@@ -183,10 +200,16 @@ const REGISTRY_SHARDS: usize = 16;
 type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
-/// to 64 ranks stays in the blocks' inline bitsets.
+/// to 63 ranks stays in the blocks' inline bitsets.
 #[derive(Default)]
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
+    /// The key and liveness (see [`WorkerSlot::live`]) of each index, stale
+    /// where free, and the held counters by 64 indices: dense, for lookups'
+    /// results.
+    keys: Vec<WorkerKey>,
+    live: Vec<bool>,
+    held: Vec<Arc<HeldCounters>>,
     free: BinaryHeap<Reverse<u32>>,
 }
 
@@ -219,8 +242,6 @@ pub struct KvIndex {
     /// Workers by key, sharded by key.
     registry: Box<[RwLock<WorkerMap>]>,
     indices: RwLock<Indices>,
-    /// Groups of 64 worker indices ever allocated (bitset words a lookup scans).
-    groups: AtomicUsize,
     eviction: Option<Mutex<Eviction>>,
     /// Counters of removed workers.
     retired: Mutex<Counters>,
@@ -238,7 +259,6 @@ impl KvIndex {
             table: Table::new(),
             registry: (0..REGISTRY_SHARDS).map(|_| RwLock::default()).collect(),
             indices: RwLock::default(),
-            groups: AtomicUsize::new(1),
             eviction: config.max_blocks.map(|max| {
                 Mutex::new(Eviction {
                     lru: Lru::default(),
@@ -471,13 +491,15 @@ impl KvIndex {
         *shadow.state.lock().unwrap() = state;
         let mut eviction = self.lock_eviction();
         if let Some(eviction) = eviction.as_deref_mut() {
-            eviction.memberships = eviction.memberships + shadow.held.load(Ordering::Relaxed)
-                - old.held.load(Ordering::Relaxed);
+            eviction.memberships = eviction.memberships + shadow.held().load(Ordering::Relaxed)
+                - old.held().load(Ordering::Relaxed);
         }
         {
-            let _indices = self.indices.write().unwrap();
+            let mut indices = self.indices.write().unwrap();
             old.live.store(false, Ordering::Relaxed);
             shadow.live.store(true, Ordering::Relaxed);
+            indices.live[old.idx as usize] = false;
+            indices.live[shadow.idx as usize] = true;
         }
         workers.insert(worker, Arc::clone(shadow));
         Ok((Arc::clone(&old), old_blocks))
@@ -505,7 +527,6 @@ impl KvIndex {
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
         let slot = self.find_slot(worker)?;
         let state = slot.state.lock().unwrap();
-        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
@@ -514,7 +535,7 @@ impl KvIndex {
         let mut reader = ShardReader::new(&self.table);
         for (engine, r) in held {
             let shard = reader.shard(r.shard());
-            if shard.workers(r.key(), group) & bit == 0 {
+            if !shard.holds(r.key(), slot.idx) {
                 continue;
             }
             let Some(&entry) = shard.entries.get(&r.key()) else {
@@ -573,7 +594,7 @@ impl KvIndex {
 
     pub fn worker_blocks(&self, worker: WorkerKey) -> u64 {
         self.find_slot(worker)
-            .map_or(0, |s| s.held.load(Ordering::Relaxed))
+            .map_or(0, |s| s.held().load(Ordering::Relaxed))
     }
 
     /// Per worker with at least one matching block: the matched depth of
@@ -585,11 +606,12 @@ impl KvIndex {
         let (depths, seqs) = self.match_depths(local_hashes);
         let mut matches = Vec::with_capacity(depths.len());
         matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
-            let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
-            slot.live.load(Ordering::Relaxed).then(|| WorkerMatch {
-                worker: slot.key,
+            let i = idx as usize;
+            indices.by_idx.get(i)?.as_ref()?;
+            indices.live[i].then(|| WorkerMatch {
+                worker: indices.keys[i],
                 depth,
-                total_blocks: slot.held.load(Ordering::Relaxed),
+                total_blocks: indices.held[i / 64].0[i % 64].load(Ordering::Relaxed),
             })
         }));
         drop(indices);
@@ -664,7 +686,7 @@ impl KvIndex {
         let mut counters = self.retired.lock().unwrap().clone();
         let mut memberships = 0;
         for slot in &slots {
-            memberships += slot.held.load(Ordering::Relaxed);
+            memberships += slot.held().load(Ordering::Relaxed);
             counters.add(&slot.state.lock().unwrap().counters);
         }
         let mut events = Vec::new();
@@ -688,47 +710,77 @@ impl KvIndex {
     }
 
     /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the keys of the path as deep as it was walked: they are computed
-    /// lazily, as most long requests match only a short prefix, and kept only
-    /// when needed (for the LRU, or for a second group of 64 workers).
+    /// and the keys of the path as deep as it was walked. One walk: keys are
+    /// chained lazily, as most long requests match only a short prefix, and
+    /// kept only for the LRU. The workers still matching are a bitset while
+    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list.
     fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
-        let groups = self.groups.load(Ordering::Acquire);
-        let keep_path = groups > 1 || self.eviction.is_some();
+        enum Active {
+            Bits(u64),
+            Ids(Vec<u32>),
+        }
+        let keep_path = self.eviction.is_some();
         let mut depths = Vec::new();
-        let mut path: Vec<BlockRef> = Vec::new();
+        let mut path = Vec::new();
         let mut reader = ShardReader::new(&self.table);
-        for group in 0..groups {
-            let base = 64 * group as u32;
-            let mut active = 0;
-            let mut parent = None;
-            for (depth, &local) in local_hashes.iter().enumerate() {
-                let r = match path.get(depth) {
-                    Some(&r) => r,
-                    None => {
-                        let r = BlockRef::child_of(parent, local);
-                        if keep_path {
-                            path.push(r);
-                        }
-                        r
+        let mut parent = None;
+        let mut active = Active::Bits(0);
+        for (depth, &local) in local_hashes.iter().enumerate() {
+            let r = BlockRef::child_of(parent, local);
+            if keep_path {
+                path.push(r.key());
+            }
+            parent = Some(r);
+            let holders = reader.shard(r.shard()).holders(r.key());
+            let depth = depth as u32;
+            if depth == 0 {
+                // The result is sized once, from the holders of block 0.
+                active = match holders {
+                    HolderSet::Bits(b) => {
+                        depths.reserve(b.count_ones() as usize);
+                        Active::Bits(b)
+                    }
+                    other => {
+                        let ids = other.ids();
+                        depths.reserve(ids.len());
+                        Active::Ids(ids)
                     }
                 };
-                parent = Some(r);
-                let holders = reader.shard(r.shard()).workers(r.key(), group);
-                let still = if depth == 0 {
-                    depths.reserve(holders.count_ones() as usize);
-                    holders
-                } else {
-                    active & holders
-                };
-                depths.extend(bits(active & !still, base).map(|i| (i, depth as u32)));
-                active = still;
-                if active == 0 {
-                    break;
+                if matches!(&active, Active::Bits(0))
+                    || matches!(&active, Active::Ids(ids) if ids.is_empty())
+                {
+                    return (depths, path);
                 }
+                continue;
             }
-            depths.extend(bits(active, base).map(|i| (i, local_hashes.len() as u32)));
+            let left = match &mut active {
+                Active::Bits(set) => {
+                    let still = holders.mask(*set);
+                    depths.extend(bits(*set & !still, 0).map(|i| (i, depth)));
+                    *set = still;
+                    still != 0
+                }
+                Active::Ids(ids) => {
+                    ids.retain(|&i| {
+                        let keep = holders.contains(i);
+                        if !keep {
+                            depths.push((i, depth));
+                        }
+                        keep
+                    });
+                    !ids.is_empty()
+                }
+            };
+            if !left {
+                return (depths, path);
+            }
         }
-        (depths, path.into_iter().map(BlockRef::key).collect())
+        let full = local_hashes.len() as u32;
+        match active {
+            Active::Bits(set) => depths.extend(bits(set, 0).map(|i| (i, full))),
+            Active::Ids(ids) => depths.extend(ids.into_iter().map(|i| (i, full))),
+        }
+        (depths, path)
     }
 
     /// The workers now, for walks that lock each in turn.
@@ -779,21 +831,29 @@ impl KvIndex {
             Some(Reverse(idx)) => idx,
             None => {
                 indices.by_idx.push(None);
+                indices.keys.push(worker);
+                indices.live.push(live);
+                if indices.by_idx.len() > 64 * indices.held.len() {
+                    indices.held.push(Arc::new(HeldCounters::new()));
+                }
                 indices.by_idx.len() as u32 - 1
             }
         };
+        let i = idx as usize;
+        indices.keys[i] = worker;
+        indices.live[i] = live;
+        let held = Arc::clone(&indices.held[i / 64]);
+        held.0[i % 64].store(0, Ordering::Relaxed);
         let slot = Arc::new(WorkerSlot {
             key: worker,
             idx,
-            held: AtomicU64::new(0),
+            held,
             dangling: AtomicU64::new(0),
             live: AtomicBool::new(live),
             trimmed: AtomicBool::new(false),
             state: Mutex::default(),
         });
-        indices.by_idx[idx as usize] = Some(slot.clone());
-        self.groups
-            .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
+        indices.by_idx[i] = Some(slot.clone());
         slot
     }
 
@@ -1000,11 +1060,10 @@ impl KvIndex {
         if !evicting || dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
             return;
         }
-        let (group, bit) = (slot.idx as usize / 64, 1u64 << (slot.idx % 64));
         let mut reader = ShardReader::new(&self.table);
         state
             .blocks
-            .retain(|_, r| reader.shard(r.shard()).workers(r.key(), group) & bit != 0);
+            .retain(|_, r| reader.shard(r.shard()).holds(r.key(), slot.idx));
         state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }

@@ -1,10 +1,11 @@
 //! The sharded table of distinct blocks: block key → which workers hold it.
 //!
 //! One flat hash map per shard, keyed by the block's chain key, holds each
-//! distinct block once with the set of workers holding it as a bitset of interned
-//! worker indices (the first 64 inline, the rest in a per-shard side map that stays
-//! empty in fleets of up to 64 ranks). See DESIGN.md for why the layout and the
-//! sharding rule were chosen.
+//! distinct block once with the set of interned worker indices holding it in
+//! one word ([`Holders`]): a bitset in fleets of up to 63 ranks, else a list of
+//! up to three indices, else (a block shared by many workers of a large fleet)
+//! a sorted list in the shard's spill map. See DESIGN.md for why the layout and
+//! the sharding rule were chosen.
 //!
 //! Sharding rule: a block at depth 0 or 1 lives in the shard picked by its own hash;
 //! a deeper block lives in its parent's shard. Every block below one depth-1 block
@@ -109,11 +110,117 @@ pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
 /// One distinct block.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Entry {
-    /// Workers 0..64 holding the block; higher indices are in [`Shard::wide`].
-    pub workers: u64,
+    /// The workers holding the block, in one word (see [`Holders`]).
+    pub workers: Holders,
     /// The block's local hash and its parent's key, for dumps.
     pub tokens_hash: u64,
     pub parent: u64,
+}
+
+/// Worker indices below this are bits of the inline bitset.
+const BITSET_IDS: u32 = 63;
+/// Marks the list form of [`Holders`].
+const LIST_FLAG: u64 = 1 << 63;
+/// Bits of one worker index in the list form, three of them to a word.
+const SLOT_BITS: u32 = 21;
+/// An empty slot of the list form.
+const NO_ID: u64 = (1 << SLOT_BITS) - 1;
+/// The list form with all three slots empty: the holders are in the shard's
+/// spill map.
+const SPILLED: u64 = u64::MAX;
+
+/// The set of workers holding a block, in the word the block's table slot
+/// keeps, in the first of these forms that fits:
+/// - a bitset of worker indices 0..63 (top bit clear; empty is 0), so a fleet
+///   of up to 63 ranks never leaves it and a lookup intersects with an AND;
+/// - a list of up to three indices of 21 bits each (top bit set), which covers
+///   most blocks of a large fleet, where few workers share a block;
+/// - spilled: the sorted indices live in the shard's spill map.
+///
+/// The form is a function of the set (each change re-encodes it), so equal sets
+/// are equal words and an empty set is 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Holders(u64);
+
+impl Holders {
+    pub const NONE: Holders = Holders(0);
+
+    /// The word for `ids` (sorted, distinct); [`Holders::is_spilled`] when
+    /// neither inline form fits them.
+    fn encode(ids: &[u32]) -> Holders {
+        if ids.iter().all(|&i| i < BITSET_IDS) {
+            Holders(ids.iter().fold(0, |w, &i| w | 1 << i))
+        } else if ids.len() <= 3 && ids.iter().all(|&i| u64::from(i) < NO_ID) {
+            let slot = |s: usize| ids.get(s).map_or(NO_ID, |&i| u64::from(i));
+            Holders(LIST_FLAG | slot(0) | slot(1) << SLOT_BITS | slot(2) << (2 * SLOT_BITS))
+        } else {
+            Holders(SPILLED)
+        }
+    }
+
+    /// The bitset, in the bitset form.
+    #[inline]
+    pub fn bitset(self) -> Option<u64> {
+        (self.0 & LIST_FLAG == 0).then_some(self.0)
+    }
+
+    pub fn is_spilled(self) -> bool {
+        self.0 == SPILLED
+    }
+
+    /// The indices of the list form, ascending.
+    fn listed(self) -> impl Iterator<Item = u32> {
+        (0..3)
+            .map(move |s| (self.0 >> (SLOT_BITS * s)) & NO_ID)
+            .filter(|&i| i != NO_ID)
+            .map(|i| i as u32)
+    }
+
+    /// The indices of an inline form, ascending.
+    fn inline_ids(self) -> Vec<u32> {
+        match self.bitset() {
+            Some(b) => bits(b, 0).collect(),
+            None => self.listed().collect(),
+        }
+    }
+}
+
+/// A block's holders as a lookup reads them.
+pub(crate) enum HolderSet<'a> {
+    Bits(u64),
+    List(Holders),
+    Spilled(&'a [u32]),
+}
+
+impl HolderSet<'_> {
+    #[inline]
+    pub fn contains(&self, idx: u32) -> bool {
+        match self {
+            HolderSet::Bits(b) => idx < BITSET_IDS && b & 1 << idx != 0,
+            HolderSet::List(h) => h.listed().any(|i| i == idx),
+            HolderSet::Spilled(ids) => ids.binary_search(&idx).is_ok(),
+        }
+    }
+
+    /// The members of `set` (a bitset of indices 0..63) that hold the block.
+    #[inline]
+    pub fn mask(&self, set: u64) -> u64 {
+        match self {
+            HolderSet::Bits(b) => set & b,
+            _ => bits(set, 0)
+                .filter(|&i| self.contains(i))
+                .fold(0, |w, i| w | 1 << i),
+        }
+    }
+
+    /// All holders, ascending.
+    pub fn ids(&self) -> Vec<u32> {
+        match self {
+            HolderSet::Bits(b) => bits(*b, 0).collect(),
+            HolderSet::List(h) => h.listed().collect(),
+            HolderSet::Spilled(ids) => ids.to_vec(),
+        }
+    }
 }
 
 /// Sequence hashes are already uniform: use them as their own hash, rotated so
@@ -138,102 +245,135 @@ pub(crate) type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 #[derive(Default)]
 pub(crate) struct Shard {
     pub entries: SeqMap<Entry>,
-    /// Bitset words for worker indices 64 and up (word 0 = indices 64..128).
-    pub wide: SeqMap<Vec<u64>>,
+    /// Sorted holder indices of the blocks whose holders are spilled.
+    pub spilled: SeqMap<Vec<u32>>,
 }
 
 impl Shard {
     /// Adds `worker` to the block, creating it. Returns (whether the worker is
     /// new to the block, whether the block is new).
     pub fn insert(&mut self, seq: u64, tokens_hash: u64, parent: u64, worker: u32) -> (bool, bool) {
-        let (entry, created) = match self.entries.entry(seq) {
+        let Shard { entries, spilled } = self;
+        let (entry, created) = match entries.entry(seq) {
             hash_map::Entry::Occupied(o) => (o.into_mut(), false),
             hash_map::Entry::Vacant(v) => (
                 v.insert(Entry {
-                    workers: 0,
+                    workers: Holders::NONE,
                     tokens_hash,
                     parent,
                 }),
                 true,
             ),
         };
-        if worker < 64 {
+        if let Some(b) = entry.workers.bitset()
+            && worker < BITSET_IDS
+        {
             let bit = 1 << worker;
-            let added = entry.workers & bit == 0;
-            entry.workers |= bit;
-            (added, created)
-        } else {
-            let (word, bit) = wide_bit(worker);
-            let words = self.wide.entry(seq).or_default();
-            if words.len() <= word {
-                words.resize(word + 1, 0);
-            }
-            let added = words[word] & bit == 0;
-            words[word] |= bit;
-            (added, created)
+            entry.workers = Holders(b | bit);
+            return (b & bit == 0, created);
         }
+        if entry.workers.is_spilled() {
+            let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
+            let added = match ids.binary_search(&worker) {
+                Ok(_) => false,
+                Err(at) => {
+                    ids.insert(at, worker);
+                    true
+                }
+            };
+            return (added, created);
+        }
+        let mut ids = entry.workers.inline_ids();
+        let Err(at) = ids.binary_search(&worker) else {
+            return (false, created);
+        };
+        ids.insert(at, worker);
+        entry.workers = Holders::encode(&ids);
+        if entry.workers.is_spilled() {
+            spilled.insert(seq, ids);
+        }
+        (true, created)
     }
 
     /// Removes `worker` from the block, dropping the block when nobody holds it.
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
+        let Shard { entries, spilled } = self;
         // One probe for the lookup and the removal.
-        let hash_map::Entry::Occupied(mut occupied) = self.entries.entry(seq) else {
+        let hash_map::Entry::Occupied(mut occupied) = entries.entry(seq) else {
             return (false, false);
         };
         let entry = occupied.get_mut();
-        let held = if worker < 64 {
-            let bit = 1 << worker;
-            let held = entry.workers & bit != 0;
-            entry.workers &= !bit;
+        let held = if let Some(b) = entry.workers.bitset() {
+            let held = worker < BITSET_IDS && b & 1 << worker != 0;
+            if held {
+                entry.workers = Holders(b & !(1 << worker));
+            }
             held
-        } else {
-            let (word, bit) = wide_bit(worker);
-            match self.wide.get_mut(&seq) {
-                Some(words) if words.get(word).is_some_and(|w| w & bit != 0) => {
-                    words[word] &= !bit;
-                    if words.iter().all(|&w| w == 0) {
-                        self.wide.remove(&seq);
+        } else if entry.workers.is_spilled() {
+            let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
+            match ids.binary_search(&worker) {
+                Ok(at) => {
+                    ids.remove(at);
+                    let encoded = Holders::encode(ids);
+                    if !encoded.is_spilled() {
+                        entry.workers = encoded;
+                        spilled.remove(&seq);
+                        shrink_sparse(spilled);
                     }
                     true
                 }
-                _ => false,
+                Err(_) => false,
+            }
+        } else {
+            let mut ids = entry.workers.inline_ids();
+            match ids.binary_search(&worker) {
+                Ok(at) => {
+                    ids.remove(at);
+                    entry.workers = Holders::encode(&ids);
+                    true
+                }
+                Err(_) => false,
             }
         };
-        let empty = entry.workers == 0 && (self.wide.is_empty() || !self.wide.contains_key(&seq));
+        let empty = entry.workers == Holders::NONE;
         if empty {
             occupied.remove();
-            shrink_sparse(&mut self.entries);
+            shrink_sparse(entries);
         }
         (held, empty)
     }
 
     /// Drops the block for every worker; returns the worker indices that held it.
     pub fn evict(&mut self, seq: u64) -> Vec<u32> {
-        let mut holders = Vec::new();
-        if let Some(entry) = self.entries.remove(&seq) {
-            holders.extend(bits(entry.workers, 0));
-            shrink_sparse(&mut self.entries);
+        let Some(entry) = self.entries.remove(&seq) else {
+            return Vec::new();
+        };
+        shrink_sparse(&mut self.entries);
+        if entry.workers.is_spilled() {
+            let ids = self.spilled.remove(&seq).unwrap_or_default();
+            shrink_sparse(&mut self.spilled);
+            ids
+        } else {
+            entry.workers.inline_ids()
         }
-        if let Some(words) = self.wide.remove(&seq) {
-            for (i, &w) in words.iter().enumerate() {
-                holders.extend(bits(w, 64 * (i as u32 + 1)));
-            }
-        }
-        holders
     }
 
-    /// Word `group` of the block's worker set (group 0: workers 0..64).
+    /// The block's holders (none if the block is absent).
     #[inline]
-    pub fn workers(&self, seq: u64, group: usize) -> u64 {
-        if group == 0 {
-            self.entries.get(&seq).map_or(0, |e| e.workers)
-        } else {
-            self.wide
-                .get(&seq)
-                .and_then(|w| w.get(group - 1).copied())
-                .unwrap_or(0)
+    pub fn holders(&self, seq: u64) -> HolderSet<'_> {
+        let workers = self.entries.get(&seq).map_or(Holders::NONE, |e| e.workers);
+        match workers.bitset() {
+            Some(b) => HolderSet::Bits(b),
+            None if workers.is_spilled() => {
+                HolderSet::Spilled(self.spilled.get(&seq).map_or(&[], Vec::as_slice))
+            }
+            None => HolderSet::List(workers),
         }
+    }
+
+    pub fn holds(&self, seq: u64, worker: u32) -> bool {
+        self.holders(seq).contains(worker)
     }
 }
 
@@ -263,11 +403,6 @@ pub(crate) fn map_bytes<K, V, S>(map: &HashMap<K, V, S>) -> u64 {
         (capacity * 8 / 7).next_power_of_two()
     };
     (buckets * (size_of::<(K, V)>() + 1) + 16) as u64
-}
-
-fn wide_bit(worker: u32) -> (usize, u64) {
-    let i = worker - 64;
-    ((i / 64) as usize, 1 << (i % 64))
 }
 
 /// The worker indices whose bits are set in `word`, offset by `base`.
@@ -307,11 +442,11 @@ impl Table {
             .map(|s| {
                 let shard = self.read(s);
                 map_bytes(&shard.entries)
-                    + map_bytes(&shard.wide)
+                    + map_bytes(&shard.spilled)
                     + shard
-                        .wide
+                        .spilled
                         .values()
-                        .map(|w| 8 * w.capacity() as u64)
+                        .map(|ids| 4 * ids.capacity() as u64)
                         .sum::<u64>()
             })
             .sum()

@@ -131,8 +131,24 @@ fn check_all(index: &KvIndex, model: &Model, paths: &[Vec<u64>]) -> Result<(), T
 }
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_after_fillers(ops, 0)
+}
+
+/// [`run`] after `fillers` workers that hold nothing took the first interned
+/// indices, so the four workers under test get the indices after them.
+fn run_after_fillers(ops: Vec<Op>, fillers: u64) -> Result<(), TestCaseError> {
     let index = KvIndex::new(IndexConfig::default());
     let mut model = Model::default();
+    for f in 0..fillers {
+        let key = WorkerKey::new(1_000 + f, 0);
+        let event = KvEvent {
+            event_id: 1,
+            kind: EventKind::Removed {
+                block_hashes: vec![0],
+            },
+        };
+        prop_assert_eq!(index.apply(key, &event), model.apply(key, &event));
+    }
     let paths = probe_paths();
     for op in ops {
         match op {
@@ -280,6 +296,15 @@ proptest! {
     #[test]
     fn index_matches_model(ops in prop::collection::vec(op_strategy(), 1..40)) {
         run(ops)?;
+    }
+
+    /// The workers under test get indices 61..=64, so blocks' holder sets take
+    /// every form: the inline bitset (all below 63), the inline list (up to
+    /// three, one at 63 or above) and the spilled list (all four), and move
+    /// between them as workers come and go.
+    #[test]
+    fn index_matches_model_across_holder_forms(ops in prop::collection::vec(op_strategy(), 1..40)) {
+        run_after_fillers(ops, 61)?;
     }
 
     #[test]

@@ -1,0 +1,609 @@
+//! dynamo-compare: kvroute's index against NVIDIA Dynamo's production index
+//! (`dynamo-kv-router`, `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with
+//! two event threads) on the same timelines, in alternating runs, with the
+//! ratios printed. A dashmap-backed variant of kvroute's table runs beside them.
+//!
+//! Timelines come from kvroute-index's own [`kvroute_index::timeline`] (a fleet
+//! of LRU block pools fed by a Mooncake trace), so this harness and
+//! `kvroute bench index` replay the same workload. Every index gets the same
+//! threads: two replay threads, each applying the events of half the workers
+//! and every other lookup, in timeline order. Dynamo's events are applied by its
+//! own two event threads (the replay threads enqueue them, as its router does)
+//! and a run ends when its queues are flushed; its lookups run inline on the
+//! replay threads, as in Dynamo. Throughput (ops/s, and ops per CPU-second of
+//! the whole process) comes from these runs.
+//!
+//! Lookup latency comes from a separate, settled pass: in such a concurrent run
+//! Dynamo's lookups meet whatever its queues have applied so far (a smaller
+//! tree while they lag), so the pass applies the timeline on one thread and,
+//! before each timed lookup, waits until every earlier event is applied. Both
+//! indexes then answer each lookup on the same state.
+//!
+//! Run from this directory (it is outside the workspace, with its own lock):
+//! `cargo run --release -- [--quick] [--rounds N] [--trace FILE] [--timeline NAME]`.
+
+mod alloc;
+mod dash;
+
+use std::path::PathBuf;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use dynamo_kv_router::protocols::{
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
+use hdrhistogram::Histogram;
+use kvroute_index::timeline::{TimelineOp, derive_timeline};
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey};
+
+#[global_allocator]
+static ALLOC: alloc::Counting = alloc::Counting;
+
+/// Replay threads, and Dynamo's event threads.
+const THREADS: usize = 2;
+/// Tokens per block of the Mooncake traces (Dynamo wants a block size).
+const BLOCK_SIZE: u32 = 512;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Indexer {
+    Kvroute,
+    Dynamo,
+    Dashmap,
+}
+
+impl Indexer {
+    const ALL: [Indexer; 3] = [Indexer::Kvroute, Indexer::Dynamo, Indexer::Dashmap];
+
+    fn name(self) -> &'static str {
+        match self {
+            Indexer::Kvroute => "kvroute",
+            Indexer::Dynamo => "dynamo",
+            Indexer::Dashmap => "dashmap",
+        }
+    }
+}
+
+struct Args {
+    trace: PathBuf,
+    rounds: usize,
+    /// Requests of the trace used (all unless quick).
+    requests: Option<usize>,
+    only: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        trace: PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/traces/conversation_trace.jsonl"
+        )),
+        rounds: 3,
+        requests: None,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--quick" => {
+                args.rounds = 1;
+                args.requests = Some(2_000);
+            }
+            "--rounds" => {
+                args.rounds = value("--rounds")?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--rounds must be a positive integer")?;
+            }
+            "--trace" => args.trace = PathBuf::from(value("--trace")?),
+            "--timeline" => args.only = Some(value("--timeline")?),
+            other => {
+                return Err(format!(
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000]"
+                ));
+            }
+        }
+    }
+    Ok(args)
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("dynamo-compare: {e}");
+            std::process::exit(2);
+        }
+    };
+    let trace = match kvroute_trace::read_trace(&args.trace, args.requests) {
+        Ok(trace) => trace,
+        Err(e) => {
+            eprintln!("dynamo-compare: {e}");
+            std::process::exit(1);
+        }
+    };
+    let requests: Vec<Vec<u64>> = trace.into_iter().map(|r| r.hash_ids).collect();
+    println!(
+        "trace {} ({} requests), {} rounds, {THREADS} replay threads, Dynamo with {THREADS} event threads",
+        args.trace.display(),
+        requests.len(),
+        args.rounds
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a current-thread runtime");
+    for workers in [16usize, 1_024, 7_000] {
+        if args
+            .only
+            .as_ref()
+            .is_some_and(|o| *o != workers.to_string())
+        {
+            continue;
+        }
+        compare(&runtime, &requests, workers, args.rounds);
+    }
+}
+
+/// One timeline: replays (alternating the indexers' order each round), memory,
+/// and the ratios.
+fn compare(
+    runtime: &tokio::runtime::Runtime,
+    requests: &[Vec<u64>],
+    workers: usize,
+    rounds: usize,
+) {
+    let ops = derive_timeline(requests.iter().map(Vec::as_slice), workers, 512);
+    let shape = Shape::of(&ops);
+    println!(
+        "\n== {workers} workers x 512-block pools: {} ops ({} lookups, {} events, {:.0}% removes)",
+        shape.ops(),
+        shape.lookups,
+        shape.events,
+        100.0 * shape.removes as f64 / shape.ops() as f64
+    );
+    let mut results: Vec<Totals> = Indexer::ALL.iter().map(|_| Totals::new()).collect();
+    for round in 0..rounds {
+        let mut order = Indexer::ALL.to_vec();
+        order.rotate_left(round % Indexer::ALL.len());
+        for indexer in order {
+            let i = Indexer::ALL.iter().position(|&x| x == indexer).unwrap();
+            let run = replay(runtime, indexer, &ops);
+            results[i].add(run, shape.ops());
+            let settled = settled_lookups(runtime, indexer, &ops, &mut results[i].preempted);
+            results[i]
+                .lookups
+                .add(settled)
+                .expect("histograms share bounds");
+        }
+    }
+    // Memory: the same fleet with unbounded pools (nothing evicted), and the
+    // shared case: every worker holds every block of the trace.
+    let unbounded = derive_timeline(requests.iter().map(Vec::as_slice), workers, usize::MAX);
+    let mut memory: Vec<(&str, Vec<f64>)> = vec![("unbounded pools", Vec::new())];
+    let shared = (workers == 16).then(|| replicated(requests, workers));
+    if shared.is_some() {
+        memory.push(("every block on every worker", Vec::new()));
+    }
+    for indexer in Indexer::ALL {
+        memory[0]
+            .1
+            .push(bytes_per_membership(runtime, indexer, &unbounded));
+        if let Some(shared) = &shared {
+            memory[1]
+                .1
+                .push(bytes_per_membership(runtime, indexer, shared));
+        }
+    }
+
+    println!(
+        "{:<8} {:>12} {:>14} {:>9} {:>9} {:>9}",
+        "index", "ops/s", "ops/CPU-s", "p50 us", "p99 us", "p999 us"
+    );
+    for (indexer, t) in Indexer::ALL.iter().zip(&results) {
+        println!(
+            "{:<8} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}   ({} of {} lookups preempted, left out)",
+            indexer.name(),
+            t.ops_per_s(),
+            t.ops_per_cpu_s(),
+            t.us(0.5),
+            t.us(0.99),
+            t.us(0.999),
+            t.preempted,
+            t.preempted + t.lookups.len(),
+        );
+    }
+    for (name, per) in &memory {
+        println!(
+            "heap B per membership, {name}: {}",
+            Indexer::ALL
+                .iter()
+                .zip(per)
+                .map(|(i, b)| format!("{} {b:.1}", i.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let (k, d, m) = (&results[0], &results[1], &results[2]);
+    println!(
+        "ratios kvroute/dynamo: ops/s {:.2}x, ops/CPU-s {:.2}x, p50 {:.2}, p99 {:.2}, p999 {:.2}, memory {} (lower is better except ops)",
+        k.ops_per_s() / d.ops_per_s(),
+        k.ops_per_cpu_s() / d.ops_per_cpu_s(),
+        k.us(0.5) / d.us(0.5),
+        k.us(0.99) / d.us(0.99),
+        k.us(0.999) / d.us(0.999),
+        memory
+            .iter()
+            .map(|(name, per)| format!("{:.2} ({name})", per[0] / per[1]))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "ratios dashmap/kvroute: ops/s {:.2}x, ops/CPU-s {:.2}x, p99 {:.2}, memory {:.2}",
+        m.ops_per_s() / k.ops_per_s(),
+        m.ops_per_cpu_s() / k.ops_per_cpu_s(),
+        m.us(0.99) / k.us(0.99),
+        memory[0].1[2] / memory[0].1[0]
+    );
+}
+
+/// Every request of the trace stored on every one of `workers` workers, so
+/// each block has `workers` holders.
+fn replicated(requests: &[Vec<u64>], workers: usize) -> Vec<TimelineOp> {
+    let one = derive_timeline(requests.iter().map(Vec::as_slice), 1, usize::MAX);
+    let mut ops = Vec::new();
+    for op in &one {
+        if let TimelineOp::Event { event, .. } = op {
+            for w in 0..workers as u64 {
+                ops.push(TimelineOp::Event {
+                    worker: WorkerKey::new(w, 0),
+                    event: event.clone(),
+                });
+            }
+        }
+    }
+    ops
+}
+
+struct Shape {
+    lookups: u64,
+    events: u64,
+    removes: u64,
+}
+
+impl Shape {
+    fn of(ops: &[TimelineOp]) -> Shape {
+        let mut shape = Shape {
+            lookups: 0,
+            events: 0,
+            removes: 0,
+        };
+        for op in ops {
+            match op {
+                TimelineOp::Match { .. } => shape.lookups += 1,
+                TimelineOp::Event { event, .. } => {
+                    shape.events += 1;
+                    shape.removes += matches!(event.kind, EventKind::Removed { .. }) as u64;
+                }
+            }
+        }
+        shape
+    }
+
+    fn ops(&self) -> u64 {
+        self.lookups + self.events
+    }
+}
+
+struct Run {
+    wall: Duration,
+    cpu: Duration,
+}
+
+struct Totals {
+    ops_per_s: Vec<f64>,
+    ops_per_cpu_s: Vec<f64>,
+    lookups: Histogram<u64>,
+    /// Lookups left out of `lookups`: the thread was descheduled meanwhile.
+    preempted: u64,
+}
+
+impl Totals {
+    fn new() -> Self {
+        Totals {
+            ops_per_s: Vec::new(),
+            ops_per_cpu_s: Vec::new(),
+            lookups: histogram(),
+            preempted: 0,
+        }
+    }
+
+    fn add(&mut self, run: Run, ops: u64) {
+        self.ops_per_s.push(ops as f64 / run.wall.as_secs_f64());
+        self.ops_per_cpu_s
+            .push(ops as f64 / run.cpu.as_secs_f64().max(1e-3));
+    }
+
+    fn ops_per_s(&self) -> f64 {
+        median(&self.ops_per_s)
+    }
+
+    fn ops_per_cpu_s(&self) -> f64 {
+        median(&self.ops_per_cpu_s)
+    }
+
+    fn us(&self, q: f64) -> f64 {
+        self.lookups.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut xs = xs.to_vec();
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Nanoseconds from 1 ns to 10 s at 3 significant figures.
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("valid bounds")
+}
+
+/// CPU time of the whole process so far, every thread's (Dynamo's event
+/// threads included).
+fn process_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which `ts` is.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// One operation in an indexer's own types, converted before the clock starts.
+enum Op<'a> {
+    Event(WorkerKey, &'a KvEvent),
+    Dynamo(RouterEvent),
+    Match(&'a [u64]),
+    DynamoMatch(Vec<LocalBlockHash>),
+}
+
+fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
+    let data = match &event.kind {
+        EventKind::Stored {
+            parent_hash,
+            blocks,
+        } => KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: parent_hash.map(ExternalSequenceBlockHash),
+            start_position: None,
+            blocks: blocks
+                .iter()
+                .map(|b| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(b.block_hash),
+                    tokens_hash: LocalBlockHash(b.tokens_hash),
+                    mm_extra_info: None,
+                })
+                .collect(),
+        }),
+        EventKind::Removed { block_hashes } => KvCacheEventData::Removed(KvCacheRemoveData {
+            block_hashes: block_hashes
+                .iter()
+                .copied()
+                .map(ExternalSequenceBlockHash)
+                .collect(),
+        }),
+        EventKind::Cleared => KvCacheEventData::Cleared,
+    };
+    RouterEvent::new(
+        worker.worker_id,
+        KvCacheEvent {
+            event_id: event.event_id,
+            data,
+            dp_rank: worker.dp_rank,
+        },
+    )
+}
+
+/// `op` in `indexer`'s own types.
+fn convert(indexer: Indexer, op: &TimelineOp) -> Op<'_> {
+    match (op, indexer) {
+        (TimelineOp::Event { worker, event }, Indexer::Dynamo) => {
+            Op::Dynamo(to_dynamo(*worker, event))
+        }
+        (TimelineOp::Event { worker, event }, _) => Op::Event(*worker, event),
+        (TimelineOp::Match { tokens_hashes }, Indexer::Dynamo) => {
+            Op::DynamoMatch(tokens_hashes.iter().copied().map(LocalBlockHash).collect())
+        }
+        (TimelineOp::Match { tokens_hashes }, _) => Op::Match(tokens_hashes),
+    }
+}
+
+/// The whole timeline in `indexer`'s own types, in order.
+fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op<'_>> {
+    ops.iter().map(|op| convert(indexer, op)).collect()
+}
+
+/// The timeline split over the replay threads: each thread gets the events of
+/// its share of the workers and every `THREADS`-th lookup, in timeline order.
+fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
+    let mut shares: Vec<Vec<Op>> = (0..THREADS).map(|_| Vec::new()).collect();
+    let mut lookups = 0;
+    for op in ops {
+        let thread = match op {
+            TimelineOp::Event { worker, .. } => worker.worker_id as usize % THREADS,
+            TimelineOp::Match { .. } => {
+                lookups += 1;
+                lookups % THREADS
+            }
+        };
+        shares[thread].push(convert(indexer, op));
+    }
+    shares
+}
+
+enum Live {
+    Kvroute(Box<KvIndex>),
+    Dynamo(ThreadPoolIndexer<ConcurrentRadixTreeCompressed>),
+    Dashmap(dash::DashIndex),
+}
+
+impl Live {
+    fn new(indexer: Indexer) -> Live {
+        match indexer {
+            Indexer::Kvroute => Live::Kvroute(Box::new(KvIndex::new(IndexConfig::default()))),
+            Indexer::Dynamo => Live::Dynamo(ThreadPoolIndexer::new(
+                ConcurrentRadixTreeCompressed::new(),
+                THREADS,
+                BLOCK_SIZE,
+            )),
+            Indexer::Dashmap => Live::Dashmap(dash::DashIndex::default()),
+        }
+    }
+
+    fn run(&self, op: Op<'_>) {
+        match (self, op) {
+            (Live::Kvroute(index), Op::Event(worker, event)) => {
+                std::hint::black_box(index.apply(worker, event));
+            }
+            (Live::Kvroute(index), Op::Match(hashes)) => {
+                std::hint::black_box(index.find_matches(hashes));
+            }
+            (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(worker, event),
+            (Live::Dashmap(index), Op::Match(hashes)) => {
+                std::hint::black_box(index.find_matches(hashes));
+            }
+            (Live::Dynamo(index), Op::Dynamo(event)) => {
+                index
+                    .enqueue_event(event)
+                    .expect("Dynamo's event threads are running");
+            }
+            (Live::Dynamo(index), Op::DynamoMatch(hashes)) => {
+                std::hint::black_box(index.backend().find_matches(&hashes, false));
+            }
+            _ => unreachable!("ops are converted for their indexer"),
+        }
+    }
+
+    /// Waits until every event enqueued so far is applied.
+    fn settle(&self, runtime: &tokio::runtime::Runtime) {
+        if let Live::Dynamo(index) = self {
+            runtime
+                .block_on(index.flush_and_wait())
+                .expect("Dynamo's event threads are running");
+        }
+    }
+}
+
+/// One replay of `ops` on a fresh index.
+fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp]) -> Run {
+    let shares = shares(indexer, ops);
+    let live = Live::new(indexer);
+    let start = Barrier::new(THREADS + 1);
+    let mut run = Run {
+        wall: Duration::ZERO,
+        cpu: Duration::ZERO,
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = shares
+            .into_iter()
+            .map(|share| {
+                let (live, start) = (&live, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    for op in share {
+                        live.run(op);
+                    }
+                })
+            })
+            .collect();
+        let cpu = process_cpu();
+        start.wait();
+        let t = Instant::now();
+        for h in handles {
+            h.join().unwrap();
+        }
+        live.settle(runtime);
+        run.wall = t.elapsed();
+        run.cpu = process_cpu().saturating_sub(cpu);
+    });
+    drop(live);
+    run
+}
+
+/// find_matches latencies (ns) of one settled pass: the timeline applied on
+/// one thread, every earlier event applied before each timed lookup.
+fn settled_lookups(
+    runtime: &tokio::runtime::Runtime,
+    indexer: Indexer,
+    ops: &[TimelineOp],
+    preempted: &mut u64,
+) -> Histogram<u64> {
+    let live = Live::new(indexer);
+    let mut hist = histogram();
+    let mut unsettled = false;
+    for op in converted(indexer, ops) {
+        if matches!(op, Op::Match(_) | Op::DynamoMatch(_)) {
+            if std::mem::take(&mut unsettled) {
+                live.settle(runtime);
+            }
+            let switches = involuntary_switches();
+            let t = Instant::now();
+            live.run(op);
+            let elapsed = t.elapsed();
+            // A lookup during which the scheduler took the CPU away measures
+            // the machine's other load, not the index: left out, and counted.
+            if involuntary_switches() == switches {
+                hist.saturating_record(elapsed.as_nanos() as u64);
+            } else {
+                *preempted += 1;
+            }
+        } else {
+            live.run(op);
+            unsettled = true;
+        }
+    }
+    hist
+}
+
+/// Times the calling thread was descheduled against its will so far.
+fn involuntary_switches() -> i64 {
+    // SAFETY: an all-zero rusage is valid, and getrusage writes one.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
+    usage.ru_nivcsw
+}
+
+/// Heap bytes an index holds per (worker, block) membership after applying the
+/// events of `ops`, counted by the allocator the same way for every index.
+fn bytes_per_membership(
+    runtime: &tokio::runtime::Runtime,
+    indexer: Indexer,
+    ops: &[TimelineOp],
+) -> f64 {
+    let live = Live::new(indexer);
+    alloc::start();
+    for op in ops {
+        if let TimelineOp::Event { .. } = op {
+            // Converted inside the counted span, so the events Dynamo frees
+            // after applying them were counted when allocated.
+            live.run(convert(indexer, op));
+        }
+    }
+    live.settle(runtime);
+    let bytes = alloc::stop();
+    let memberships = match &live {
+        Live::Kvroute(index) => index.stats().memberships,
+        _ => {
+            let reference = KvIndex::new(IndexConfig::default());
+            for op in ops {
+                if let TimelineOp::Event { worker, event } = op {
+                    reference.apply(*worker, event);
+                }
+            }
+            reference.stats().memberships
+        }
+    };
+    bytes as f64 / memberships.max(1) as f64
+}
