@@ -33,7 +33,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What the router link needs to know and share.
 pub struct RouterLink {
     pub url: String,
-    pub token: Option<String>,
+    pub token: Option<kvroute_tls::Secret>,
     pub tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
     pub engine_url: String,
@@ -136,7 +136,7 @@ impl RouterLink {
         }
         let mut request = Request::new(ReceiverStream::new(out_rx));
         if let Some(token) = &self.token {
-            match format!("Bearer {token}").parse() {
+            match format!("Bearer {}", token.expose()).parse() {
                 Ok(value) => {
                     request.metadata_mut().insert("authorization", value);
                 }

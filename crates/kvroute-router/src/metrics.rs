@@ -48,6 +48,7 @@ pub const INDEX_EVICTED: &str = "kvroute_index_evicted_blocks_total";
 pub const STALE_DUMPS: &str = "kvroute_stale_dumps_total";
 pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
 pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
+pub const TLS_HANDSHAKE_FAILURES: &str = "kvroute_tls_handshake_failures_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -162,6 +163,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
         ALIVE_TASKS,
         "Tokio tasks alive in the router's runtime (a leak shows as growth under steady load)",
     ),
+    (
+        TLS_HANDSHAKE_FAILURES,
+        "TLS handshakes that failed, by listener (http, grpc): plain-text clients, missing or untrusted certificates, timeouts",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -236,6 +241,9 @@ fn install() -> Renderer {
     }
     for &limit in crate::limits::ALL {
         let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
+    }
+    for listener in ["http", "grpc"] {
+        let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }
     for reason in ["connect", "status"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
