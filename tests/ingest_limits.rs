@@ -118,8 +118,7 @@ async fn a_stream_that_never_registers_is_closed_at_the_deadline_and_frees_its_s
     let status = tokio::time::timeout(std::time::Duration::from_secs(30), opened)
         .await
         .expect("the router answers a silent stream (without a deadline it never does)")
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
     assert!(
         status.message().contains("ingest.register_timeout_ms"),
