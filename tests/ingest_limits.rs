@@ -103,6 +103,33 @@ async fn registrations_streams_and_workers_over_their_limits_are_refused_and_cou
 }
 
 #[tokio::test]
+async fn a_stream_that_never_registers_is_closed_at_the_deadline_and_frees_its_slot() {
+    let router =
+        RouterProcess::start("[ingest]\nregister_timeout_ms = 300\n[limits]\nmax_streams = 1\n");
+    // A stream opened, kept open, and never sent anything on.
+    let channel = tonic::transport::Endpoint::from_shared(router.grpc.clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (_silent, messages) = tokio::sync::mpsc::channel::<kvroute_proto::WorkerMessage>(1);
+    let mut client = kvroute_proto::kv_router_client::KvRouterClient::new(channel);
+    let opened = client.stream(tokio_stream::wrappers::ReceiverStream::new(messages));
+    let status = tokio::time::timeout(std::time::Duration::from_secs(30), opened)
+        .await
+        .expect("the router answers a silent stream (without a deadline it never does)")
+        .expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    assert!(
+        status.message().contains("ingest.register_timeout_ms"),
+        "{status}"
+    );
+    assert_eq!(refusals(&router, "register_timeout").await, 1.0);
+    // Its slot of the one allowed is free again.
+    connect(&router, 1).await.expect("a worker registers");
+}
+
+#[tokio::test]
 async fn oversized_batches_and_messages_end_the_stream_with_a_status() {
     let router = RouterProcess::start(
         "[limits]\nmax_events_per_batch = 4\nmax_grpc_message_bytes = 65536\n",

@@ -99,11 +99,20 @@ async fn https_api_mtls_ingest_and_https_workers_end_to_end() {
 }
 
 #[tokio::test]
-async fn ingest_refuses_workers_without_a_client_certificate_and_plain_clients_fail_clearly() {
+async fn failed_handshakes_are_refused_counted_and_logged_once_per_interval() {
     let certs = Certs::generate();
-    let router = RouterProcess::start(&certs.router_tls(true));
+    // Another CA: certificates the router does not trust, a client that does
+    // not trust the router.
+    let stranger = Certs::generate();
+    let log = std::env::temp_dir().join(format!("kvroute-tls-log-{}.log", std::process::id()));
+    let router = RouterProcess::start_logging("127.0.0.1:0", &certs.router_tls(true), Some(&log));
     let grpc = https(&router.grpc);
+    let api = https(&router.http);
 
+    // A TCP probe that closes without a byte is no failed handshake.
+    drop(tokio::net::TcpStream::connect(router.http.trim_start_matches("http://")).await);
+
+    // gRPC ingest: no client certificate, plain text, a certificate of another CA.
     let refused = register_over(&grpc, &certs.worker_tls(false), 1).await;
     assert!(
         refused.is_err(),
@@ -114,21 +123,83 @@ async fn ingest_refuses_workers_without_a_client_certificate_and_plain_clients_f
         .expect("a worker with a client certificate registers");
     let plain = register_over(&router.grpc, &GrpcClientTls::default(), 3).await;
     assert!(plain.is_err(), "plain gRPC reached the TLS ingest");
+    let untrusted = GrpcClientTls {
+        ca_file: Some(certs.ca.clone()),
+        cert_file: Some(stranger.client_cert.clone()),
+        key_file: Some(stranger.client_key.clone()),
+    };
+    let refused = register_over(&grpc, &untrusted, 4).await;
+    assert!(refused.is_err(), "a certificate of another CA registered");
 
-    // Plain HTTP to the HTTPS port gets a plain answer saying what to do.
+    // HTTPS API: plain HTTP gets a plain answer saying what to do; a client
+    // that does not trust the router's CA gives up.
     let reply = Http::default()
         .get(&format!("{}/healthz", router.http))
         .await;
     reply.assert_error(400, "plain_http_on_https_port");
     assert!(reply.text().contains("https://"), "{}", reply.text());
-    let (status, _) = HttpsClient::new(&certs.ca)
-        .call(
-            "GET",
-            &format!("{}/healthz", https(&router.http)),
-            "".into(),
-        )
+    let distrustful = HttpsClient::new(&stranger.ca)
+        .try_send("GET", &format!("{api}/healthz"), "".into())
+        .await;
+    assert!(distrustful.is_err(), "{distrustful:?}");
+    let client = HttpsClient::new(&certs.ca);
+    let (status, _) = client
+        .call("GET", &format!("{api}/healthz"), "".into())
         .await;
     assert_eq!(status, 200);
+
+    // Every failure counted (tonic's channel may try a refused handshake more
+    // than once; the HTTPS client, and so the count, is exact), the probe not;
+    // one log line per listener (the rest fall within
+    // its interval), with the peer's address and rustls' reason.
+    let failures = |text: &str, listener: &str| {
+        common::metric(
+            text,
+            "kvroute_tls_handshake_failures_total",
+            &[("listener", listener)],
+        )
+    };
+    let metrics = || async {
+        let (_, body) = client
+            .try_send("GET", &format!("{api}/metrics"), "".into())
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&body).into_owned()
+    };
+    eventually("the failed handshakes counted and logged", || async {
+        let text = metrics().await;
+        let logged = std::fs::read_to_string(&log).unwrap_or_default();
+        failures(&text, "grpc") >= 3.0
+            && failures(&text, "http") >= 2.0
+            && logged.matches("TLS handshake failed").count() >= 2
+    })
+    .await;
+    let text = metrics().await;
+    assert!(failures(&text, "grpc") >= 3.0, "{text}");
+    assert_eq!(failures(&text, "http"), 2.0, "{text}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("TLS handshake failed"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    let grpc_line = lines
+        .iter()
+        .find(|l| l.contains("listener=\"grpc\""))
+        .unwrap();
+    assert!(
+        grpc_line.contains("peer=127.0.0.1:") && grpc_line.contains("peer sent no certificates"),
+        "{grpc_line}"
+    );
+    let http_line = lines
+        .iter()
+        .find(|l| l.contains("listener=\"http\""))
+        .unwrap();
+    assert!(
+        http_line.contains("peer=127.0.0.1:") && http_line.contains("plain text, not TLS"),
+        "{http_line}"
+    );
 }
 
 #[test]

@@ -75,7 +75,7 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         topic: args.topic,
         data_parallel_size: args.data_parallel_size,
         routers: args.router,
-        router_token: args.router_token,
+        router_token: args.router_token.map(kvroute_tls::Secret::new),
         router_tls: args.router_tls.into(),
         worker_id: args.worker_id,
         engine_url: args.engine_url,

@@ -181,7 +181,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
         template.http_tls = Some(kvroute_tls::https_server_config(cert, key)?);
     }
-    template.auth_token = args.router_token;
+    template.auth_token = args.router_token.map(kvroute_tls::Secret::new);
     template.tokenizer = args.tokenizer;
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
     template.log_evictions = args.log_evictions;

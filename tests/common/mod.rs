@@ -136,18 +136,30 @@ impl RouterProcess {
 
     /// Starts the router with its gRPC ingest on `grpc_addr` (HOST:PORT).
     pub fn start_on(grpc_addr: &str, config: &str) -> Self {
+        Self::start_logging(grpc_addr, config, None)
+    }
+
+    /// The same; with `log`, warnings and errors are written to that file
+    /// instead of the test's stderr.
+    pub fn start_logging(grpc_addr: &str, config: &str, log: Option<&Path>) -> Self {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let config_path = std::env::temp_dir().join(format!(
             "kvroute-test-{}-{}.toml",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ));
+        let level = if log.is_some() { "warn" } else { "error" };
         let text = format!(
-            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"{grpc_addr}\"\n{config}\n[log]\nlevel = \"error\"\n"
+            "http_addr = \"127.0.0.1:0\"\ngrpc_addr = \"{grpc_addr}\"\n{config}\n[log]\nlevel = \"{level}\"\n"
         );
         std::fs::write(&config_path, text).unwrap();
-        let path = config_path.to_str().unwrap();
-        let process = Process::spawn(&["serve", "--config", path], |lines| {
+        let mut command = kvroute();
+        command.args(["serve", "--config", config_path.to_str().unwrap()]);
+        match log {
+            Some(log) => command.stderr(std::fs::File::create(log).unwrap()),
+            None => command.stderr(Stdio::inherit()),
+        };
+        let process = Process::start(command, |lines| {
             lines.iter().any(|l| l.starts_with("listening "))
         });
         let line = process.lines.last().unwrap().clone();
@@ -976,15 +988,33 @@ impl HttpsClient {
     }
 
     pub async fn call(&self, method: &str, url: &str, body: String) -> (u16, Value) {
+        let (status, body) = self
+            .try_send(method, url, body)
+            .await
+            .expect("an HTTPS response");
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+
+    /// The status and body; a connection or handshake that fails is the error.
+    pub async fn try_send(
+        &self,
+        method: &str,
+        url: &str,
+        body: String,
+    ) -> Result<(u16, Bytes), String> {
         let request = http::Request::builder()
             .method(method)
             .uri(url)
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body)))
             .unwrap();
-        let response = self.0.request(request).await.expect("an HTTPS response");
+        let response = self
+            .0
+            .request(request)
+            .await
+            .map_err(|e| format!("{e:?}"))?;
         let status = response.status().as_u16();
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+        Ok((status, body))
     }
 }

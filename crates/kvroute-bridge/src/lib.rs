@@ -82,7 +82,7 @@ pub struct BridgeConfig {
     /// to the next.
     pub routers: Vec<String>,
     /// Bearer token for the router's gRPC ingest, when it requires one.
-    pub router_token: Option<String>,
+    pub router_token: Option<kvroute_tls::Secret>,
     /// CA and client certificate for an `https://` router.
     pub router_tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
@@ -398,5 +398,29 @@ mod tests {
         assert!(offset_port("tcp://host", 0).is_err());
         assert!(offset_port("ipc:///tmp/x:1", 0).is_err());
         assert!(offset_port("tcp://host:65535", 1).is_err());
+    }
+
+    #[test]
+    fn the_router_token_does_not_show_in_debug_output() {
+        let config = BridgeConfig {
+            engine_events: "tcp://127.0.0.1:5557".into(),
+            engine_replay: None,
+            topic: String::new(),
+            data_parallel_size: 1,
+            routers: vec!["http://127.0.0.1:50051".into()],
+            router_token: Some(kvroute_tls::Secret::new("bridge-secret")),
+            router_tls: Default::default(),
+            worker_id: 1,
+            engine_url: "http://127.0.0.1:8000".into(),
+            block_size: 16,
+            medium: "GPU".into(),
+            metrics_addr: ([127, 0, 0, 1], 0).into(),
+            tokenizer: None,
+            digest_events: 0,
+            digest_interval: Duration::ZERO,
+        };
+        let printed = format!("{config:?} {config:#?}");
+        assert!(!printed.contains("bridge-secret"), "{printed}");
+        assert!(printed.contains("<redacted>"), "{printed}");
     }
 }

@@ -38,7 +38,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct RouterLink {
     /// The router replicas' gRPC URLs, tried in turn.
     pub urls: Vec<String>,
-    pub token: Option<String>,
+    pub token: Option<kvroute_tls::Secret>,
     pub tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
     pub engine_url: String,
@@ -155,7 +155,7 @@ impl RouterLink {
         }
         let mut request = Request::new(ReceiverStream::new(out_rx));
         if let Some(token) = &self.token {
-            match format!("Bearer {token}").parse() {
+            match format!("Bearer {}", token.expose()).parse() {
                 Ok(value) => {
                     request.metadata_mut().insert("authorization", value);
                 }

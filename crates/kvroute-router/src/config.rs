@@ -27,42 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::RouterError;
 
-/// A credential from the configuration. Its `Debug` and `Serialize` forms are
-/// redacted, so printing or logging a config never shows it.
-#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The value itself, for comparing or sending; never for printing.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    fn redacted(&self) -> &'static str {
-        if self.0.is_empty() { "" } else { "<redacted>" }
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}", self.redacted())
-    }
-}
-
-impl Serialize for Secret {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.redacted())
-    }
-}
+pub use kvroute_tls::Secret;
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -215,6 +180,9 @@ pub struct IngestConfig {
     pub resync_timeout_ms: u64,
     /// Resync requests sent for one gap before the rank is cleared instead.
     pub resync_attempts: u32,
+    /// How long a new stream may take to send its `Register`; past it the
+    /// stream is closed, so a silent one cannot hold a `limits.max_streams` slot.
+    pub register_timeout_ms: u64,
 }
 
 /// The event index.
@@ -370,6 +338,7 @@ impl Default for IngestConfig {
             keepalive_timeout_ms: 10_000,
             resync_timeout_ms: 5_000,
             resync_attempts: 3,
+            register_timeout_ms: 10_000,
         }
     }
 }
@@ -564,6 +533,12 @@ impl Config {
             return fail(format!(
                 "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
                 self.ingest.resync_timeout_ms
+            ));
+        }
+        if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.register_timeout_ms) {
+            return fail(format!(
+                "ingest.register_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
+                self.ingest.register_timeout_ms
             ));
         }
         if self.ingest.resync_attempts == 0 {
@@ -916,6 +891,10 @@ mod tests {
         assert_eq!(
             config.ingest.resync_attempts,
             defaults.ingest.resync_attempts
+        );
+        assert_eq!(
+            config.ingest.register_timeout_ms,
+            defaults.ingest.register_timeout_ms
         );
         assert_eq!(config.index.max_blocks, defaults.index.max_blocks);
         assert_eq!(

@@ -184,10 +184,20 @@ impl KvRouter for Ingest {
             )
         })?;
         let mut inbound = request.into_inner();
-        let first = inbound
-            .message()
-            .await?
-            .ok_or_else(|| Status::invalid_argument("the stream ended before Register"))?;
+        let register_timeout = self.state.config.ingest.register_timeout_ms;
+        let first =
+            tokio::time::timeout(Duration::from_millis(register_timeout), inbound.message())
+                .await
+                .map_err(|_| {
+                    limits::refuse(
+                        limits::REGISTER_TIMEOUT,
+                        Status::deadline_exceeded(format!(
+                            "no Register within {register_timeout} ms of opening the stream \
+                     (ingest.register_timeout_ms)"
+                        )),
+                    )
+                })??
+                .ok_or_else(|| Status::invalid_argument("the stream ended before Register"))?;
         let Some(worker_message::Body::Register(register)) = first.body else {
             return Err(Status::invalid_argument(
                 "the first message of a stream must be Register",

@@ -19,6 +19,7 @@ pub const LORA_NAMES: &str = "lora_names";
 pub const NAME_BYTES: &str = "name_bytes";
 pub const WORKERS: &str = "workers";
 pub const STREAMS: &str = "streams";
+pub const REGISTER_TIMEOUT: &str = "register_timeout";
 pub const EVENTS_PER_BATCH: &str = "events_per_batch";
 pub const GRPC_MESSAGE_BYTES: &str = "grpc_message_bytes";
 pub const EVENT_QUEUE_BYTES: &str = "event_queue_bytes";
@@ -33,6 +34,7 @@ pub const ALL: &[&str] = &[
     NAME_BYTES,
     WORKERS,
     STREAMS,
+    REGISTER_TIMEOUT,
     EVENTS_PER_BATCH,
     GRPC_MESSAGE_BYTES,
     EVENT_QUEUE_BYTES,

@@ -50,6 +50,7 @@ pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
 pub const INDEX_DIGESTS: &str = "kvroute_index_digests_total";
 pub const INDEX_DIVERGENCE: &str = "kvroute_index_divergence_total";
 pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
+pub const TLS_HANDSHAKE_FAILURES: &str = "kvroute_tls_handshake_failures_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -172,6 +173,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
         ALIVE_TASKS,
         "Tokio tasks alive in the router's runtime (a leak shows as growth under steady load)",
     ),
+    (
+        TLS_HANDSHAKE_FAILURES,
+        "TLS handshakes that failed, by listener (http, grpc): plain-text clients, missing or untrusted certificates, timeouts",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -246,6 +251,9 @@ fn install() -> Renderer {
     }
     for &limit in crate::limits::ALL {
         let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
+    }
+    for listener in ["http", "grpc"] {
+        let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }
     for reason in ["connect", "status"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);

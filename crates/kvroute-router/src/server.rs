@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
-use kvroute_tls::{ServerTls, TlsListener};
+use kvroute_tls::{ServerTls, Serves, TlsListener};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -94,7 +94,8 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
                     .await
             }
             Some(config) => {
-                axum::serve(TlsListener::new(http, config), app)
+                let listener = TlsListener::new(http, config, Serves::Http, count_tls_failure);
+                axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown)
                     .await
             }
@@ -115,19 +116,27 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
     let mut grpc_server = tonic::transport::Server::builder()
         .http2_keepalive_interval(interval)
         .http2_keepalive_timeout(Some(Duration::from_millis(keepalive.keepalive_timeout_ms)));
-    if let Some(tls) = grpc_tls {
-        grpc_server = grpc_server
-            .tls_config(tls)
-            .map_err(|e| RouterError::Config(format!("tls: {e}")))?;
-    }
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
-        let result = grpc_server
-            .add_service(ingest)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), async move {
-                let _ = grpc_stop.wait_for(|&s| s).await;
-            })
-            .await;
+        let shutdown = async move {
+            let _ = grpc_stop.wait_for(|&s| s).await;
+        };
+        let grpc_server = grpc_server.add_service(ingest);
+        // Our own TLS listener rather than tonic's, which drops failed
+        // handshakes unseen.
+        let result = match grpc_tls {
+            None => {
+                grpc_server
+                    .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+                    .await
+            }
+            Some(config) => {
+                let listener = TlsListener::new(grpc, config, Serves::Grpc, count_tls_failure);
+                grpc_server
+                    .serve_with_incoming_shutdown(listener.into_stream(), shutdown)
+                    .await
+            }
+        };
         if let Err(e) = result {
             tracing::error!("grpc server failed: {e}");
         }
@@ -140,6 +149,10 @@ pub async fn start(config: Config) -> Result<Running, RouterError> {
         stop,
         tasks,
     })
+}
+
+fn count_tls_failure(serves: Serves) {
+    ::metrics::counter!(metrics::TLS_HANDSHAKE_FAILURES, "listener" => serves.name()).increment(1);
 }
 
 /// The listeners' TLS from `[tls]`, read at start so a bad file stops the router.

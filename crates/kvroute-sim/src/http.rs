@@ -113,7 +113,15 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
                 });
                 axum::serve(listener, app).await
             }
-            Some(config) => axum::serve(kvroute_tls::TlsListener::new(listener, config), app).await,
+            Some(config) => {
+                let listener = kvroute_tls::TlsListener::new(
+                    listener,
+                    config,
+                    kvroute_tls::Serves::Http,
+                    |_| {},
+                );
+                axum::serve(listener, app).await
+            }
         }
     };
     tokio::select! {

@@ -150,7 +150,7 @@ impl<'a> Session<'a> {
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
         if let Some(token) = &config.auth_token {
-            let value = MetadataValue::try_from(format!("Bearer {token}"))
+            let value = MetadataValue::try_from(format!("Bearer {}", token.expose()))
                 .map_err(|e| format!("the auth token is not a valid header value: {e}"))?;
             request.metadata_mut().insert("authorization", value);
         }

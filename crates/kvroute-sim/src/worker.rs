@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use kvroute_cache::Priority;
 use kvroute_index::ExtraKeys;
-use kvroute_tls::{GrpcClientTls, ServerConfig};
+use kvroute_tls::{GrpcClientTls, Secret, ServerConfig};
 use kvroute_tokenize::TokenizerSpec;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc, watch};
@@ -43,7 +43,7 @@ pub struct WorkerConfig {
     /// stream); none: the worker publishes no events.
     pub routers: Vec<String>,
     /// Bearer token for the router's gRPC ingest, if it requires one.
-    pub auth_token: Option<String>,
+    pub auth_token: Option<Secret>,
     /// CA and client certificate for an `https://` router.
     pub router_tls: GrpcClientTls,
     /// Serve HTTPS with this config instead of plain HTTP.
@@ -434,4 +434,18 @@ pub async fn start_fleet(
         workers.push(Worker::start(config).await?);
     }
     Ok(workers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_router_token_does_not_show_in_debug_output() {
+        let mut config = WorkerConfig::new(1, EngineConfig::default());
+        config.auth_token = Some(Secret::new("sim-secret"));
+        let printed = format!("{config:?} {config:#?}");
+        assert!(!printed.contains("sim-secret"), "{printed}");
+        assert!(printed.contains("<redacted>"), "{printed}");
+    }
 }

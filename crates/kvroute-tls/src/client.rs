@@ -22,12 +22,7 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
     }
     roots.add_parsable_certificates(system.certs);
     if let Some(ca_file) = ca_file {
-        for cert in pem::certificates(ca_file)?.parsed {
-            roots.add(cert).map_err(|e| TlsError::File {
-                path: ca_file.display().to_string(),
-                message: format!("not a usable CA certificate: {e}"),
-            })?;
-        }
+        pem::add_ca_certificates(&mut roots, ca_file)?;
     }
     Ok(roots)
 }

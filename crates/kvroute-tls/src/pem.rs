@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use rustls::RootCertStore;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -36,6 +37,16 @@ pub fn certificates(path: &Path) -> Result<Pem<Vec<CertificateDer<'static>>>, Tl
         return Err(file_error(path, "holds no PEM certificate".into()));
     }
     Ok(Pem { bytes, parsed })
+}
+
+/// Adds every certificate in `path` to `roots`, as trusted CAs.
+pub fn add_ca_certificates(roots: &mut RootCertStore, path: &Path) -> Result<(), TlsError> {
+    for cert in certificates(path)?.parsed {
+        roots
+            .add(cert)
+            .map_err(|e| file_error(path, format!("not a usable CA certificate: {e}")))?;
+    }
+    Ok(())
 }
 
 /// The private key in `path` (PKCS#8, PKCS#1 or SEC1).

@@ -8,8 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustls::ServerConfig;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
 
 use crate::{TlsError, pem};
 
@@ -17,10 +18,11 @@ use crate::{TlsError, pem};
 /// idle connections cannot pile up before any request.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The router's TLS, read from `[tls]`.
+/// The router's TLS, read from `[tls]`: one config per listener, both served
+/// by a [`TlsListener`](crate::TlsListener), which counts and logs failed handshakes.
 pub struct ServerTls {
     pub http: Arc<ServerConfig>,
-    pub grpc: ServerTlsConfig,
+    pub grpc: Arc<ServerConfig>,
 }
 
 impl ServerTls {
@@ -31,17 +33,35 @@ impl ServerTls {
         key_file: &Path,
         client_ca_file: Option<&Path>,
     ) -> Result<Self, TlsError> {
-        let certs = pem::certificates(cert_file)?;
-        let key = pem::private_key(key_file)?;
-        let mut grpc = ServerTlsConfig::new()
-            .identity(Identity::from_pem(&certs.bytes, &key.bytes))
-            .timeout(HANDSHAKE_TIMEOUT);
-        if let Some(ca_file) = client_ca_file {
-            let ca = pem::certificates(ca_file)?;
-            grpc = grpc.client_ca_root(Certificate::from_pem(ca.bytes));
-        }
-        let http = https_config(certs.parsed, key.parsed, cert_file)?;
-        Ok(ServerTls { http, grpc })
+        let certs = pem::certificates(cert_file)?.parsed;
+        let key = pem::private_key(key_file)?.parsed;
+        let builder = ServerConfig::builder_with_provider(crate::provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let builder = match client_ca_file {
+            Some(ca_file) => {
+                let mut roots = RootCertStore::empty();
+                pem::add_ca_certificates(&mut roots, ca_file)?;
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), crate::provider())
+                        .build()
+                        .map_err(|e| TlsError::File {
+                            path: ca_file.display().to_string(),
+                            message: format!("cannot verify client certificates with it: {e}"),
+                        })?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut grpc = builder
+            .with_single_cert(certs.clone(), key.clone_key())
+            .map_err(|e| unusable(cert_file, e))?;
+        grpc.alpn_protocols = vec![b"h2".to_vec()];
+        let http = https_config(certs, key, cert_file)?;
+        Ok(ServerTls {
+            http,
+            grpc: Arc::new(grpc),
+        })
     }
 }
 
@@ -55,9 +75,16 @@ pub fn https_server_config(
     https_config(certs.parsed, key.parsed, cert_file)
 }
 
+fn unusable(cert_file: &Path, e: rustls::Error) -> TlsError {
+    TlsError::File {
+        path: cert_file.display().to_string(),
+        message: format!("unusable with its key: {e}"),
+    }
+}
+
 fn https_config(
-    certs: Vec<rustls::pki_types::CertificateDer<'static>>,
-    key: rustls::pki_types::PrivateKeyDer<'static>,
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
     cert_file: &Path,
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let mut config = ServerConfig::builder_with_provider(crate::provider())
@@ -65,10 +92,7 @@ fn https_config(
         .map_err(|e| TlsError::Config(e.to_string()))?
         .with_no_client_auth()
         .with_single_cert(certs, key)
-        .map_err(|e| TlsError::File {
-            path: cert_file.display().to_string(),
-            message: format!("unusable with its key: {e}"),
-        })?;
+        .map_err(|e| unusable(cert_file, e))?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
