@@ -33,6 +33,10 @@
 //! (never evicts: the most any policy can hit) and [`Belady`] (block-level MIN,
 //! which needs the future block sequence). The queue-based policies share the
 //! intrusive lists of `list.rs`, whose invariants are written there.
+//!
+//! [`RadixLru`] is not a [`BlockCache`]: it is SGLang's radix-tree cache (blocks
+//! know their parent, leaves are evicted first, running requests lock theirs),
+//! used by a simulated worker in SGLang mode and by the lab's `sglang` order.
 
 mod arc;
 mod belady;
@@ -40,6 +44,7 @@ mod infinite;
 mod lfu;
 mod list;
 mod queue;
+mod radix;
 pub mod replay;
 mod s3fifo;
 
@@ -51,6 +56,7 @@ pub use belady::Belady;
 pub use infinite::Infinite;
 pub use lfu::Lfu;
 pub use queue::{Fifo, Lru};
+pub use radix::RadixLru;
 pub use replay::{PreparedTrace, ReplayReport, RequestOutcome, replay};
 pub use s3fifo::{S3Fifo, S3FifoParams};
 
