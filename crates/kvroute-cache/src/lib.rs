@@ -37,12 +37,15 @@
 //! [`RadixLru`] is not a [`BlockCache`]: it is SGLang's radix-tree cache (blocks
 //! know their parent, leaves are evicted first, running requests lock theirs),
 //! used by a simulated worker in SGLang mode and by the lab's `sglang` order.
+//! The lab replays in the engines' orders too ([`ReplayOrder`]), so its bound
+//! and the engines are measured on like terms.
 
 mod arc;
 mod belady;
 mod infinite;
 mod lfu;
 mod list;
+mod order;
 mod queue;
 mod radix;
 pub mod replay;
@@ -55,6 +58,7 @@ pub use arc::ArcCache;
 pub use belady::Belady;
 pub use infinite::Infinite;
 pub use lfu::Lfu;
+pub use order::{ReplayOrder, replay_sglang, replay_vllm};
 pub use queue::{Fifo, Lru};
 pub use radix::RadixLru;
 pub use replay::{PreparedTrace, ReplayReport, RequestOutcome, replay};
