@@ -71,9 +71,10 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         let mut reports = Vec::new();
         for &policy in &args.policies {
             eprintln!(
-                "bench e2e: {} requests under {} ...",
+                "bench e2e: {} requests under {} on {} engines ...",
                 trace.len(),
-                policy.as_str()
+                policy.as_str(),
+                engine.kind
             );
             let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
@@ -81,7 +82,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         }
         anyhow::Ok(reports)
     })?;
-    eprintln!("\n{}", e2e::table(&reports));
+    eprintln!("\nengines: {}\n{}", engine.kind, e2e::table(&reports));
     for r in &reports {
         // A step delivered late delays every token after it: past a few timer
         // ticks on average, the latencies measure this machine, not the model.
@@ -98,6 +99,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         "trace": args.trace,
         "requests": trace.len(),
         "workers": args.workers,
+        "engine": engine.kind.name(),
         "kv_blocks": engine.kv_blocks,
         "block_size": engine.block_size,
         "speedup": args.engine.speedup,
