@@ -430,6 +430,9 @@ impl KvPool {
         assert_eq!(active, self.active);
         assert_eq!(cached, self.cached());
         assert!(self.active + self.private + self.cached() <= self.total);
+        if let Cached::Radix(tree) = &self.cached {
+            assert_eq!(tree.len(), self.held.len());
+        }
         for (hash, held) in &self.held {
             match &self.cached {
                 Cached::Policy(policy) => assert_eq!(held.refs == 0, policy.contains(*hash)),
