@@ -288,3 +288,77 @@ fn bad_input_exits_2_with_a_clear_error() {
     );
     assert!(err.contains("hash_ids`[1]"), "names the field: {err}");
 }
+
+/// A 3-block chain, an unrelated pair that needs one slot more than is free
+/// (capacity 4), then the chain again: given back root first, the chain loses
+/// its root and hits nothing; given back tail first or leaf first, it keeps
+/// its first two blocks (8 tokens).
+const CHAIN_TRACE: &str = r#"{"timestamp": 0, "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 3]}
+{"timestamp": 1, "input_length": 8, "output_length": 1, "hash_ids": [4, 5]}
+{"timestamp": 2, "input_length": 12, "output_length": 1, "hash_ids": [1, 2, 3]}
+"#;
+
+#[test]
+fn orders_give_blocks_back_like_the_engines() {
+    let path = scratch("chain_trace.jsonl");
+    std::fs::write(&path, CHAIN_TRACE).unwrap();
+    let trace = path.to_str().unwrap();
+    for (order, hit) in [
+        (None, 0),
+        (Some("seed"), 0),
+        (Some("vllm"), 8),
+        (Some("sglang"), 8),
+    ] {
+        let mut args = vec![
+            "replay",
+            trace,
+            "--policy",
+            "lru",
+            "--capacity-blocks",
+            "4",
+            "--block-size",
+            "4",
+            "--json",
+        ];
+        args.extend(order.iter().flat_map(|o| ["--order", o]));
+        let report: Value = serde_json::from_str(&stdout(&kvroute(&args))).unwrap();
+        assert_eq!(report["total_hit_tokens"], hit, "{order:?}");
+        assert_eq!(report["order"], order.unwrap_or("seed"));
+    }
+    let err = fails(&[
+        "replay",
+        trace,
+        "--policy",
+        "s3fifo",
+        "--capacity-blocks",
+        "4",
+        "--order",
+        "sglang",
+    ]);
+    assert!(
+        err.contains("--order sglang") && err.contains("s3fifo"),
+        "{err}"
+    );
+    let err = fails(&[
+        "replay",
+        trace,
+        "--compare",
+        "lru,belady",
+        "--capacities",
+        "4",
+        "--order",
+        "vllm",
+    ]);
+    assert!(err.contains("belady"), "{err}");
+    let err = fails(&[
+        "replay",
+        trace,
+        "--policy",
+        "lru",
+        "--capacity-blocks",
+        "4",
+        "--order",
+        "lifo",
+    ]);
+    assert!(err.contains("unknown order `lifo`"), "{err}");
+}

@@ -1,22 +1,47 @@
 //! The simulated engine's own hit accounting against the cache-policy lab:
-//! fed one trace request at a time, an engine with LRU over N blocks finds
-//! exactly the prefix hits `kvroute replay --policy lru --capacity-blocks N`
-//! computes for the same block sequence.
+//! fed one trace request at a time, an engine over N blocks finds exactly the
+//! prefix hits `kvroute replay --policy lru --capacity-blocks N --order E`
+//! computes for the same block sequence, where E is the engine's kind.
 
-use kvroute_cache::{Lru, PolicyKind, PreparedTrace, replay};
+use kvroute_cache::{Lru, PolicyKind, PreparedTrace, ReplayReport, replay_sglang, replay_vllm};
 use kvroute_sim::trace::{TRACE_BLOCK_TOKENS, trace_tokens};
-use kvroute_sim::{Engine, EngineConfig};
-use kvroute_trace::read_trace;
+use kvroute_sim::{Engine, EngineConfig, EngineKind};
+use kvroute_trace::{TraceRequest, read_trace};
+
+const CAPACITY: usize = 96;
 
 #[test]
-fn engine_hits_match_the_lru_replay_request_by_request() {
+fn vllm_engine_hits_match_the_vllm_order_replay_request_by_request() {
+    let trace = trace();
+    let lab = replay_vllm(
+        &mut Lru::new(CAPACITY).unwrap(),
+        &PreparedTrace::new(&trace),
+        TRACE_BLOCK_TOKENS as u64,
+        || {},
+    );
+    check_engine(EngineKind::Vllm, &trace, &lab);
+}
+
+#[test]
+fn sglang_engine_hits_match_the_sglang_order_replay_request_by_request() {
+    let trace = trace();
+    let lab = replay_sglang(
+        Some(CAPACITY),
+        &PreparedTrace::new(&trace),
+        TRACE_BLOCK_TOKENS as u64,
+        || {},
+    );
+    check_engine(EngineKind::Sglang, &trace, &lab);
+}
+
+fn trace() -> Vec<TraceRequest> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/data/traces/conversation_trace.jsonl"
     );
     // Whole blocks only (the lab counts a resident partial last block as a
     // hit; an engine never caches a partial block), and requests that fit.
-    let trace: Vec<_> = read_trace(path.as_ref(), Some(1500))
+    read_trace(path.as_ref(), Some(1500))
         .unwrap()
         .into_iter()
         .filter(|r| r.hash_ids.len() <= 48)
@@ -24,23 +49,20 @@ fn engine_hits_match_the_lru_replay_request_by_request() {
             r.input_length = (r.hash_ids.len() * TRACE_BLOCK_TOKENS) as u64;
             r
         })
-        .collect();
-    let capacity = 96;
-    let lab = replay(
-        &mut Lru::new(capacity).unwrap(),
-        &PreparedTrace::new(&trace),
-        TRACE_BLOCK_TOKENS as u64,
-        || {},
-    );
+        .collect()
+}
+
+fn check_engine(kind: EngineKind, trace: &[TraceRequest], lab: &ReplayReport) {
     assert!(
         lab.total_hit_tokens > 0 && lab.evictions > 0,
         "the test must exercise hits and evictions"
     );
 
     let mut engine = Engine::new(EngineConfig {
-        kv_blocks: capacity,
+        kv_blocks: CAPACITY,
         block_size: TRACE_BLOCK_TOKENS,
         eviction: PolicyKind::Lru,
+        kind,
         ..EngineConfig::default()
     })
     .unwrap();

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use kvroute_cache::PolicyKind;
 use kvroute_router::config::Policy;
-use kvroute_sim::{CostModel, EngineConfig};
+use kvroute_sim::{CostModel, EngineConfig, EngineKind};
 
 use crate::e2e::{self, Fleet, Replay};
 
@@ -24,6 +24,9 @@ pub struct DemoArgs {
     /// Requests replayed per policy, from the start of the trace.
     #[arg(long, default_value_t = 1000)]
     requests: usize,
+    /// Whose prefix cache the simulated engines imitate: vllm or sglang.
+    #[arg(long, default_value = "vllm")]
+    engine: EngineKind,
 }
 
 const WORKERS: usize = 4;
@@ -32,13 +35,14 @@ const SPEEDUP: f64 = 20.0;
 /// Engines with 4,096 blocks of 512 tokens (2M tokens of KV) each, sped up
 /// 20×: the trace's first 1,000 requests (330 s) run in about 17 s per policy,
 /// and their working set (about 20,000 blocks) still overflows the fleet.
-fn engine() -> EngineConfig {
+fn engine(kind: EngineKind) -> EngineConfig {
     EngineConfig {
         kv_blocks: 4096,
         block_size: 512,
         max_num_seqs: 64,
         max_num_batched_tokens: 8192,
         eviction: PolicyKind::Lru,
+        kind,
         cost: CostModel {
             speedup: SPEEDUP,
             ..CostModel::default()
@@ -56,14 +60,16 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         println!(
-            "kvroute demo: {} requests of {} through the router to {WORKERS} simulated workers \
+            "kvroute demo: {} requests of {} through the router to {WORKERS} simulated {} workers \
              (4096 KV blocks of 512 tokens each, {SPEEDUP}x speed), once per policy",
             trace.len(),
-            args.trace.display()
+            args.trace.display(),
+            args.engine
         );
         let mut reports = Vec::new();
         for policy in [Policy::Kv, Policy::RoundRobin] {
-            let fleet = Fleet::start(WORKERS, &engine(), &Default::default(), policy).await?;
+            let fleet =
+                Fleet::start(WORKERS, &engine(args.engine), &Default::default(), policy).await?;
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
@@ -71,7 +77,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         if args.once {
             return anyhow::Ok(());
         }
-        let fleet = Fleet::start(WORKERS, &engine(), &Default::default(), Policy::Kv).await?;
+        let fleet = Fleet::start(
+            WORKERS,
+            &engine(args.engine),
+            &Default::default(),
+            Policy::Kv,
+        )
+        .await?;
         let url = fleet.http_url();
         println!("Serving under `kv` at {url} (Ctrl-C to stop). Try:\n");
         println!(

@@ -1,6 +1,9 @@
 //! `kvroute replay`: the cache-policy lab. Replays a Mooncake trace through one
 //! eviction policy (`--policy`), or through several at several capacities
-//! (`--compare`) to show which policy wins where.
+//! (`--compare`) to show which policy wins where. `--order` gives blocks back
+//! as Mooncake's replay does (`seed`, the default) or as the simulated engines
+//! do (`vllm`: tail first; `sglang`: SGLang's radix tree, leaf first), so the
+//! lab's "one shared cache" bound compares like for like with `bench e2e`.
 
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
@@ -9,7 +12,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvroute_cache::{PolicyKind, PreparedTrace, ReplayReport, S3FifoParams, replay};
+use kvroute_cache::{
+    PolicyKind, PreparedTrace, ReplayOrder, ReplayReport, S3FifoParams, replay, replay_sglang,
+    replay_vllm,
+};
 use kvroute_trace::read_trace;
 use serde_json::json;
 
@@ -37,6 +43,12 @@ pub struct ReplayArgs {
     /// Replay only the first N requests.
     #[arg(long)]
     max_requests: Option<usize>,
+    /// How a request's blocks go back to the cache: seed (Mooncake's replay,
+    /// root first), vllm (in-use blocks leave the policy, all come back tail
+    /// first), sglang (SGLang's radix tree, least recently used leaf first;
+    /// lru and infinite only).
+    #[arg(long, default_value = "seed")]
+    order: ReplayOrder,
     /// Print one JSON object instead of text.
     #[arg(long, conflicts_with = "compare")]
     json: bool,
@@ -66,6 +78,9 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     if let Some(chart) = &args.plot {
         check_chart_extension(chart)?;
     }
+    for &policy in args.policy.iter().chain(&args.compare) {
+        check_order(policy, args.order)?;
+    }
     let trace = PreparedTrace::new(&read_trace(&args.trace, args.max_requests)?);
     match args.policy {
         Some(policy) => {
@@ -75,13 +90,27 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 (_, None) => bail!("--capacity-blocks is required for policy {policy}"),
             };
             let progress = progress_bar(trace.requests());
-            let report = run_one(policy, capacity, params, &trace, args.block_size, &progress)?;
+            let report = run_one(
+                policy,
+                capacity,
+                params,
+                args.order,
+                &trace,
+                args.block_size,
+                &progress,
+            )?;
             progress.finish_and_clear();
             if let Some(path) = &args.per_request {
                 write_per_request(path, &report)?;
             }
             let capacity_blocks = (policy != PolicyKind::Infinite).then_some(capacity);
-            let summary = summary(policy, capacity_blocks, args.block_size, &report);
+            let summary = summary(
+                policy,
+                args.order,
+                capacity_blocks,
+                args.block_size,
+                &report,
+            );
             if args.json {
                 let object: serde_json::Map<String, serde_json::Value> = summary
                     .into_iter()
@@ -100,20 +129,44 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
     }
 }
 
-/// Builds `policy` and replays the whole trace through it.
+/// Orders other than `seed` take blocks out and give them back in another
+/// order than the trace's, which Belady's future does not describe; SGLang's
+/// tree evicts by recency only.
+fn check_order(policy: PolicyKind, order: ReplayOrder) -> anyhow::Result<()> {
+    match (order, policy) {
+        (ReplayOrder::Seed, _) | (_, PolicyKind::Infinite) => Ok(()),
+        (ReplayOrder::Vllm, PolicyKind::Belady) => {
+            bail!("--order vllm: belady needs the access order of --order seed")
+        }
+        (ReplayOrder::Sglang, PolicyKind::Lru) | (ReplayOrder::Vllm, _) => Ok(()),
+        (ReplayOrder::Sglang, _) => bail!(
+            "--order sglang evicts like SGLang's radix cache (least recently used leaf first): \
+             use policy lru (or the infinite bound), not {policy}"
+        ),
+    }
+}
+
+/// Builds `policy` and replays the whole trace through it in `order`.
 fn run_one(
     policy: PolicyKind,
     capacity: u64,
     params: S3FifoParams,
+    order: ReplayOrder,
     trace: &PreparedTrace,
     block_size: u64,
     progress: &ProgressBar,
 ) -> anyhow::Result<ReplayReport> {
     let capacity = usize::try_from(capacity).context("--capacity-blocks is too large")?;
+    let tick = || progress.inc(1);
+    if order == ReplayOrder::Sglang {
+        let capacity = (policy != PolicyKind::Infinite).then_some(capacity);
+        return Ok(replay_sglang(capacity, trace, block_size, tick));
+    }
     let mut cache = policy.build(capacity, params, trace.accesses())?;
-    Ok(replay(cache.as_mut(), trace, block_size, || {
-        progress.inc(1)
-    }))
+    Ok(match order {
+        ReplayOrder::Vllm => replay_vllm(cache.as_mut(), trace, block_size, tick),
+        _ => replay(cache.as_mut(), trace, block_size, tick),
+    })
 }
 
 /// A bar on stderr, or nothing when stderr is not a terminal.
@@ -132,12 +185,14 @@ fn progress_bar(requests: usize) -> ProgressBar {
 /// The run's results, in reading order.
 fn summary(
     policy: PolicyKind,
+    order: ReplayOrder,
     capacity_blocks: Option<u64>,
     block_size: u64,
     report: &ReplayReport,
 ) -> Vec<(&'static str, serde_json::Value)> {
     vec![
         ("policy", json!(policy.name())),
+        ("order", json!(order.name())),
         ("capacity_blocks", json!(capacity_blocks)),
         ("block_size", json!(block_size)),
         ("total_requests", json!(report.total_requests)),
@@ -196,7 +251,15 @@ fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &PreparedTrace) -> an
     let mut runs = Vec::new();
     for &capacity in capacities {
         for &policy in policies {
-            let report = run_one(policy, capacity, params, trace, args.block_size, &progress)?;
+            let report = run_one(
+                policy,
+                capacity,
+                params,
+                args.order,
+                trace,
+                args.block_size,
+                &progress,
+            )?;
             runs.push(Run {
                 policy,
                 capacity,
@@ -210,6 +273,9 @@ fn compare(args: &ReplayArgs, params: S3FifoParams, trace: &PreparedTrace) -> an
         || args.trace.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
+    if args.order != ReplayOrder::Seed {
+        println!("blocks given back to the cache in {} order", args.order);
+    }
     print_table(
         &trace_name,
         args.block_size,

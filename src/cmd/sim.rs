@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use kvroute_cache::PolicyKind;
-use kvroute_sim::{CostModel, EngineConfig, WorkerConfig, start_fleet};
+use kvroute_sim::{CostModel, EngineConfig, EngineKind, WorkerConfig, start_fleet};
 use kvroute_tls::GrpcClientTls;
 use kvroute_tokenize::TokenizerSpec;
 
@@ -33,6 +33,11 @@ pub struct EngineArgs {
     /// predictive or qos. `bench e2e` takes several, comma-separated, and runs each.
     #[arg(long, value_delimiter = ',', default_value = "lru")]
     pub eviction: Vec<PolicyKind>,
+    /// Whose prefix cache the engines imitate: vllm (finished requests give
+    /// their blocks back tail first, --eviction picks victims) or sglang (a
+    /// radix tree: the least recently used unlocked leaf goes first; lru only).
+    #[arg(long = "engine", default_value = "vllm")]
+    pub engine_kind: EngineKind,
     /// Divides every simulated time (1: real time).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -46,6 +51,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             eviction: self.eviction.first().copied().unwrap_or(PolicyKind::Lru),
+            kind: self.engine_kind,
             cost: CostModel {
                 speedup: self.speedup,
                 ..CostModel::default()

@@ -38,15 +38,23 @@
 //! Before an access, its caller may describe it with [`BlockCache::hint`] (the
 //! block's depth in its prompt and the request's [`Priority`]); only the
 //! policies that learn from depth or honour classes read it.
+//!
+//! [`RadixLru`] is not a [`BlockCache`]: it is SGLang's radix-tree cache (blocks
+//! know their parent, leaves are evicted first, running requests lock theirs),
+//! used by a simulated worker in SGLang mode and by the lab's `sglang` order.
+//! The lab replays in the engines' orders too ([`ReplayOrder`]), so its bound
+//! and the engines are measured on like terms.
 
 mod arc;
 mod belady;
 mod infinite;
 mod lfu;
 mod list;
+mod order;
 mod predictive;
 mod qos;
 mod queue;
+mod radix;
 pub mod replay;
 mod s3fifo;
 
@@ -57,9 +65,11 @@ pub use arc::ArcCache;
 pub use belady::Belady;
 pub use infinite::Infinite;
 pub use lfu::Lfu;
+pub use order::{ReplayOrder, replay_sglang, replay_vllm};
 pub use predictive::Predictive;
 pub use qos::Qos;
 pub use queue::{Fifo, Lru};
+pub use radix::RadixLru;
 pub use replay::{PreparedTrace, ReplayReport, RequestOutcome, replay};
 pub use s3fifo::{S3Fifo, S3FifoParams};
 

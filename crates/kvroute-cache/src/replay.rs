@@ -83,11 +83,11 @@ fn ratio(part: u64, whole: u64) -> f64 {
 #[derive(Clone, Debug)]
 pub struct PreparedTrace {
     /// Every block access, in replay order, as dense ids.
-    accesses: Vec<BlockId>,
+    pub(crate) accesses: Vec<BlockId>,
     /// Per request: `input_length` and the end of its blocks in `accesses`.
-    requests: Vec<(u64, usize)>,
+    pub(crate) requests: Vec<(u64, usize)>,
     /// Per dense id: the position of its last access.
-    last_use: Vec<usize>,
+    pub(crate) last_use: Vec<usize>,
 }
 
 impl PreparedTrace {
@@ -134,38 +134,15 @@ pub fn replay<C: BlockCache + ?Sized>(
     block_size: u64,
     mut after_request: impl FnMut(),
 ) -> ReplayReport {
-    let capacity = cache.capacity().map(|c| c as f64);
-    // Bounded explicitly: `saturating_record` never grows an auto-resizing
-    // histogram, so one from `new(3)` clamps anything past 2 µs down to 2 ns.
-    let mut latency = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
-        .expect("1 ns to 1 h at 3 significant figures is a valid range");
+    let mut tally = Tally::new(trace, cache.capacity());
     let mut evicted = Vec::new();
-    let mut report = ReplayReport {
-        total_requests: trace.requests(),
-        total_prompt_tokens: 0,
-        total_hit_tokens: 0,
-        final_cache_blocks: 0,
-        block_accesses: trace.accesses.len() as u64,
-        block_hits: 0,
-        evictions: 0,
-        re_prefilled_evictions: 0,
-        mean_utilisation: None,
-        eviction_latency_p50_ns: None,
-        eviction_latency_p99_ns: None,
-        per_request: Vec::with_capacity(trace.requests()),
-    };
-    let mut utilisation_sum = 0.0;
     let mut start = 0;
     for &(input_length, end) in &trace.requests {
         let blocks = &trace.accesses[start..end];
         let resident_prefix = blocks
             .iter()
             .take_while(|&&block| cache.contains(block))
-            .count() as u64;
-        let outcome = RequestOutcome {
-            prompt_tokens: input_length,
-            hit_tokens: resident_prefix.saturating_mul(block_size).min(input_length),
-        };
+            .count();
         for (position, &block) in (start..).zip(blocks) {
             cache.hint(AccessHint {
                 depth: (position - start) as u32,
@@ -173,38 +150,110 @@ pub fn replay<C: BlockCache + ?Sized>(
             });
             let started = Instant::now();
             let access = cache.access(block, &mut evicted);
-            if !evicted.is_empty() {
-                latency.saturating_record(started.elapsed().as_nanos() as u64);
-                for victim in evicted.drain(..) {
-                    report.evictions += 1;
-                    // Ids outside the trace can only come from a cache that
-                    // was filled before the replay; they are not re-requested.
-                    let last_use = trace.last_use.get(victim as usize);
-                    if last_use.is_some_and(|&last| last > position) {
-                        report.re_prefilled_evictions += 1;
-                    }
-                }
-            }
-            report.block_hits += u64::from(access == crate::Access::Hit);
+            tally.evicted(trace, &mut evicted, position, started);
+            tally.report.block_hits += u64::from(access == crate::Access::Hit);
         }
         start = end;
-        report.total_prompt_tokens += outcome.prompt_tokens;
-        report.total_hit_tokens += outcome.hit_tokens;
-        report.per_request.push(outcome);
-        if let Some(capacity) = capacity {
-            utilisation_sum += cache.len() as f64 / capacity;
-        }
+        tally.request(input_length, resident_prefix, block_size, cache.len());
         after_request();
     }
-    report.final_cache_blocks = cache.len();
-    if capacity.is_some() && !trace.requests.is_empty() {
-        report.mean_utilisation = Some(utilisation_sum / trace.requests.len() as f64);
+    tally.finish(cache.len())
+}
+
+/// The running totals of a replay, whatever order it gives blocks back in.
+pub(crate) struct Tally {
+    pub(crate) report: ReplayReport,
+    capacity: Option<f64>,
+    latency: Histogram<u64>,
+    utilisation_sum: f64,
+}
+
+impl Tally {
+    pub(crate) fn new(trace: &PreparedTrace, capacity: Option<usize>) -> Self {
+        Tally {
+            report: ReplayReport {
+                total_requests: trace.requests(),
+                total_prompt_tokens: 0,
+                total_hit_tokens: 0,
+                final_cache_blocks: 0,
+                block_accesses: trace.accesses.len() as u64,
+                block_hits: 0,
+                evictions: 0,
+                re_prefilled_evictions: 0,
+                mean_utilisation: None,
+                eviction_latency_p50_ns: None,
+                eviction_latency_p99_ns: None,
+                per_request: Vec::with_capacity(trace.requests()),
+            },
+            capacity: capacity.map(|c| c as f64),
+            // Bounded explicitly: `saturating_record` never grows an auto-resizing
+            // histogram, so one from `new(3)` clamps anything past 2 µs down to 2 ns.
+            latency: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+                .expect("1 ns to 1 h at 3 significant figures is a valid range"),
+            utilisation_sum: 0.0,
+        }
     }
-    if !latency.is_empty() {
-        report.eviction_latency_p50_ns = Some(latency.value_at_quantile(0.5));
-        report.eviction_latency_p99_ns = Some(latency.value_at_quantile(0.99));
+
+    /// Counts and drains `victims`, evicted by an operation that began at
+    /// `started` while the replay was at access `position`.
+    pub(crate) fn evicted(
+        &mut self,
+        trace: &PreparedTrace,
+        victims: &mut Vec<BlockId>,
+        position: usize,
+        started: Instant,
+    ) {
+        if victims.is_empty() {
+            return;
+        }
+        self.latency
+            .saturating_record(started.elapsed().as_nanos() as u64);
+        for victim in victims.drain(..) {
+            self.report.evictions += 1;
+            // Ids outside the trace can only come from a cache that was
+            // filled before the replay; they are not re-requested.
+            let last_use = trace.last_use.get(victim as usize);
+            if last_use.is_some_and(|&last| last > position) {
+                self.report.re_prefilled_evictions += 1;
+            }
+        }
     }
-    report
+
+    /// Records one request whose first `resident_prefix` blocks were cached;
+    /// `resident` blocks are cached after it.
+    pub(crate) fn request(
+        &mut self,
+        input_length: u64,
+        resident_prefix: usize,
+        block_size: u64,
+        resident: usize,
+    ) {
+        let outcome = RequestOutcome {
+            prompt_tokens: input_length,
+            hit_tokens: (resident_prefix as u64)
+                .saturating_mul(block_size)
+                .min(input_length),
+        };
+        self.report.total_prompt_tokens += outcome.prompt_tokens;
+        self.report.total_hit_tokens += outcome.hit_tokens;
+        self.report.per_request.push(outcome);
+        if let Some(capacity) = self.capacity {
+            self.utilisation_sum += resident as f64 / capacity;
+        }
+    }
+
+    pub(crate) fn finish(mut self, resident: usize) -> ReplayReport {
+        let report = &mut self.report;
+        report.final_cache_blocks = resident;
+        if self.capacity.is_some() && report.total_requests > 0 {
+            report.mean_utilisation = Some(self.utilisation_sum / report.total_requests as f64);
+        }
+        if !self.latency.is_empty() {
+            report.eviction_latency_p50_ns = Some(self.latency.value_at_quantile(0.5));
+            report.eviction_latency_p99_ns = Some(self.latency.value_at_quantile(0.99));
+        }
+        self.report
+    }
 }
 
 #[cfg(test)]

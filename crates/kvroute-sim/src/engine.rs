@@ -21,9 +21,9 @@
 //! computed; its partial last block and generated tokens use private blocks.
 //! At least one prompt token is always computed, even on a full hit, because
 //! the first output token needs a forward pass. When a request ends its blocks
-//! go back to the cached pool in prompt order, which is the order in which
-//! `kvroute replay` touches them, so one engine fed one request at a time hits
-//! exactly what the cache-policy lab predicts.
+//! go back to the cached pool tail first, as in vLLM (or are unlocked, in
+//! SGLang's radix tree): one engine fed one request at a time hits exactly
+//! what `kvroute replay --order vllm` (or `--order sglang`) predicts.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -34,7 +34,7 @@ use kvroute_index::{BlockHasher, ExtraKeys, sequence_hashes};
 use crate::SimError;
 use crate::cost::{BatchShape, CostModel};
 use crate::eviction::{EvictionRecord, PolicyFigures};
-use crate::pool::{BlockKey, KvPool, PoolEvent};
+use crate::pool::{BlockKey, EngineKind, KvPool, PoolEvent};
 
 /// The engine's limits and costs.
 #[derive(Clone, Debug)]
@@ -44,6 +44,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub eviction: PolicyKind,
+    /// Whose prefix cache the pool imitates.
+    pub kind: EngineKind,
     pub cost: CostModel,
 }
 
@@ -55,6 +57,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             eviction: PolicyKind::Lru,
+            kind: EngineKind::Vllm,
             cost: CostModel::default(),
         }
     }
@@ -178,7 +181,7 @@ impl Engine {
         }
         Ok(Engine {
             hasher: BlockHasher::new(config.block_size),
-            pool: KvPool::new(config.kv_blocks, config.eviction)?,
+            pool: KvPool::new(config.kv_blocks, config.eviction, config.kind)?,
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -495,13 +498,9 @@ impl Engine {
             class.prompt_tokens += seq.prompt_len as u64;
             class.cached_tokens += seq.cached_tokens as u64;
         }
-        let mut parent = None;
-        for (depth, block) in seq.blocks.iter().enumerate() {
-            self.pool
-                .acquire(*block, parent, depth as u32, seq.priority)
-                .expect("admission checked that every block fits");
-            parent = Some(block.hash);
-        }
+        self.pool
+            .acquire_prompt(&seq.blocks, seq.priority)
+            .expect("admission checked that every block fits");
         seq.holds_blocks = true;
         seq.published = hit;
         seq.computed = (hit * bs).min(seq.prefill_target() - 1);
@@ -538,9 +537,7 @@ impl Engine {
 
     fn release(&mut self, seq: &mut Seq) {
         if seq.holds_blocks {
-            for block in &seq.blocks {
-                self.pool.release(block.hash);
-            }
+            self.pool.release_prompt(&seq.blocks);
             seq.holds_blocks = false;
         }
         self.pool.release_private(seq.private);
@@ -728,6 +725,14 @@ mod tests {
         let mut engine = Engine::new(config(8)).unwrap();
         assert!(engine.set_eviction_policy(PolicyKind::Belady).is_err());
         assert_eq!(engine.eviction_policy(), PolicyKind::Lru);
+        // SGLang's radix cache only evicts leaf-first LRU: a switch is refused.
+        let mut engine = Engine::new(EngineConfig {
+            kind: EngineKind::Sglang,
+            ..config(8)
+        })
+        .unwrap();
+        assert!(engine.set_eviction_policy(PolicyKind::Arc).is_err());
+        assert_eq!(engine.eviction_policy(), PolicyKind::Lru);
     }
 
     #[test]
@@ -801,6 +806,91 @@ mod tests {
         assert!(figures.jain_fairness < 1.0 && figures.jain_fairness > 0.0);
         assert!(figures.throughput_lost > 0.0 && figures.memory_utilisation > 0.5);
         assert!(engine.take_eviction_log().is_empty());
+    }
+
+    #[test]
+    fn a_finished_chain_is_evicted_tail_first() {
+        // 6 blocks: a 4-block chain, then an unrelated 4-block prompt takes two
+        // of its slots. Given back tail first, the chain keeps its first two
+        // blocks (given back root first, it would keep nothing usable).
+        let mut engine = Engine::new(config(6)).unwrap();
+        engine.submit(&tokens(0..16), 1).unwrap();
+        run(&mut engine);
+        engine.submit(&tokens(1000..1016), 1).unwrap();
+        run(&mut engine);
+        engine.submit(&tokens(0..16), 1).unwrap();
+        assert_eq!(run(&mut engine)[0].cached_tokens, 8);
+    }
+
+    #[test]
+    fn sglang_mode_never_evicts_a_running_request_and_never_cuts_a_chain() {
+        let mut engine = Engine::new(EngineConfig {
+            kind: EngineKind::Sglang,
+            ..config(16)
+        })
+        .unwrap();
+        let long = engine.submit(&tokens(0..12), 12).unwrap();
+        engine.step().unwrap();
+        let held: Vec<u64> = engine.running[0].blocks.iter().map(|b| b.hash).collect();
+        assert_eq!(engine.running[0].id, long);
+        // Six 3-block prompts through the 16 slots the long request shares.
+        for i in 0..6 {
+            let start = 1000 * (i + 1);
+            let id = engine.submit(&tokens(start..start + 12), 1).unwrap();
+            loop {
+                let step = engine.step().unwrap();
+                engine.pool().check();
+                assert!(held.iter().all(|&h| engine.pool().is_held(h)));
+                if step.emitted.iter().any(|e| e.seq == id && e.finished) {
+                    break;
+                }
+            }
+        }
+        assert!(engine.evictions() > 0);
+        run(&mut engine);
+        // Every eviction took a leaf: each Removed block's parent was still
+        // held, or removed after it.
+        let mut removed = Vec::new();
+        for event in engine.take_events() {
+            if let PoolEvent::Removed { hash } = event {
+                removed.push(hash);
+            }
+        }
+        let mut parents = std::collections::HashMap::new();
+        for seq_start in (0..7).map(|i| 1000 * i) {
+            let seq_tokens = tokens(seq_start..seq_start + 12);
+            let locals = engine
+                .hasher
+                .local_hashes_with(&seq_tokens, &ExtraKeys::default());
+            let hashes = sequence_hashes(&locals);
+            for pair in hashes.windows(2) {
+                parents.insert(pair[1], pair[0]);
+            }
+        }
+        for (i, hash) in removed.iter().enumerate() {
+            if let Some(parent) = parents.get(hash) {
+                assert!(
+                    !removed[..i].contains(parent),
+                    "{hash} removed after its parent"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn sglang_mode_refuses_policies_other_than_lru() {
+        let err = Engine::new(EngineConfig {
+            kind: EngineKind::Sglang,
+            eviction: PolicyKind::S3Fifo,
+            ..config(16)
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            err.contains("--engine sglang") && err.contains("s3fifo"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! a GPU fleet.
 //!
 //! - [`pool`]: the paged KV block pool with prefix caching on kvroute's block
-//!   hashes, vLLM's active (reference-counted) and inactive (cached) blocks, the
-//!   inactive ones evicted by a `kvroute-cache` policy;
+//!   hashes, active (reference-counted) and inactive (cached) blocks, evicted
+//!   as vLLM does (a `kvroute-cache` policy, blocks given back tail first) or
+//!   as SGLang does (a radix tree, least recently used unlocked leaf first);
 //! - [`engine`]: continuous batching over the pool (max-num-seqs,
 //!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
 //!   [`Engine::step`], timed by the [`cost`] model and never by a clock;
@@ -29,6 +30,7 @@ pub mod worker;
 
 pub use cost::CostModel;
 pub use engine::{Engine, EngineConfig};
+pub use pool::EngineKind;
 pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 
 /// Everything that can go wrong in the simulator.

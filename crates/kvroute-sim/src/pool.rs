@@ -1,4 +1,4 @@
-//! The paged KV block pool, with vLLM's prefix caching.
+//! The paged KV block pool, with vLLM's or SGLang's prefix caching.
 //!
 //! Every block slot is in exactly one of four states, and the counts always add
 //! up to the pool's size (the invariant `check` asserts in tests):
@@ -10,28 +10,97 @@
 //!   its generated tokens fill; never shared, freed when the request ends
 //!   (generated filler text has no reuse, so it is not cached);
 //! - **inactive, cached**: a hashed block no request references any more, kept
-//!   for reuse in a `kvroute-cache` policy, which alone decides which one is
-//!   evicted when a slot is needed (the mapping is documented in that crate);
+//!   for reuse until it is evicted to free a slot;
 //! - **free**.
+//!
+//! Which cached block is evicted depends on the engine ([`EngineKind`]):
+//! - **vLLM**: cached blocks sit in a `kvroute-cache` policy (LRU: vLLM's free
+//!   block queue), which alone picks the victim, one block whenever a slot is
+//!   needed (the mapping is documented in that crate). A request gives its
+//!   blocks back in reverse order, tail first, as vLLM does, so LRU evicts a
+//!   chain's tail before its root.
+//! - **SGLang**: every held block is a node of a radix tree
+//!   ([`kvroute_cache::RadixLru`]) whose lock references are the requests
+//!   referencing it; the victim is the least recently used unlocked leaf, so a
+//!   chain is never cut above a cached block. Admitting a request locks its
+//!   cached prefix and evicts the room its new blocks need in one scan, as
+//!   SGLang evicts before scheduling a batch; admitting and finishing touch the
+//!   request's path, its root last.
+//!
+//! SGLang keeps runs of tokens per tree node and evicts a whole leaf node at a
+//! time; this tree has one block per node, so it evicts exactly what it needs.
 //!
 //! A hashed block is *published* (visible to prefix matching, and announced with
 //! a `Stored` event) once its tokens have been computed; a block being prefilled
 //! holds its slot but cannot be hit yet. Evicting a cached block announces
 //! `Removed`. [`KvPool::clear`] empties everything and announces `Cleared`.
 //!
-//! The policy can be replaced while the engine runs ([`KvPool::set_policy`]):
-//! the cached blocks move to the new policy in the old one's eviction order,
-//! so none is lost and no event is sent. Each held block remembers its depth
-//! and the highest [`Priority`] of the requests that used it since it was
-//! last cached, which the policy is told ([`AccessHint`]) when it gets the block.
+//! These are the events both engines publish (vLLM's and SGLang's
+//! `BlockStored` with the parent's hash, `BlockRemoved`, `AllBlocksCleared`),
+//! one block per event as SGLang sends them.
+//!
+//! In vLLM mode the policy can be replaced while the engine runs
+//! ([`KvPool::set_policy`]): the cached blocks move to the new policy in the
+//! old one's eviction order, so none is lost and no event is sent. Each held
+//! block remembers its depth and the highest [`Priority`] of the requests that
+//! used it since it was last cached, which the policy is told ([`AccessHint`])
+//! when it gets the block.
 
 use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use kvroute_cache::{AccessHint, BlockCache, PolicyKind, Priority, S3FifoParams};
+use kvroute_cache::{AccessHint, BlockCache, PolicyKind, Priority, RadixLru, S3FifoParams};
 
 use crate::SimError;
 use crate::eviction::{EvictionRecord, EvictionStats, Reason};
+
+/// Whose prefix cache the engine imitates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+}
+
+impl EngineKind {
+    pub const NAMES: [&'static str; 2] = ["vllm", "sglang"];
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for EngineKind {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        [EngineKind::Vllm, EngineKind::Sglang]
+            .into_iter()
+            .find(|kind| kind.name() == name)
+            .ok_or_else(|| {
+                format!(
+                    "unknown engine `{name}` (expected one of: {})",
+                    Self::NAMES.join(", ")
+                )
+            })
+    }
+}
+
+/// Where the cached (unreferenced) blocks wait.
+enum Cached {
+    /// vLLM: only the unreferenced blocks, in the eviction policy.
+    Policy(Box<dyn BlockCache + Send>),
+    /// SGLang: every held block, the referenced ones locked.
+    Radix(RadixLru),
+}
 
 /// What changed in the pool, for the event stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,8 +143,9 @@ pub struct KvPool {
     /// Active hashed blocks (`refs > 0`).
     active: usize,
     private: usize,
-    cached: Box<dyn BlockCache + Send>,
+    cached: Cached,
     policy: PolicyKind,
+    kind: EngineKind,
     events: Vec<PoolEvent>,
     evictions: u64,
     stats: EvictionStats,
@@ -84,14 +154,15 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    pub fn new(total: usize, policy: PolicyKind) -> Result<Self, SimError> {
+    pub fn new(total: usize, policy: PolicyKind, kind: EngineKind) -> Result<Self, SimError> {
         Ok(KvPool {
             total,
             held: HashMap::new(),
             active: 0,
             private: 0,
-            cached: build_cache(policy, total)?,
+            cached: build_cache(policy, kind, total)?,
             policy,
+            kind,
             events: vec![PoolEvent::Cleared],
             evictions: 0,
             stats: EvictionStats::new(policy, total),
@@ -108,9 +179,15 @@ impl KvPool {
     /// first) and the new one adopts them in that order, so what was about to
     /// go still goes first. Returns the old policy.
     pub fn set_policy(&mut self, policy: PolicyKind) -> Result<PolicyKind, SimError> {
-        let mut next = build_cache(policy, self.total)?;
-        while let Some(block) = self.cached.evict_one() {
-            self.adopt(next.as_mut(), block);
+        let Cached::Policy(current) = &mut self.cached else {
+            return Err(SimError::Config(format!(
+                "--engine sglang evicts like SGLang's radix cache (least recently used leaf \
+                 first); its eviction cannot be switched to `{policy}`"
+            )));
+        };
+        let mut next = build_policy(policy, self.total)?;
+        while let Some(block) = current.evict_one() {
+            adopt(&self.held, next.as_mut(), block);
         }
         // Every policy gives up all its blocks; should one ever keep some, the
         // pool's own record still brings them over.
@@ -121,21 +198,11 @@ impl KvPool {
             .map(|(hash, _)| *hash)
             .collect();
         for block in left {
-            self.adopt(next.as_mut(), block);
+            adopt(&self.held, next.as_mut(), block);
         }
-        self.cached = next;
+        *current = next;
         self.stats.switch_to(policy);
         Ok(std::mem::replace(&mut self.policy, policy))
-    }
-
-    fn adopt(&self, cache: &mut (dyn BlockCache + Send), block: u64) {
-        if let Some(held) = self.held.get(&block) {
-            cache.hint(AccessHint {
-                depth: held.depth,
-                priority: held.priority,
-            });
-        }
-        cache.adopt(block);
     }
 
     /// Records each eviction decision for [`KvPool::take_eviction_log`].
@@ -172,11 +239,14 @@ impl KvPool {
     }
 
     pub fn cached(&self) -> usize {
-        self.cached.len()
+        match &self.cached {
+            Cached::Policy(policy) => policy.len(),
+            Cached::Radix(tree) => tree.len() - self.active,
+        }
     }
 
     pub fn free(&self) -> usize {
-        self.total - self.active - self.private - self.cached.len()
+        self.total - self.active - self.private - self.cached()
     }
 
     pub fn evictions(&self) -> u64 {
@@ -205,29 +275,91 @@ impl KvPool {
             .count()
     }
 
-    /// References block `depth` of a prompt for a request of `priority`:
-    /// shares it if held (taking it out of the cached pool), otherwise takes a
-    /// slot for it, unpublished.
-    pub fn acquire(
+    /// References every full block of a prompt for a request of `priority`,
+    /// root first: shares the held ones, takes slots for the others
+    /// (unpublished until computed).
+    pub fn acquire_prompt(
+        &mut self,
+        blocks: &[BlockKey],
+        priority: Priority,
+    ) -> Result<(), OutOfBlocks> {
+        let mut shared = vec![false; blocks.len()];
+        if let Cached::Radix(_) = self.cached {
+            // Lock what is held first, so that making room cannot evict it.
+            for (shared, block) in shared.iter_mut().zip(blocks) {
+                *shared = self.share(block.hash, priority);
+            }
+            self.make_room(shared.iter().filter(|&&s| !s).count(), Reason::Prefill);
+        }
+        let mut parent = None;
+        for (depth, (block, shared)) in blocks.iter().zip(shared).enumerate() {
+            if !shared {
+                self.acquire(*block, parent, depth as u32, priority)?;
+            }
+            parent = Some(block.hash);
+        }
+        if let (Cached::Radix(tree), Some(last)) = (&mut self.cached, blocks.last()) {
+            tree.touch(last.hash);
+        }
+        Ok(())
+    }
+
+    /// Drops a prompt's references, tail first (see the module docs).
+    pub fn release_prompt(&mut self, blocks: &[BlockKey]) {
+        for block in blocks.iter().rev() {
+            self.release(block.hash);
+        }
+        if let Cached::Radix(tree) = &mut self.cached
+            && let Some(deepest) = blocks.iter().rev().find(|b| tree.contains(b.hash))
+        {
+            tree.touch(deepest.hash);
+        }
+    }
+
+    /// References a held block for a request of `priority`; false when it is
+    /// not held.
+    fn share(&mut self, hash: u64, priority: Priority) -> bool {
+        let Some(held) = self.held.get_mut(&hash) else {
+            return false;
+        };
+        match &mut self.cached {
+            Cached::Policy(policy) => {
+                if held.refs == 0 {
+                    policy.remove(hash);
+                }
+            }
+            Cached::Radix(tree) => {
+                tree.lock(hash);
+            }
+        }
+        if held.refs == 0 {
+            self.active += 1;
+            held.priority = priority;
+        }
+        held.priority = held.priority.max(priority);
+        held.refs += 1;
+        true
+    }
+
+    /// References block `depth` of a prompt: shares it if held (taking it out
+    /// of the cached pool), otherwise takes a slot for it, unpublished.
+    fn acquire(
         &mut self,
         key: BlockKey,
         parent: Option<u64>,
         depth: u32,
         priority: Priority,
     ) -> Result<(), OutOfBlocks> {
-        if let Some(held) = self.held.get_mut(&key.hash) {
-            if held.refs == 0 {
-                self.cached.remove(key.hash);
-                self.active += 1;
-                held.priority = priority;
-            }
-            held.priority = held.priority.max(priority);
-            held.refs += 1;
+        if self.share(key.hash, priority) {
             return Ok(());
         }
         self.take_slot(Reason::Prefill)?;
         self.stats.re_prefilled(key.hash);
         self.active += 1;
+        if let Cached::Radix(tree) = &mut self.cached {
+            tree.insert(key.hash, parent);
+            tree.lock(key.hash);
+        }
         self.held.insert(
             key.hash,
             Held {
@@ -258,30 +390,45 @@ impl KvPool {
 
     /// Drops one reference; an unreferenced published block becomes cached, an
     /// unpublished one (its prefill never finished) is freed.
-    pub fn release(&mut self, hash: u64) {
+    fn release(&mut self, hash: u64) {
         let Some(held) = self.held.get_mut(&hash) else {
             return;
         };
         held.refs -= 1;
+        if let Cached::Radix(tree) = &mut self.cached {
+            tree.unlock(hash);
+        }
         if held.refs > 0 {
             return;
         }
         self.active -= 1;
-        if !held.published {
-            self.held.remove(&hash);
-            return;
-        }
+        let published = held.published;
         let hint = AccessHint {
             depth: held.depth,
             priority: held.priority,
         };
         let mut evicted = Vec::new();
         let started = Instant::now();
-        self.cached.hint(hint);
-        self.cached.access(hash, &mut evicted);
+        match &mut self.cached {
+            Cached::Radix(tree) => {
+                if !published {
+                    // Released tail first, so it has no children left.
+                    tree.remove(hash);
+                }
+            }
+            Cached::Policy(policy) => {
+                if published {
+                    policy.hint(hint);
+                    policy.access(hash, &mut evicted);
+                }
+            }
+        }
+        let elapsed = started.elapsed();
+        if !published {
+            self.held.remove(&hash);
+        }
         // The policy's capacity is the whole pool, so admitting needs no room,
         // but S3FIFO drops its small queue's overflow all the same.
-        let elapsed = started.elapsed();
         for victim in evicted {
             self.forget(victim, elapsed, Reason::Admission);
         }
@@ -302,7 +449,7 @@ impl KvPool {
         self.held.clear();
         self.active = 0;
         self.private = 0;
-        self.cached = build_cache(self.policy, self.total)?;
+        self.cached = build_cache(self.policy, self.kind, self.total)?;
         self.events.push(PoolEvent::Cleared);
         Ok(())
     }
@@ -335,13 +482,36 @@ impl KvPool {
     }
 
     fn take_slot(&mut self, reason: Reason) -> Result<(), OutOfBlocks> {
-        if self.free() > 0 {
-            return Ok(());
+        if self.free() == 0 {
+            self.make_room(1, reason);
         }
-        let started = Instant::now();
-        let victim = self.cached.evict_one().ok_or(OutOfBlocks)?;
-        self.forget(victim, started.elapsed(), reason);
+        if self.free() == 0 {
+            return Err(OutOfBlocks);
+        }
         Ok(())
+    }
+
+    /// Evicts until `slots` are free, or nothing more can be evicted.
+    fn make_room(&mut self, slots: usize, reason: Reason) {
+        let needed = slots.saturating_sub(self.free());
+        if needed == 0 {
+            return;
+        }
+        let mut victims = Vec::new();
+        let started = Instant::now();
+        match &mut self.cached {
+            Cached::Policy(policy) => {
+                victims.extend(std::iter::from_fn(|| policy.evict_one()).take(needed))
+            }
+            Cached::Radix(tree) => {
+                tree.evict(needed, &mut victims);
+            }
+        }
+        // One decision chose them all: each victim is charged its share.
+        let decision = started.elapsed() / victims.len().max(1) as u32;
+        for victim in victims {
+            self.forget(victim, decision, reason);
+        }
     }
 
     fn forget(&mut self, victim: u64, decision: Duration, reason: Reason) {
@@ -383,19 +553,51 @@ impl KvPool {
         let active = self.held.values().filter(|h| h.refs > 0).count();
         let cached = self.held.values().filter(|h| h.refs == 0).count();
         assert_eq!(active, self.active);
-        assert_eq!(cached, self.cached.len());
-        assert!(self.active + self.private + self.cached.len() <= self.total);
+        assert_eq!(cached, self.cached());
+        assert!(self.active + self.private + self.cached() <= self.total);
+        if let Cached::Radix(tree) = &self.cached {
+            assert_eq!(tree.len(), self.held.len());
+        }
         for (hash, held) in &self.held {
-            assert_eq!(held.refs == 0, self.cached.contains(*hash));
+            match &self.cached {
+                Cached::Policy(policy) => assert_eq!(held.refs == 0, policy.contains(*hash)),
+                Cached::Radix(tree) => {
+                    assert_eq!(tree.locks(*hash), Some(held.refs));
+                    // Leaf-first eviction never cuts a chain above a held block.
+                    assert!(held.parent.is_none_or(|p| self.held.contains_key(&p)));
+                }
+            }
         }
     }
 }
 
-fn build_cache(policy: PolicyKind, total: usize) -> Result<Box<dyn BlockCache + Send>, SimError> {
+fn build_cache(policy: PolicyKind, kind: EngineKind, total: usize) -> Result<Cached, SimError> {
+    match kind {
+        EngineKind::Vllm => Ok(Cached::Policy(build_policy(policy, total)?)),
+        EngineKind::Sglang if policy == PolicyKind::Lru => Ok(Cached::Radix(RadixLru::new())),
+        EngineKind::Sglang => Err(SimError::Config(format!(
+            "--engine sglang evicts like SGLang's radix cache (least recently used leaf first); \
+             --eviction {policy} is only available with --engine vllm"
+        ))),
+    }
+}
+
+fn build_policy(policy: PolicyKind, total: usize) -> Result<Box<dyn BlockCache + Send>, SimError> {
     if policy.is_bound() {
         return Err(SimError::Config(format!(
             "eviction policy `{policy}` is a reference bound, not one a worker can run"
         )));
     }
     Ok(policy.build(total, S3FifoParams::default(), &[])?)
+}
+
+/// Gives `block` to `cache`, with what the pool knows of it.
+fn adopt(held: &HashMap<u64, Held>, cache: &mut (dyn BlockCache + Send), block: u64) {
+    if let Some(held) = held.get(&block) {
+        cache.hint(AccessHint {
+            depth: held.depth,
+            priority: held.priority,
+        });
+    }
+    cache.adopt(block);
 }

@@ -82,9 +82,10 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
             };
             for &policy in &args.policies {
                 eprintln!(
-                    "bench e2e: {} requests under {}, evicting with {eviction} ...",
+                    "bench e2e: {} requests under {} on {} engines, evicting with {eviction} ...",
                     trace.len(),
-                    policy.as_str()
+                    policy.as_str(),
+                    engine.kind
                 );
                 let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
                 reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
@@ -93,7 +94,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         }
         anyhow::Ok(reports)
     })?;
-    eprintln!("\n{}", e2e::table(&reports, true));
+    eprintln!("\nengines: {}\n{}", engine.kind, e2e::table(&reports, true));
     for r in &reports {
         // A step delivered late delays every token after it: past a few timer
         // ticks on average, the latencies measure this machine, not the model.
@@ -110,6 +111,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         "trace": args.trace,
         "requests": trace.len(),
         "workers": args.workers,
+        "engine": engine.kind.name(),
         "kv_blocks": engine.kv_blocks,
         "block_size": engine.block_size,
         "evictions": evictions.iter().map(|e| e.name()).collect::<Vec<_>>(),

@@ -36,7 +36,7 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_cache::PolicyKind;
 use kvroute_router::metrics::ALIVE_TASKS;
 use kvroute_sim::trace::trace_tokens;
-use kvroute_sim::{CostModel, EngineConfig, Worker, WorkerConfig};
+use kvroute_sim::{CostModel, EngineConfig, EngineKind, Worker, WorkerConfig};
 use kvroute_trace::TraceRequest;
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -253,6 +253,7 @@ fn engine(speedup: f64) -> EngineConfig {
         max_num_seqs: 64,
         max_num_batched_tokens: 8192,
         eviction: PolicyKind::Lru,
+        kind: EngineKind::Vllm,
         cost: CostModel {
             speedup,
             ..CostModel::default()
