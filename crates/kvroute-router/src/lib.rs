@@ -8,7 +8,9 @@
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties these together, and [`writers`] decides which
 //! worker stream may write the index; [`server`] starts the listeners,
-//! background tasks and the graceful shutdown. [`config`], [`error`],
+//! background tasks and the graceful shutdown. With `[cluster]`, [`replica`] is
+//! the seam through which replicas share their workers' events (the NATS side
+//! lives in `kvroute-cluster`). [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
@@ -23,6 +25,7 @@ pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod registry;
+pub mod replica;
 pub mod scheduler;
 pub mod series;
 pub mod server;

@@ -16,6 +16,7 @@ use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
+use crate::replica::Replica;
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
 use crate::tokenize::RouterTokenizer;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub metrics: Option<Renderer>,
     /// Which event stream may write each worker's index entries.
     pub writers: Writers,
+    /// Set once at start with `[cluster]`: this replica's side of the shared log.
+    pub replica: std::sync::OnceLock<Arc<Replica>>,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
     /// A test hook: while a test holds it for writing, event batches and dumps
@@ -109,6 +112,7 @@ impl AppState {
             upstream,
             metrics,
             writers: Writers::default(),
+            replica: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
             ingest_gate: tokio::sync::RwLock::new(()),
         }))

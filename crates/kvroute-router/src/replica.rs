@@ -1,0 +1,399 @@
+//! The seam between ingest and a log shared by router replicas (`[cluster]`).
+//!
+//! With one replica, a worker stream's applier applies its batches and dumps to
+//! the index itself. With several, the replica that holds the stream appends
+//! them to a shared, ordered log ([`EventLog`]; NATS JetStream in
+//! `kvroute-cluster`) and every replica, the holder included, applies the log
+//! in order through a [`ReplicaApplier`]. So every index goes through the same
+//! states, and one replica's index is every replica's.
+//!
+//! The holder learns the outcome of its worker's records from its own applier:
+//! a gap asks the worker for a resync, an applied record is acked (so an ack
+//! means the log stored it), a refused dump answers with an error. Gaps,
+//! resyncs, dumps, restarts and refusals thus mean what they mean with one
+//! replica; the other replicas apply the same records and answer nobody.
+//!
+//! Each stream opens with a [`Record::Claim`]; its sequence in the log names
+//! the claim, and the stream's records carry it. A record of any claim but its
+//! worker's latest is skipped on every replica alike, so a replica that lost a
+//! worker to another can no longer write its state. A claim with a new
+//! instance id is the worker's restart: its ranks are cleared everywhere.
+//! Event ids make a resent event stale, so a worker that moves to another
+//! replica and resends has nothing applied twice.
+//!
+//! This module knows nothing of NATS: without `[cluster]` none of it runs.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+use kvroute_index::WorkerKey;
+use kvroute_proto::{Dump, EventBatch};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::ingest::{DumpState, Stream, Work};
+use crate::metrics;
+use crate::registry::Registration;
+use crate::state::AppState;
+
+/// One entry of the shared log.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    /// A worker's stream opened on `replica_id`.
+    Claim {
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: Vec<u32>,
+        replica_id: String,
+    },
+    /// A batch of the stream of `claim` (the claim's sequence), ids kept.
+    Events {
+        worker_id: u64,
+        claim: u64,
+        batch: EventBatch,
+    },
+    /// A dump, or a part of one, of the stream of `claim`.
+    Dump {
+        worker_id: u64,
+        claim: u64,
+        dump: Dump,
+    },
+    /// The holder gave up resyncing a rank: it is cleared.
+    Clear {
+        worker_id: u64,
+        claim: u64,
+        dp_rank: u32,
+    },
+}
+
+impl Record {
+    pub fn worker_id(&self) -> u64 {
+        match self {
+            Record::Claim { worker_id, .. }
+            | Record::Events { worker_id, .. }
+            | Record::Dump { worker_id, .. }
+            | Record::Clear { worker_id, .. } => *worker_id,
+        }
+    }
+
+    /// The kind's name, for subjects and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Record::Claim { .. } => "claim",
+            Record::Events { .. } => "events",
+            Record::Dump { .. } => "dump",
+            Record::Clear { .. } => "clear",
+        }
+    }
+}
+
+/// A record the log did not store, given back with why.
+pub struct Unlogged {
+    pub error: String,
+    pub record: Record,
+}
+
+/// The shared, ordered log and the registrations beside it.
+pub trait EventLog: Send + Sync {
+    /// Appends `record`; resolves with its sequence once the log has stored it.
+    fn append(&self, record: Record) -> BoxFuture<'static, Result<u64, Unlogged>>;
+    /// Publishes the registration of a worker whose stream this replica holds,
+    /// and keeps it alive until the returned guard is dropped.
+    fn hold(&self, registration: Registration) -> Box<dyn Any + Send>;
+}
+
+/// A replica's side of the cluster, in [`AppState::replica`].
+pub struct Replica {
+    pub log: Arc<dyn EventLog>,
+    /// This replica's name (`cluster.replica_id`), in its claims.
+    pub replica_id: String,
+    /// Streams held here, by worker: their claim, and their context.
+    held: Mutex<HashMap<u64, (u64, Stream)>>,
+    connected: AtomicBool,
+    caught_up: AtomicBool,
+}
+
+impl Replica {
+    pub fn new(log: Arc<dyn EventLog>, replica_id: String) -> Self {
+        ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(1.0);
+        ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(0.0);
+        Self {
+            log,
+            replica_id,
+            held: Mutex::default(),
+            connected: AtomicBool::new(true),
+            caught_up: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the log answered the last time it was used.
+    pub fn connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Records whether the log answers; says so in the log on a change only.
+    pub fn set_connected(&self, connected: bool) {
+        if self.connected.swap(connected, Ordering::AcqRel) != connected {
+            ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(f64::from(u8::from(connected)));
+            if connected {
+                tracing::info!("the cluster's event log answers again");
+            } else {
+                tracing::warn!(
+                    "the cluster's event log does not answer: routing on the state at hand, applying events here only"
+                );
+            }
+        }
+    }
+
+    /// Whether this replica has applied the log as far as it stood at start.
+    pub fn caught_up(&self) -> bool {
+        self.caught_up.load(Ordering::Acquire)
+    }
+
+    pub fn set_caught_up(&self) {
+        if !self.caught_up.swap(true, Ordering::AcqRel) {
+            ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(1.0);
+            tracing::info!("caught up with the cluster's event log");
+        }
+    }
+
+    /// Opens a stream in the log; the claim's sequence names it.
+    pub(crate) async fn claim(
+        &self,
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: &[u32],
+    ) -> Result<u64, tonic::Status> {
+        let record = Record::Claim {
+            worker_id,
+            instance_id,
+            dp_ranks: dp_ranks.to_vec(),
+            replica_id: self.replica_id.clone(),
+        };
+        let result = self.log.append(record).await;
+        self.set_connected(result.is_ok());
+        result.map_err(|e| {
+            tonic::Status::unavailable(format!("the cluster's event log: {}", e.error))
+        })
+    }
+
+    pub(crate) fn hold(&self, claim: u64, stream: Stream) {
+        let worker_id = stream.worker_id();
+        self.held.lock().unwrap().insert(worker_id, (claim, stream));
+    }
+
+    /// The stream of `claim` ended.
+    pub(crate) fn release(&self, worker_id: u64, claim: u64) {
+        let mut held = self.held.lock().unwrap();
+        if held.get(&worker_id).is_some_and(|(c, _)| *c == claim) {
+            held.remove(&worker_id);
+        }
+    }
+
+    fn holder(&self, worker_id: u64, claim: u64) -> Option<Stream> {
+        let held = self.held.lock().unwrap();
+        held.get(&worker_id)
+            .filter(|(c, _)| *c == claim)
+            .map(|(_, s)| s.clone())
+    }
+
+    /// Appends a stream's queued work; gives it back when the log did not take
+    /// it, to be applied here (so no event is lost while NATS is away).
+    pub(crate) async fn append(&self, worker_id: u64, claim: u64, item: Work) -> Option<Work> {
+        let (record, permit): (Record, OwnedSemaphorePermit) = match item {
+            Work::Events(batch, permit) => (
+                Record::Events {
+                    worker_id,
+                    claim,
+                    batch,
+                },
+                permit,
+            ),
+            Work::Dump(dump, permit) => (
+                Record::Dump {
+                    worker_id,
+                    claim,
+                    dump,
+                },
+                permit,
+            ),
+        };
+        match self.log.append(record).await {
+            Ok(_) => {
+                self.set_connected(true);
+                None
+            }
+            Err(unlogged) => {
+                self.set_connected(false);
+                ::metrics::counter!(metrics::CLUSTER_APPEND_FAILURES).increment(1);
+                tracing::debug!(worker = worker_id, error = %unlogged.error, "not appended");
+                match unlogged.record {
+                    Record::Events { batch, .. } => Some(Work::Events(batch, permit)),
+                    Record::Dump { dump, .. } => Some(Work::Dump(dump, permit)),
+                    _ => None,
+                }
+            }
+        }
+    }
+
+    /// Clears a rank on every replica (here too if the log does not answer).
+    pub(crate) async fn clear(&self, worker_id: u64, claim: u64, dp_rank: u32) {
+        let record = Record::Clear {
+            worker_id,
+            claim,
+            dp_rank,
+        };
+        let result = self.log.append(record).await;
+        self.set_connected(result.is_ok());
+        if result.is_err()
+            && let Some(stream) = self.holder(worker_id, claim)
+        {
+            stream.clear_rank(WorkerKey::new(worker_id, dp_rank));
+        }
+    }
+}
+
+/// A worker as the log has it: its latest claim, and that stream's dumps.
+struct Follower {
+    claim: u64,
+    instance_id: u64,
+    dumps: DumpState,
+    /// Its records' context here when this replica does not hold the stream.
+    context: Stream,
+}
+
+/// Applies the log, in order, to this replica's index. One per replica, driven
+/// by the task that reads the log.
+pub struct ReplicaApplier {
+    state: Arc<AppState>,
+    workers: HashMap<u64, Follower>,
+}
+
+impl ReplicaApplier {
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self {
+            state,
+            workers: HashMap::new(),
+        }
+    }
+
+    /// Applies the record at `seq`, which follows every record applied before.
+    pub async fn apply(&mut self, seq: u64, record: Record) {
+        let kind = record.kind();
+        let applied = match record {
+            Record::Claim {
+                worker_id,
+                instance_id,
+                dp_ranks,
+                replica_id,
+            } => {
+                self.claim(seq, worker_id, instance_id, dp_ranks, &replica_id);
+                true
+            }
+            Record::Events {
+                worker_id,
+                claim,
+                batch,
+            } => match self.current(worker_id, claim) {
+                Some((follower, context)) => {
+                    // What this stream applied: a later, older dump would roll it back.
+                    follower.dumps.applied.insert(batch.dp_rank);
+                    context.apply_batch(batch).await;
+                    true
+                }
+                None => false,
+            },
+            Record::Dump {
+                worker_id,
+                claim,
+                dump,
+            } => match self.current(worker_id, claim) {
+                Some((follower, context)) => {
+                    context.apply_dump_part(dump, &mut follower.dumps).await;
+                    true
+                }
+                None => false,
+            },
+            Record::Clear {
+                worker_id,
+                claim,
+                dp_rank,
+            } => match self.current(worker_id, claim) {
+                Some((_, context)) => {
+                    context.clear_rank(WorkerKey::new(worker_id, dp_rank));
+                    true
+                }
+                None => false,
+            },
+        };
+        if applied {
+            ::metrics::counter!(metrics::CLUSTER_RECORDS, "kind" => kind).increment(1);
+        } else {
+            ::metrics::counter!(metrics::CLUSTER_SKIPPED).increment(1);
+        }
+    }
+
+    fn claim(
+        &mut self,
+        seq: u64,
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: Vec<u32>,
+        replica_id: &str,
+    ) {
+        let context = Stream::follower(Arc::clone(&self.state), worker_id, dp_ranks.clone());
+        if let Some(previous) = self.workers.get(&worker_id)
+            && previous.instance_id != instance_id
+        {
+            tracing::info!(
+                worker = worker_id,
+                instance_id,
+                "a new instance of the worker registered: clearing its ranks"
+            );
+            ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => worker_id.to_string())
+                .increment(1);
+            let mut ranks = previous.context.dp_ranks().to_vec();
+            for &rank in &dp_ranks {
+                if !ranks.contains(&rank) {
+                    ranks.push(rank);
+                }
+            }
+            for rank in ranks {
+                context.clear_rank(WorkerKey::new(worker_id, rank));
+            }
+        }
+        tracing::debug!(
+            worker = worker_id,
+            claim = seq,
+            replica = replica_id,
+            "claim applied"
+        );
+        self.workers.insert(
+            worker_id,
+            Follower {
+                claim: seq,
+                instance_id,
+                dumps: DumpState::default(),
+                context,
+            },
+        );
+    }
+
+    /// The worker's state and the context to apply its record in, if `claim`
+    /// is its latest: the stream itself when held here.
+    fn current(&mut self, worker_id: u64, claim: u64) -> Option<(&mut Follower, Stream)> {
+        let follower = self
+            .workers
+            .get_mut(&worker_id)
+            .filter(|f| f.claim == claim)?;
+        let context = self
+            .state
+            .replica
+            .get()
+            .and_then(|r| r.holder(worker_id, claim))
+            .unwrap_or_else(|| follower.context.clone());
+        Some((follower, context))
+    }
+}
