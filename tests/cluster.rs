@@ -163,3 +163,120 @@ async fn a_worker_moved_to_another_replica_loses_nothing_and_applies_nothing_twi
     );
     assert_eq!(applied, 6.0);
 }
+
+/// The state of worker `id` on `router` ("connected", "disconnected"), or null.
+async fn worker_state(router: &RouterProcess, id: u64) -> Value {
+    Http::default()
+        .get(&format!("{}/workers/{id}", router.http))
+        .await
+        .json()["worker"]["state"]
+        .clone()
+}
+
+#[tokio::test]
+async fn a_dead_replicas_workers_leave_routing_everywhere_when_their_registrations_expire() {
+    let nats = NatsServer::start();
+    let mut routers = replicas(&nats).await;
+    let http_worker = TestWorker::start(7).await;
+    let mut worker = GrpcWorker::connect(
+        &routers[0].grpc,
+        None,
+        register(7, &http_worker.url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    worker.store(&tokens(0, 64)).await;
+    for router in &routers {
+        eventually("every replica to route to the worker", || async {
+            worker_state(router, 7).await == "connected"
+        })
+        .await;
+    }
+    // Its replica dies (SIGKILL); the worker does not come back.
+    routers.remove(0);
+    for router in &routers {
+        eventually("the registration to expire on every replica", || async {
+            worker_state(router, 7).await == "disconnected"
+        })
+        .await;
+        let reply = Http::default()
+            .post(
+                &format!("{}/v1/route", router.http),
+                &json!({"model": "m", "prompt": tokens(0, 64)}),
+            )
+            .await;
+        assert_eq!(reply.status, 503, "{}", reply.text());
+    }
+}
+
+#[tokio::test]
+async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_returns() {
+    let mut nats = NatsServer::start();
+    let routers: Vec<_> = (0..2)
+        .map(|i| RouterProcess::start(&nats.cluster_config(&format!("r{i}"))))
+        .collect();
+    let http_worker = TestWorker::start(7).await;
+    let mut worker = GrpcWorker::connect(
+        &routers[0].grpc,
+        None,
+        register(7, &http_worker.url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    worker.store(&tokens(0, 64)).await;
+    worker.store(&tokens(1_000, 64)).await;
+    for router in &routers {
+        eventually("both replicas to apply events 0 and 1", || async {
+            indexed(router, 7).await == (8, 1)
+        })
+        .await;
+    }
+
+    nats.kill();
+    for router in &routers {
+        eventually("the replicas to notice", || async {
+            metric(&metrics(router).await, "kvroute_cluster_connected", &[]) == 0.0
+        })
+        .await;
+    }
+    // Applied (and acked) by the worker's replica at once; the other routes on
+    // what it has, and both stay ready.
+    worker.store(&tokens(2_000, 64)).await;
+    assert_eq!(indexed(&routers[0], 7).await, (12, 2));
+    assert_eq!(indexed(&routers[1], 7).await, (8, 1));
+    let http = Http::default();
+    for router in &routers {
+        assert_eq!(
+            http.get(&format!("{}/readyz", router.http)).await.status,
+            200
+        );
+        let reply = http
+            .post(
+                &format!("{}/v1/route", router.http),
+                &json!({"model": "m", "prompt": tokens(0, 64)}),
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+
+    // Back: the worker is asked for what only its replica applied, and every
+    // replica applies it, once.
+    nats.restart();
+    let request = worker.wait_resync().await;
+    assert_eq!((request.dp_rank, request.from_event_id), (0, 2));
+    worker.answer_resync(&request).await;
+    for router in &routers {
+        eventually("every replica to catch up", || async {
+            indexed(router, 7).await == (12, 2)
+        })
+        .await;
+        let text = metrics(router).await;
+        assert_eq!(metric(&text, "kvroute_cluster_connected", &[]), 1.0);
+        let applied = metric(
+            &text,
+            "kvroute_events_total",
+            &[("worker", "7"), ("status", "applied")],
+        );
+        assert_eq!(applied, 3.0, "each event applied once:\n{text}");
+    }
+}

@@ -1003,6 +1003,7 @@ impl HttpsClient {
 /// (`.ci/run` runs it), or from `KVROUTE_NATS_SERVER`.
 pub struct NatsServer {
     child: Child,
+    binary: PathBuf,
     pub port: u16,
     pub url: String,
     /// Its config file and JetStream store.
@@ -1025,24 +1026,19 @@ impl NatsServer {
         let dir = std::env::temp_dir().join(format!("kvroute-nats-{}-{port}", std::process::id()));
         let store = dir.join("store");
         std::fs::create_dir_all(&store).unwrap();
-        let config = dir.join("nats.conf");
         // Batches and dump parts as large as the router's gRPC limit fit in one message.
         std::fs::write(
-            &config,
+            dir.join("nats.conf"),
             format!(
                 "listen: \"127.0.0.1:{port}\"\nmax_payload: 16777216\njetstream {{\n  store_dir: {:?}\n}}\n",
                 store.display().to_string()
             ),
         )
         .unwrap();
-        let mut server = Self {
-            child: Command::new(&binary)
-                .arg("-c")
-                .arg(&config)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("nats-server starts"),
+        let child = Self::spawn(&binary, &dir);
+        let server = Self {
+            child,
+            binary,
             port,
             url: format!("nats://127.0.0.1:{port}"),
             dir,
@@ -1051,16 +1047,34 @@ impl NatsServer {
         server
     }
 
-    fn wait_listening(&mut self) {
+    fn spawn(binary: &Path, dir: &Path) -> Child {
+        Command::new(binary)
+            .arg("-c")
+            .arg(dir.join("nats.conf"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server starts")
+    }
+
+    fn wait_listening(&self) {
         let start = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                self.child.try_wait().unwrap().is_none(),
-                "nats-server exited"
-            );
             assert!(start.elapsed() < DEADLINE, "nats-server did not listen");
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Kills the server (SIGKILL); its store stays for [`Self::restart`].
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port and store.
+    pub fn restart(&mut self) {
+        self.child = Self::spawn(&self.binary, &self.dir);
+        self.wait_listening();
     }
 
     /// The `[cluster]` section of a replica named `replica_id` on this server.

@@ -102,7 +102,9 @@ pub async fn watch_connection(
     mut stopped: watch::Receiver<bool>,
 ) {
     loop {
-        replica.set_connected(client.connection_state() == State::Connected);
+        replica
+            .set_connected(client.connection_state() == State::Connected)
+            .await;
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
             _ = stopped.wait_for(|&s| s) => return,

@@ -5,7 +5,8 @@
 //! again three times per TTL while the stream lasts. Every other replica
 //! registers the worker from the bucket, so it routes to it; when the entry
 //! expires (its holder died, or the stream ended) the bucket's MaxAge marker
-//! takes the worker out of routing on every replica, and its index entries go.
+//! takes the worker out of routing on every replica, and its index entries go
+//! after the grace period unless it registers again, as with one router.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -80,7 +81,7 @@ pub async fn watch(
 }
 
 fn apply(
-    state: &AppState,
+    state: &Arc<AppState>,
     replica_id: &str,
     remote: &mut HashMap<u64, (Held, u64)>,
     entry: kv::Entry,
@@ -121,14 +122,25 @@ fn apply(
             let Some((held, generation)) = remote.remove(&worker_id) else {
                 return;
             };
-            state.registry.disconnect(worker_id, generation);
-            if let Some(keys) = state.registry.purge(worker_id, generation) {
-                for key in keys {
-                    state.index.remove_worker(key);
-                    state.predicted.remove_worker(key);
-                }
-                tracing::info!(worker = worker_id, replica = %held.replica_id, "registration expired: worker forgotten");
+            if !state.registry.disconnect(worker_id, generation) {
+                return;
             }
+            tracing::info!(worker = worker_id, replica = %held.replica_id, "registration expired: worker out of routing");
+            // Like a closed stream with one router: its index entries stay for
+            // the grace period, in case it registers again (or the expiry was
+            // only NATS being away longer than the TTL).
+            let grace = Duration::from_millis(state.config.ingest.grace_period_ms);
+            let state = Arc::clone(state);
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                if let Some(keys) = state.registry.purge(worker_id, generation) {
+                    for key in keys {
+                        state.index.remove_worker(key);
+                        state.predicted.remove_worker(key);
+                    }
+                    tracing::info!(worker = worker_id, "worker purged after the grace period");
+                }
+            });
         }
     }
 }

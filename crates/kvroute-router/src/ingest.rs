@@ -795,6 +795,12 @@ impl Stream {
         self.send_resync(dp_rank, from).await;
     }
 
+    /// Asks the worker to resend from `from` without awaiting the answer: the
+    /// events are here already, and are missing only from the cluster's log.
+    pub(crate) async fn ask_replay(&self, dp_rank: u32, from: u64) {
+        self.send_resync(dp_rank, from).await;
+    }
+
     async fn send_resync(&self, dp_rank: u32, from: u64) {
         ::metrics::counter!(metrics::RESYNCS, "worker" => self.worker_id.to_string()).increment(1);
         let body = router_message::Body::Resync(ResyncRequest {

@@ -113,6 +113,8 @@ pub struct Replica {
     held: Mutex<HashMap<u64, (u64, Stream)>>,
     connected: AtomicBool,
     caught_up: AtomicBool,
+    /// (worker, rank) → the claim and the first event id applied here only.
+    unlogged: Mutex<HashMap<(u64, u32), (u64, u64)>>,
 }
 
 impl Replica {
@@ -125,6 +127,7 @@ impl Replica {
             held: Mutex::default(),
             connected: AtomicBool::new(true),
             caught_up: AtomicBool::new(false),
+            unlogged: Mutex::default(),
         }
     }
 
@@ -134,7 +137,8 @@ impl Replica {
     }
 
     /// Records whether the log answers; says so in the log on a change only.
-    pub fn set_connected(&self, connected: bool) {
+    /// Back in touch, asks the workers to resend what was applied here alone.
+    pub async fn set_connected(&self, connected: bool) {
         if self.connected.swap(connected, Ordering::AcqRel) != connected {
             ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(f64::from(u8::from(connected)));
             if connected {
@@ -143,6 +147,29 @@ impl Replica {
                 tracing::warn!(
                     "the cluster's event log does not answer: routing on the state at hand, applying events here only"
                 );
+            }
+        }
+        if connected {
+            self.replay_unlogged().await;
+        }
+    }
+
+    /// Asks held workers to resend the ranks whose events were applied here
+    /// only while the log did not answer, so that they reach the log, and
+    /// every other replica, after all. Here they are stale: nothing changes.
+    async fn replay_unlogged(&self) {
+        let unlogged: Vec<_> = std::mem::take(&mut *self.unlogged.lock().unwrap())
+            .into_iter()
+            .collect();
+        for ((worker_id, dp_rank), (claim, from)) in unlogged {
+            if let Some(stream) = self.holder(worker_id, claim) {
+                tracing::info!(
+                    worker = worker_id,
+                    dp_rank,
+                    from,
+                    "asking the worker to resend what the cluster's log missed"
+                );
+                stream.ask_replay(dp_rank, from).await;
             }
         }
     }
@@ -173,7 +200,7 @@ impl Replica {
             replica_id: self.replica_id.clone(),
         };
         let result = self.log.append(record).await;
-        self.set_connected(result.is_ok());
+        self.set_connected(result.is_ok()).await;
         result.map_err(|e| {
             tonic::Status::unavailable(format!("the cluster's event log: {}", e.error))
         })
@@ -222,18 +249,36 @@ impl Replica {
         };
         match self.log.append(record).await {
             Ok(_) => {
-                self.set_connected(true);
+                self.set_connected(true).await;
                 None
             }
             Err(unlogged) => {
-                self.set_connected(false);
+                self.set_connected(false).await;
                 ::metrics::counter!(metrics::CLUSTER_APPEND_FAILURES).increment(1);
                 tracing::debug!(worker = worker_id, error = %unlogged.error, "not appended");
-                match unlogged.record {
-                    Record::Events { batch, .. } => Some(Work::Events(batch, permit)),
-                    Record::Dump { dump, .. } => Some(Work::Dump(dump, permit)),
-                    _ => None,
-                }
+                let (rank, from, work) = match unlogged.record {
+                    Record::Events { batch, .. } => (
+                        batch.dp_rank,
+                        batch.events.first().map_or(0, |e| e.event_id),
+                        Work::Events(batch, permit),
+                    ),
+                    // Nobody else has it: the whole rank is to be resent.
+                    Record::Dump { dump, .. } => (dump.dp_rank, 0, Work::Dump(dump, permit)),
+                    _ => return None,
+                };
+                self.unlogged
+                    .lock()
+                    .unwrap()
+                    .entry((worker_id, rank))
+                    .and_modify(|(c, f)| {
+                        if *c == claim {
+                            *f = (*f).min(from);
+                        } else {
+                            (*c, *f) = (claim, from);
+                        }
+                    })
+                    .or_insert((claim, from));
+                Some(work)
             }
         }
     }
@@ -246,7 +291,7 @@ impl Replica {
             dp_rank,
         };
         let result = self.log.append(record).await;
-        self.set_connected(result.is_ok());
+        self.set_connected(result.is_ok()).await;
         if result.is_err()
             && let Some(stream) = self.holder(worker_id, claim)
         {
