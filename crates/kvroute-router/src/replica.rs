@@ -442,3 +442,131 @@ impl ReplicaApplier {
         Some((follower, context))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvroute_proto::{KvEvent, Stored, StoredBlock, kv_event};
+
+    use super::*;
+    use crate::config::Config;
+
+    fn batch(first_id: u64, blocks: &[u64]) -> EventBatch {
+        // One Stored event per block, chained from the root.
+        let events = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &hash)| KvEvent {
+                event_id: first_id + i as u64,
+                kind: Some(kv_event::Kind::Stored(Stored {
+                    parent_hash: (i > 0).then(|| blocks[i - 1]),
+                    blocks: vec![StoredBlock {
+                        block_hash: hash,
+                        tokens_hash: hash * 10,
+                    }],
+                })),
+            })
+            .collect();
+        EventBatch { dp_rank: 0, events }
+    }
+
+    fn claim(worker_id: u64, instance_id: u64) -> Record {
+        Record::Claim {
+            worker_id,
+            instance_id,
+            dp_ranks: vec![0],
+            replica_id: "r".into(),
+        }
+    }
+
+    fn events(claim: u64, batch: EventBatch) -> Record {
+        Record::Events {
+            worker_id: 1,
+            claim,
+            batch,
+        }
+    }
+
+    /// (blocks, last event id) of worker 1's rank 0.
+    fn rank(state: &AppState) -> (u64, Option<u64>) {
+        let key = WorkerKey::new(1, 0);
+        (
+            state.index.worker_blocks(key),
+            state.index.last_event_id(key),
+        )
+    }
+
+    #[tokio::test]
+    async fn only_the_latest_claims_records_apply_and_resent_events_apply_once() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        applier.apply(2, events(1, batch(0, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        // The worker moved: a claim of the same instance keeps its state.
+        applier.apply(3, claim(1, 7)).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        // The old stream's late record is skipped; the new one's resend of
+        // event 1 is stale, event 2 applies.
+        applier.apply(4, events(1, batch(2, &[13]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        applier.apply(5, events(3, batch(1, &[12, 13]))).await;
+        assert_eq!(rank(&state), (3, Some(2)));
+        // A clear of the old claim is skipped too; the current one's applies.
+        let clear = |claim| Record::Clear {
+            worker_id: 1,
+            claim,
+            dp_rank: 0,
+        };
+        applier.apply(6, clear(1)).await;
+        assert_eq!(rank(&state), (3, Some(2)));
+        applier.apply(7, clear(3)).await;
+        assert_eq!(rank(&state), (0, None));
+    }
+
+    #[tokio::test]
+    async fn a_claim_of_a_new_instance_clears_the_workers_ranks() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        applier.apply(2, events(1, batch(0, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        applier.apply(3, claim(1, 8)).await;
+        assert_eq!(rank(&state), (0, None));
+        // The new instance's ids start again.
+        applier.apply(4, events(3, batch(0, &[21]))).await;
+        assert_eq!(rank(&state), (1, Some(0)));
+    }
+
+    #[tokio::test]
+    async fn an_older_dump_than_what_the_claims_stream_applied_is_refused() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        let dump = |last_event_id, hashes: &[u64]| Record::Dump {
+            worker_id: 1,
+            claim: 1,
+            dump: Dump {
+                dp_rank: 0,
+                last_event_id,
+                chains: hashes
+                    .iter()
+                    .map(|&h| Stored {
+                        parent_hash: None,
+                        blocks: vec![StoredBlock {
+                            block_hash: h,
+                            tokens_hash: h * 10,
+                        }],
+                    })
+                    .collect(),
+                more: false,
+            },
+        };
+        applier.apply(2, dump(4, &[31, 32, 33])).await;
+        assert_eq!(rank(&state), (3, Some(4)));
+        applier.apply(3, events(1, batch(5, &[34]))).await;
+        assert_eq!(rank(&state), (4, Some(5)));
+        // A late answer to an earlier resync would roll the rank back.
+        applier.apply(4, dump(3, &[31])).await;
+        assert_eq!(rank(&state), (4, Some(5)));
+    }
+}
