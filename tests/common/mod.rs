@@ -1026,11 +1026,10 @@ impl NatsServer {
         let dir = std::env::temp_dir().join(format!("kvroute-nats-{}-{port}", std::process::id()));
         let store = dir.join("store");
         std::fs::create_dir_all(&store).unwrap();
-        // Batches and dump parts as large as the router's gRPC limit fit in one message.
         std::fs::write(
             dir.join("nats.conf"),
             format!(
-                "listen: \"127.0.0.1:{port}\"\nmax_payload: 16777216\njetstream {{\n  store_dir: {:?}\n}}\n",
+                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {:?}\n}}\n",
                 store.display().to_string()
             ),
         )

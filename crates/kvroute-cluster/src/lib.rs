@@ -44,14 +44,6 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
             url: cluster.nats_url.clone(),
             message: e.to_string(),
         })?;
-    let max_payload = client.server_info().max_payload;
-    if max_payload < config.limits.max_grpc_message_bytes {
-        tracing::warn!(
-            max_payload,
-            limit = config.limits.max_grpc_message_bytes,
-            "NATS takes smaller messages than workers may send: larger batches and dump parts are applied on their replica only (raise max_payload in the NATS server's config)"
-        );
-    }
     let mut js = jetstream::new(client.clone());
     js.set_timeout(Duration::from_secs(5));
     js.get_or_create_stream(stream::Config {

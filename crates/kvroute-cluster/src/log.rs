@@ -40,6 +40,10 @@ impl NatsLog {
     }
 }
 
+fn encode_len(record: &Record) -> usize {
+    record::encode(record).2.len()
+}
+
 /// Aborts the refreshing task when the stream ends.
 struct Refresh(tokio::task::JoinHandle<()>);
 
@@ -60,22 +64,38 @@ impl EventLog for NatsLog {
                 return Err(Unlogged {
                     error: "not connected to NATS".into(),
                     record,
+                    refused: false,
                 });
             }
-            let (subject, headers, payload) = record::encode(&record);
-            let stored = async {
-                js.publish_with_headers(subject, headers, payload)
-                    .await?
-                    .await
+            let max_payload = client.server_info().max_payload;
+            // Split (a copy) only when the record does not fit in one message.
+            let split = (!record::fits(&record, max_payload))
+                .then(|| record::split(record.clone(), max_payload));
+            let pieces = split.as_deref().unwrap_or(std::slice::from_ref(&record));
+            let mut sequence = 0;
+            for piece in pieces {
+                let (subject, headers, payload) = record::encode(piece);
+                let stored = async {
+                    js.publish_with_headers(subject, headers, payload)
+                        .await?
+                        .await
+                }
+                .await;
+                match stored {
+                    Ok(ack) => sequence = ack.sequence,
+                    // Pieces already stored are applied again with the resend: stale.
+                    Err(e) => {
+                        // Over max_payload even alone: the server will never take it.
+                        let refused = encode_len(piece) > max_payload;
+                        return Err(Unlogged {
+                            error: e.to_string(),
+                            record,
+                            refused,
+                        });
+                    }
+                }
             }
-            .await;
-            match stored {
-                Ok(ack) => Ok(ack.sequence),
-                Err(e) => Err(Unlogged {
-                    error: e.to_string(),
-                    record,
-                }),
-            }
+            Ok(sequence)
         })
     }
 

@@ -78,6 +78,90 @@ pub fn encode(record: &Record) -> (String, HeaderMap, Bytes) {
     (subject, headers, Bytes::from(payload))
 }
 
+/// `record` in pieces whose payloads fit in `max_bytes` (the NATS server's
+/// `max_payload`): a batch as consecutive batches, a dump part as consecutive
+/// parts of the same dump (`more` on all but the last). Applied in order, the
+/// pieces mean what the whole does. A single event or chain over the limit
+/// stays one piece, which the server will refuse.
+pub fn split(record: Record, max_bytes: usize) -> Vec<Record> {
+    let budget = budget(max_bytes);
+    match record {
+        Record::Events {
+            worker_id,
+            claim,
+            batch,
+        } if batch.encoded_len() > budget => {
+            let dp_rank = batch.dp_rank;
+            chunks(batch.events, budget, |e| e.encoded_len())
+                .into_iter()
+                .map(|events| Record::Events {
+                    worker_id,
+                    claim,
+                    batch: EventBatch { dp_rank, events },
+                })
+                .collect()
+        }
+        Record::Dump {
+            worker_id,
+            claim,
+            dump,
+        } if dump.encoded_len() > budget => {
+            let (dp_rank, last_event_id, more) = (dump.dp_rank, dump.last_event_id, dump.more);
+            let parts = chunks(dump.chains, budget, |c| c.encoded_len());
+            let count = parts.len();
+            parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, chains)| Record::Dump {
+                    worker_id,
+                    claim,
+                    dump: Dump {
+                        dp_rank,
+                        last_event_id,
+                        chains,
+                        more: more || i + 1 < count,
+                    },
+                })
+                .collect()
+        }
+        record => vec![record],
+    }
+}
+
+/// Whether `record` goes as one message under `max_bytes`.
+pub fn fits(record: &Record, max_bytes: usize) -> bool {
+    let budget = budget(max_bytes);
+    match record {
+        Record::Events { batch, .. } => batch.encoded_len() <= budget,
+        Record::Dump { dump, .. } => dump.encoded_len() <= budget,
+        Record::Claim { .. } | Record::Clear { .. } => true,
+    }
+}
+
+/// A payload's bytes under `max_bytes`, with room for the fields around the
+/// repeated ones.
+fn budget(max_bytes: usize) -> usize {
+    max_bytes.saturating_sub(64).max(1)
+}
+
+/// `items` in consecutive runs of at most `budget` bytes each (a field's tag
+/// and length prefix counted as 8 bytes).
+fn chunks<T>(items: Vec<T>, budget: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut runs = vec![Vec::new()];
+    let mut bytes = 0;
+    for item in items {
+        let n = size(&item) + 8;
+        let run = runs.last_mut().expect("one run at least");
+        if !run.is_empty() && bytes + n > budget {
+            runs.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += n;
+        runs.last_mut().expect("one run at least").push(item);
+    }
+    runs
+}
+
 /// A message back into its record; `Err` says what is wrong with it.
 pub fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<Record, String> {
     let headers = headers.ok_or("no headers")?;
@@ -178,5 +262,80 @@ mod tests {
             assert_eq!(decode(Some(&headers), &payload).unwrap(), record);
         }
         assert!(decode(None, b"").is_err());
+    }
+
+    fn stored(hash: u64) -> Stored {
+        Stored {
+            parent_hash: None,
+            blocks: vec![StoredBlock {
+                block_hash: hash,
+                tokens_hash: hash,
+            }],
+        }
+    }
+
+    #[test]
+    fn large_records_split_into_pieces_that_fit_and_mean_the_same() {
+        let events: Vec<KvEvent> = (0..1_000)
+            .map(|id| KvEvent {
+                event_id: id,
+                kind: Some(kv_event::Kind::Stored(stored(id + 1_000_000))),
+            })
+            .collect();
+        let batch = EventBatch {
+            dp_rank: 2,
+            events: events.clone(),
+        };
+        let whole = Record::Events {
+            worker_id: 1,
+            claim: 5,
+            batch: batch.clone(),
+        };
+        let max = 2_000;
+        let pieces = split(whole.clone(), max);
+        assert!(pieces.len() > 1);
+        let mut rejoined = Vec::new();
+        for piece in pieces {
+            let (_, _, payload) = encode(&piece);
+            assert!(payload.len() <= max, "{}", payload.len());
+            let Record::Events { claim, batch, .. } = piece else {
+                panic!("{piece:?}");
+            };
+            assert_eq!((claim, batch.dp_rank), (5, 2));
+            rejoined.extend(batch.events);
+        }
+        assert_eq!(rejoined, events);
+        assert!(!fits(&whole, max));
+        assert!(fits(&whole, 1 << 20));
+        assert_eq!(split(whole.clone(), 1 << 20), vec![whole]);
+
+        for more in [false, true] {
+            let chains: Vec<Stored> = (0..1_000).map(stored).collect();
+            let dump = Record::Dump {
+                worker_id: 1,
+                claim: 5,
+                dump: Dump {
+                    dp_rank: 0,
+                    last_event_id: 9,
+                    chains: chains.clone(),
+                    more,
+                },
+            };
+            let pieces = split(dump, max);
+            let count = pieces.len();
+            assert!(count > 1);
+            let mut rejoined = Vec::new();
+            for (i, piece) in pieces.into_iter().enumerate() {
+                assert!(encode(&piece).2.len() <= max);
+                let Record::Dump { dump, .. } = piece else {
+                    panic!("{piece:?}");
+                };
+                assert_eq!(dump.last_event_id, 9);
+                // Only the last piece may end the dump, and only if the whole did.
+                assert_eq!(dump.more, more || i + 1 < count);
+                rejoined.extend(dump.chains);
+            }
+            assert_eq!(rejoined, chains);
+        }
     }
 }

@@ -93,6 +93,9 @@ impl Record {
 pub struct Unlogged {
     pub error: String,
     pub record: Record,
+    /// The log answered, and refused this record (too large): resending it
+    /// would not help.
+    pub refused: bool,
 }
 
 /// The shared, ordered log and the registrations beside it.
@@ -253,9 +256,14 @@ impl Replica {
                 None
             }
             Err(unlogged) => {
-                self.set_connected(false).await;
                 ::metrics::counter!(metrics::CLUSTER_APPEND_FAILURES).increment(1);
-                tracing::debug!(worker = worker_id, error = %unlogged.error, "not appended");
+                if unlogged.refused {
+                    tracing::warn!(worker = worker_id, error = %unlogged.error, "the cluster's log refused a record: applied on this replica only");
+                } else {
+                    self.set_connected(false).await;
+                    tracing::debug!(worker = worker_id, error = %unlogged.error, "not appended");
+                }
+                let refused = unlogged.refused;
                 let (rank, from, work) = match unlogged.record {
                     Record::Events { batch, .. } => (
                         batch.dp_rank,
@@ -266,6 +274,9 @@ impl Replica {
                     Record::Dump { dump, .. } => (dump.dp_rank, 0, Work::Dump(dump, permit)),
                     _ => return None,
                 };
+                if refused {
+                    return Some(work);
+                }
                 self.unlogged
                     .lock()
                     .unwrap()
