@@ -230,6 +230,9 @@ async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_retu
             indexed(router, 7).await == (8, 1)
         })
         .await;
+        let text = metrics(router).await;
+        assert_eq!(metric(&text, "kvroute_cluster_connected", &[]), 1.0);
+        assert_eq!(metric(&text, "kvroute_cluster_caught_up", &[]), 1.0);
     }
 
     nats.kill();
@@ -246,10 +249,9 @@ async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_retu
     assert_eq!(indexed(&routers[1], 7).await, (8, 1));
     let http = Http::default();
     for router in &routers {
-        assert_eq!(
-            http.get(&format!("{}/readyz", router.http)).await.status,
-            200
-        );
+        let ready = http.get(&format!("{}/readyz", router.http)).await;
+        assert_eq!(ready.status, 200);
+        assert_eq!(ready.json()["cluster"]["event_log"], "disconnected");
         let reply = http
             .post(
                 &format!("{}/v1/route", router.http),

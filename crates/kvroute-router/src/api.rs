@@ -384,7 +384,17 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         .into_response();
     }
     if state.registry.any_routable() {
-        axum::Json(json!({"status": "ready"})).into_response()
+        let mut answer = json!({"status": "ready"});
+        // Ready on what it has, but say whether it is in touch with the others.
+        if let Some(replica) = state.replica.get() {
+            let log = if replica.connected() {
+                "connected"
+            } else {
+                "disconnected"
+            };
+            answer["cluster"] = json!({"replica_id": replica.replica_id, "event_log": log});
+        }
+        axum::Json(answer).into_response()
     } else {
         RouterError::Unavailable {
             message: "no routable worker".into(),

@@ -122,8 +122,6 @@ pub struct Replica {
 
 impl Replica {
     pub fn new(log: Arc<dyn EventLog>, replica_id: String) -> Self {
-        ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(1.0);
-        ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(0.0);
         Self {
             log,
             replica_id,
@@ -143,7 +141,6 @@ impl Replica {
     /// Back in touch, asks the workers to resend what was applied here alone.
     pub async fn set_connected(&self, connected: bool) {
         if self.connected.swap(connected, Ordering::AcqRel) != connected {
-            ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(f64::from(u8::from(connected)));
             if connected {
                 tracing::info!("the cluster's event log answers again");
             } else {
@@ -184,7 +181,6 @@ impl Replica {
 
     pub fn set_caught_up(&self) {
         if !self.caught_up.swap(true, Ordering::AcqRel) {
-            ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(1.0);
             tracing::info!("caught up with the cluster's event log");
         }
     }

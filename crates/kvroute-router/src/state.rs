@@ -289,6 +289,11 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
+        if let Some(replica) = self.replica.get() {
+            let flag = |on: bool| f64::from(u8::from(on));
+            ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(flag(replica.connected()));
+            ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(flag(replica.caught_up()));
+        }
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }
