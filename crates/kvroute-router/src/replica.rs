@@ -310,7 +310,8 @@ impl Replica {
 /// A worker as the log has it: its latest claim, and that stream's dumps.
 struct Follower {
     claim: u64,
-    instance_id: u64,
+    /// None when the claim itself was never seen (see [`ReplicaApplier::current`]).
+    instance_id: Option<u64>,
     dumps: DumpState,
     /// Its records' context here when this replica does not hold the stream.
     context: Stream,
@@ -348,7 +349,7 @@ impl ReplicaApplier {
                 worker_id,
                 claim,
                 batch,
-            } => match self.current(worker_id, claim) {
+            } => match self.current(worker_id, claim, batch.dp_rank) {
                 Some((follower, context)) => {
                     // What this stream applied: a later, older dump would roll it back.
                     follower.dumps.applied.insert(batch.dp_rank);
@@ -361,7 +362,7 @@ impl ReplicaApplier {
                 worker_id,
                 claim,
                 dump,
-            } => match self.current(worker_id, claim) {
+            } => match self.current(worker_id, claim, dump.dp_rank) {
                 Some((follower, context)) => {
                     context.apply_dump_part(dump, &mut follower.dumps).await;
                     true
@@ -372,7 +373,7 @@ impl ReplicaApplier {
                 worker_id,
                 claim,
                 dp_rank,
-            } => match self.current(worker_id, claim) {
+            } => match self.current(worker_id, claim, dp_rank) {
                 Some((_, context)) => {
                     context.clear_rank(WorkerKey::new(worker_id, dp_rank));
                     true
@@ -397,7 +398,7 @@ impl ReplicaApplier {
     ) {
         let context = Stream::follower(Arc::clone(&self.state), worker_id, dp_ranks.clone());
         if let Some(previous) = self.workers.get(&worker_id)
-            && previous.instance_id != instance_id
+            && previous.instance_id.is_some_and(|i| i != instance_id)
         {
             tracing::info!(
                 worker = worker_id,
@@ -426,7 +427,7 @@ impl ReplicaApplier {
             worker_id,
             Follower {
                 claim: seq,
-                instance_id,
+                instance_id: Some(instance_id),
                 dumps: DumpState::default(),
                 context,
             },
@@ -435,11 +436,32 @@ impl ReplicaApplier {
 
     /// The worker's state and the context to apply its record in, if `claim`
     /// is its latest: the stream itself when held here.
-    fn current(&mut self, worker_id: u64, claim: u64) -> Option<(&mut Follower, Stream)> {
-        let follower = self
-            .workers
-            .get_mut(&worker_id)
-            .filter(|f| f.claim == claim)?;
+    ///
+    /// A worker whose claim this replica never saw (it left the stream's
+    /// retention before this replica started) is taken to be on that claim,
+    /// with the ranks its records name: without it, a replica started later
+    /// would never apply that worker's records until it reconnected.
+    fn current(
+        &mut self,
+        worker_id: u64,
+        claim: u64,
+        dp_rank: u32,
+    ) -> Option<(&mut Follower, Stream)> {
+        let state = &self.state;
+        let follower = self.workers.entry(worker_id).or_insert_with(|| Follower {
+            claim,
+            instance_id: None,
+            dumps: DumpState::default(),
+            context: Stream::follower(Arc::clone(state), worker_id, Vec::new()),
+        });
+        if follower.claim != claim {
+            return None;
+        }
+        if follower.instance_id.is_none() && !follower.context.dp_ranks().contains(&dp_rank) {
+            let mut ranks = follower.context.dp_ranks().to_vec();
+            ranks.push(dp_rank);
+            follower.context = Stream::follower(Arc::clone(state), worker_id, ranks);
+        }
         let context = self
             .state
             .replica
@@ -528,6 +550,19 @@ mod tests {
         assert_eq!(rank(&state), (3, Some(2)));
         applier.apply(7, clear(3)).await;
         assert_eq!(rank(&state), (0, None));
+    }
+
+    #[tokio::test]
+    async fn records_whose_claim_left_the_retention_still_apply() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        // Claim 1 is gone from the stream: its records come first.
+        applier.apply(40, events(1, batch(30, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(31)));
+        // A later claim still fences it.
+        applier.apply(41, claim(1, 7)).await;
+        applier.apply(42, events(1, batch(32, &[13]))).await;
+        assert_eq!(rank(&state), (2, Some(31)));
     }
 
     #[tokio::test]
