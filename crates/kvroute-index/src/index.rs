@@ -25,6 +25,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
@@ -137,6 +138,9 @@ struct WorkerSlot {
     /// [`KvIndex::replace_worker`]). Changed under the eviction mutex and the
     /// indices' write lock.
     live: AtomicBool,
+    /// Blocks were evicted under `max_blocks` since the worker's last clear:
+    /// its engine-hash map, and so its digest, no longer follow its events alone.
+    trimmed: AtomicBool,
     state: Mutex<WorkerState>,
 }
 
@@ -160,6 +164,8 @@ struct WorkerState {
     last_event_id: Option<u64>,
     /// Engine block hash → the block it names.
     blocks: EngineMap,
+    /// Digest of the keys of `blocks`, kept as they change (unless `trimmed`).
+    digest: BlockSetDigest,
     counters: Counters,
 }
 
@@ -543,6 +549,18 @@ impl KvIndex {
         })
     }
 
+    /// The digest of the engine block hashes `worker` holds, with the event id
+    /// it is current to, read together; `None` for a worker the index does not know.
+    pub fn digest(&self, worker: WorkerKey) -> Option<IndexedDigest> {
+        let slot = self.find_slot(worker)?;
+        let state = slot.state.lock().unwrap();
+        Some(IndexedDigest {
+            last_event_id: state.last_event_id,
+            digest: state.digest,
+            trimmed: slot.trimmed.load(Ordering::Relaxed),
+        })
+    }
+
     pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
         let slot = self.find_slot(worker)?;
         slot.state.lock().unwrap().last_event_id
@@ -770,6 +788,7 @@ impl KvIndex {
             held: AtomicU64::new(0),
             dangling: AtomicU64::new(0),
             live: AtomicBool::new(live),
+            trimmed: AtomicBool::new(false),
             state: Mutex::default(),
         });
         indices.by_idx[idx as usize] = Some(slot.clone());
@@ -812,10 +831,12 @@ impl KvIndex {
                         for block in blocks {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
                             let seq = r.key();
-                            if let Some(old) = state.blocks.insert(block.block_hash, r)
-                                && old.key() != seq
-                            {
-                                held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                            match state.blocks.insert(block.block_hash, r) {
+                                None => state.digest.insert(block.block_hash),
+                                Some(old) if old.key() != seq => {
+                                    held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                                }
+                                Some(_) => {}
                             }
                             let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
                             let (added, created) = writer.shard(r.shard()).insert(
@@ -846,7 +867,10 @@ impl KvIndex {
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
                     match state.blocks.remove(hash) {
-                        Some(r) => held_delta -= self.unhold(&mut writer, slot, r, eviction),
+                        Some(r) => {
+                            state.digest.remove(*hash);
+                            held_delta -= self.unhold(&mut writer, slot, r, eviction);
+                        }
                         None => unknown_removals += 1,
                     }
                 }
@@ -876,7 +900,9 @@ impl KvIndex {
         let released = self.unhold_all(slot, &refs, eviction);
         slot.add_held(-released);
         state.blocks.shrink_to_fit();
+        state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
+        slot.trimmed.store(false, Ordering::Relaxed);
     }
 
     /// [`Self::unhold`] for each block (sorted by shard: one lock per shard).
@@ -961,6 +987,7 @@ impl KvIndex {
                 }
                 slot.add_held(-1);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
+                slot.trimmed.store(true, Ordering::Relaxed);
             }
         }
         false
