@@ -77,7 +77,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     server::init_logging(&config.log)?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
-        let running = server::start(config).await?;
+        let running = if config.cluster.enabled() {
+            kvroute_cluster::start(config).await?
+        } else {
+            server::start(config).await?
+        };
         println!(
             "listening http={} grpc={}",
             running.http_addr, running.grpc_addr

@@ -698,6 +698,20 @@ impl GrpcWorker {
         })
     }
 
+    /// Opens a new stream (to the same router or another) as the same worker,
+    /// keeping its event log and ids.
+    pub async fn reconnect(
+        &mut self,
+        grpc: &str,
+        token: Option<&str>,
+        register: Register,
+    ) -> Result<(), tonic::Status> {
+        let fresh = Self::connect(grpc, token, register).await?;
+        self.tx = fresh.tx;
+        self.rx = fresh.rx;
+        Ok(())
+    }
+
     pub async fn send(&self, body: worker_message::Body) {
         self.tx
             .send(WorkerMessage { body: Some(body) })
@@ -1016,5 +1030,100 @@ impl HttpsClient {
         let status = response.status().as_u16();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         Ok((status, body))
+    }
+}
+
+/// A real `nats-server` with JetStream on a free loopback port and a temporary
+/// store, stopped on drop. The binary comes from `tests/nats/install.sh`
+/// (`.ci/run` runs it), or from `KVROUTE_NATS_SERVER`.
+pub struct NatsServer {
+    child: Child,
+    binary: PathBuf,
+    pub port: u16,
+    pub url: String,
+    /// Its config file and JetStream store.
+    dir: PathBuf,
+}
+
+impl NatsServer {
+    pub fn start() -> Self {
+        let binary = std::env::var_os("KVROUTE_NATS_SERVER")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("target/nats/venv/bin/nats-server")
+            });
+        assert!(
+            binary.exists(),
+            "no nats-server at {}: run tests/nats/install.sh (or set KVROUTE_NATS_SERVER)",
+            binary.display()
+        );
+        let port = free_ports(1);
+        let dir = std::env::temp_dir().join(format!("kvroute-nats-{}-{port}", std::process::id()));
+        let store = dir.join("store");
+        std::fs::create_dir_all(&store).unwrap();
+        std::fs::write(
+            dir.join("nats.conf"),
+            format!(
+                "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {:?}\n}}\n",
+                store.display().to_string()
+            ),
+        )
+        .unwrap();
+        let child = Self::spawn(&binary, &dir);
+        let server = Self {
+            child,
+            binary,
+            port,
+            url: format!("nats://127.0.0.1:{port}"),
+            dir,
+        };
+        server.wait_listening();
+        server
+    }
+
+    fn spawn(binary: &Path, dir: &Path) -> Child {
+        Command::new(binary)
+            .arg("-c")
+            .arg(dir.join("nats.conf"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server starts")
+    }
+
+    fn wait_listening(&self) {
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(start.elapsed() < DEADLINE, "nats-server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the server (SIGKILL); its store stays for [`Self::restart`].
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port and store.
+    pub fn restart(&mut self) {
+        self.child = Self::spawn(&self.binary, &self.dir);
+        self.wait_listening();
+    }
+
+    /// The `[cluster]` section of a replica named `replica_id` on this server.
+    pub fn cluster_config(&self, replica_id: &str) -> String {
+        format!(
+            "[cluster]\nnats_url = \"{}\"\nreplica_id = \"{replica_id}\"\nregistration_ttl_ms = 2000\n",
+            self.url
+        )
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -375,8 +375,26 @@ async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    // A replica behind the shared log would route on a partial index.
+    if state.replica.get().is_some_and(|r| !r.caught_up()) {
+        return RouterError::Unavailable {
+            message: "catching up with the cluster's event log".into(),
+            retry_after_s: 1,
+        }
+        .into_response();
+    }
     if state.registry.any_routable() {
-        axum::Json(json!({"status": "ready"})).into_response()
+        let mut answer = json!({"status": "ready"});
+        // Ready on what it has, but say whether it is in touch with the others.
+        if let Some(replica) = state.replica.get() {
+            let log = if replica.connected() {
+                "connected"
+            } else {
+                "disconnected"
+            };
+            answer["cluster"] = json!({"replica_id": replica.replica_id, "event_log": log});
+        }
+        axum::Json(answer).into_response()
     } else {
         RouterError::Unavailable {
             message: "no routable worker".into(),

@@ -56,6 +56,7 @@ pub struct Config {
     pub index: IndexConfig,
     pub limits: LimitsConfig,
     pub tls: TlsConfig,
+    pub cluster: ClusterConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -263,6 +264,41 @@ impl TlsConfig {
     }
 }
 
+/// Router replicas sharing one index through NATS JetStream (`kvroute-cluster`).
+/// Without `nats_url`, the router is one replica on its own, as before.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// NATS server(s), e.g. `nats://nats:4222`; empty: no cluster.
+    pub nats_url: String,
+    /// This replica's name in records and registrations; empty: the host name.
+    pub replica_id: String,
+    /// Events older than this leave the stream, in seconds.
+    pub stream_max_age_s: u64,
+    /// The stream's size bound, in bytes; the oldest events leave first.
+    pub stream_max_bytes: i64,
+    /// A worker's registration lives this long unless its replica refreshes it.
+    pub registration_ttl_ms: u64,
+}
+
+impl ClusterConfig {
+    pub fn enabled(&self) -> bool {
+        !self.nats_url.is_empty()
+    }
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            nats_url: String::new(),
+            replica_id: String::new(),
+            stream_max_age_s: 3_600,
+            stream_max_bytes: 1 << 30,
+            registration_ttl_ms: 10_000,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -297,6 +333,7 @@ impl Default for Config {
             index: IndexConfig::default(),
             limits: LimitsConfig::default(),
             tls: TlsConfig::default(),
+            cluster: ClusterConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -528,6 +565,12 @@ impl Config {
         if self.ingest.event_queue_bytes > u32::MAX as usize {
             return fail("ingest.event_queue_bytes must be below 4 GiB".into());
         }
+        let c = &self.cluster;
+        if c.enabled() && (c.registration_ttl_ms < 1_000 || c.stream_max_age_s == 0) {
+            return fail(
+                "cluster.registration_ttl_ms must be at least 1000 and cluster.stream_max_age_s at least 1".into(),
+            );
+        }
         self.validate_durations()?;
         if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.resync_timeout_ms) {
             return fail(format!(
@@ -609,6 +652,10 @@ impl Config {
             ("upstream.health_interval_ms", u.health_interval_ms),
             ("upstream.health_timeout_ms", u.health_timeout_ms),
             ("upstream.shutdown_grace_ms", u.shutdown_grace_ms),
+            (
+                "cluster.registration_ttl_ms",
+                self.cluster.registration_ttl_ms,
+            ),
         ] {
             if ms > MAX_DURATION_MS {
                 return Err(RouterError::Config(format!(
@@ -864,6 +911,19 @@ mod tests {
     }
 
     #[test]
+    fn the_cluster_is_off_unless_a_nats_url_is_set() {
+        assert!(!Config::default().cluster.enabled());
+        let config = Config::load(
+            None,
+            env(&[("KVROUTE_CLUSTER__NATS_URL", "nats://nats:4222")]),
+        )
+        .unwrap();
+        assert!(config.cluster.enabled());
+        assert_eq!(config.cluster.nats_url, "nats://nats:4222");
+        assert_eq!(config.cluster.replica_id, "");
+    }
+
+    #[test]
     fn documented_example_config_loads_with_the_defaults() {
         let path = Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -897,6 +957,11 @@ mod tests {
             defaults.ingest.register_timeout_ms
         );
         assert_eq!(config.index.max_blocks, defaults.index.max_blocks);
+        assert!(!config.cluster.enabled());
+        assert_eq!(
+            config.cluster.registration_ttl_ms,
+            defaults.cluster.registration_ttl_ms
+        );
         assert_eq!(
             config.limits.max_inflight_requests,
             defaults.limits.max_inflight_requests

@@ -100,7 +100,7 @@ struct Resync {
 }
 
 /// Queued work, holding its bytes of the stream's queue until applied.
-enum Work {
+pub(crate) enum Work {
     Events(EventBatch, OwnedSemaphorePermit),
     Dump(Dump, OwnedSemaphorePermit),
     /// Queued behind the events it covers: see [`crate::verify`].
@@ -116,9 +116,9 @@ struct DumpParts {
 
 /// A stream's dumps per dp rank: parts gathered, and ranks it has applied to.
 #[derive(Default)]
-struct DumpState {
+pub(crate) struct DumpState {
     parts: HashMap<u32, DumpParts>,
-    applied: HashSet<u32>,
+    pub(crate) applied: HashSet<u32>,
 }
 
 /// A message's share of the queue's bytes (at least 1, so that empty ones
@@ -147,9 +147,11 @@ impl Drop for StreamSlot {
     }
 }
 
-/// One registered stream's context, shared by its reader and applier.
+/// One registered stream's context, shared by its reader and applier; on a
+/// replica that does not hold the worker's stream, the context its records are
+/// applied in (see [`crate::replica`]).
 #[derive(Clone)]
-struct Stream {
+pub(crate) struct Stream {
     state: Arc<AppState>,
     worker_id: u64,
     dp_ranks: Vec<u32>,
@@ -159,6 +161,12 @@ struct Stream {
     resync_asked: Arc<Notify>,
     /// Set once a newer registration or an operator's removal takes over.
     fence: Fence,
+    /// This replica holds the worker's stream: it answers the worker (acks,
+    /// resync requests, errors). False for another replica's worker.
+    holds: bool,
+    /// Replicated: the sequence of the stream's claim in the cluster's log,
+    /// which its batches and dumps are appended to instead of applied here.
+    logged: Option<u64>,
 }
 
 fn message(body: router_message::Body) -> Result<RouterMessage, Status> {
@@ -207,13 +215,17 @@ impl KvRouter for Ingest {
         let state = Arc::clone(&self.state);
         check_tokenizer(&state, &register).await?;
         let instance_id = register.instance_id;
-        let (worker_id, generation, dp_ranks) = register_worker(&state, register)?;
+        let (registration, generation) = register_worker(&state, register)?;
+        let worker_id = registration.worker_id;
+        let dp_ranks = registration.dp_ranks.clone();
         let claim = state
             .writers
             .claim(worker_id, generation, instance_id, &dp_ranks)
             .await
             .ok_or_else(|| Fenced::Superseded.status(worker_id))?;
-        if !claim.stale_ranks.is_empty() {
+        let replica = state.replica.get().cloned();
+        // Replicated, a restart is known from the log's claims instead, on every replica.
+        if replica.is_none() && !claim.stale_ranks.is_empty() {
             tracing::info!(
                 worker = worker_id,
                 instance_id,
@@ -233,6 +245,18 @@ impl KvRouter for Ingest {
             "worker registered"
         );
 
+        let logged = match &replica {
+            Some(replica) => Some(
+                replica
+                    .claim(worker_id, instance_id, &dp_ranks)
+                    .await
+                    .inspect_err(|_| {
+                        state.registry.disconnect(worker_id, generation);
+                    })?,
+            ),
+            None => None,
+        };
+
         let (out, out_rx) = mpsc::channel(256);
         // Bounded by the semaphore's bytes, not by the count of items.
         let (work_tx, work_rx) = mpsc::unbounded_channel();
@@ -245,11 +269,21 @@ impl KvRouter for Ingest {
             pending: Pending::default(),
             resync_asked: Arc::default(),
             fence: claim.fence,
+            holds: true,
+            logged,
         };
+        // Published for the other replicas while the stream lasts.
+        let hold = replica.as_ref().map(|r| {
+            if let Some(claim) = logged {
+                r.hold(claim, stream.clone());
+            }
+            r.log.hold(registration)
+        });
         tokio::spawn(stream.clone().apply_loop(work_rx, claim.applier_alive));
         let stopped = self.stopped.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            let _hold = hold;
             let result = stream
                 .read_loop(&mut inbound, work_tx, queue, stopped)
                 .await;
@@ -349,7 +383,7 @@ async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(
     Ok(())
 }
 
-fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Vec<u32>), Status> {
+fn register_worker(state: &AppState, register: Register) -> Result<(Registration, u64), Status> {
     limits::check_registration(&state.config.limits, &register)?;
     if state
         .config
@@ -374,24 +408,40 @@ fn register_worker(state: &AppState, register: Register) -> Result<(u64, u64, Ve
     } else {
         register.dp_ranks.clone()
     };
+    let registration = Registration {
+        worker_id: register.worker_id,
+        dp_ranks,
+        models: register.models,
+        lora_names: register.lora_names,
+        base_url: register.base_url,
+        total_kv_blocks: register.total_kv_blocks,
+    };
     let generation = state
         .registry
-        .register(
-            Registration {
-                worker_id: register.worker_id,
-                dp_ranks: dp_ranks.clone(),
-                models: register.models,
-                lora_names: register.lora_names,
-                base_url: register.base_url,
-                total_kv_blocks: register.total_kv_blocks,
-            },
-            Source::Stream,
-        )
+        .register(registration.clone(), Source::Stream)
         .map_err(Status::invalid_argument)?;
-    Ok((register.worker_id, generation, dp_ranks))
+    Ok((registration, generation))
 }
 
 impl Stream {
+    /// The context another replica's stream of `worker_id` is applied in here.
+    pub(crate) fn follower(state: Arc<AppState>, worker_id: u64, dp_ranks: Vec<u32>) -> Self {
+        // Nothing is sent to a worker from here: the holder answers it.
+        let (out, _) = mpsc::channel(1);
+        let (_, fence) = watch::channel(None);
+        Self {
+            state,
+            worker_id,
+            dp_ranks,
+            out,
+            pending: Pending::default(),
+            resync_asked: Arc::default(),
+            fence,
+            holds: false,
+            logged: None,
+        }
+    }
+
     async fn read_loop(
         &self,
         inbound: &mut Streaming<WorkerMessage>,
@@ -529,6 +579,15 @@ impl Stream {
     async fn apply(&self, item: Work, dumps: &mut DumpState) {
         // Held for writing only by tests that fill the queue on purpose.
         let _gate = self.state.ingest_gate.read().await;
+        let item = match (self.logged, self.state.replica.get()) {
+            (Some(claim), Some(replica)) => {
+                let Some(item) = replica.append(self.worker_id, claim, item).await else {
+                    return;
+                };
+                item
+            }
+            _ => item,
+        };
         match item {
             Work::Events(batch, _permit) => {
                 // What this stream applied: a later, older dump would roll it back.
@@ -597,8 +656,10 @@ impl Stream {
         }
         for (rank, resync) in abandoned {
             let key = WorkerKey::new(self.worker_id, rank);
-            self.state.index.remove_worker(key);
-            self.state.predicted.remove_worker(key);
+            match (self.logged, self.state.replica.get()) {
+                (Some(claim), Some(replica)) => replica.clear(self.worker_id, claim, rank).await,
+                _ => self.clear_rank(key),
+            }
             ::metrics::counter!(metrics::RESYNCS_ABANDONED, "worker" => worker_label(key))
                 .increment(1);
             tracing::warn!(
@@ -610,13 +671,26 @@ impl Stream {
         }
     }
 
+    pub(crate) fn worker_id(&self) -> u64 {
+        self.worker_id
+    }
+
+    pub(crate) fn dp_ranks(&self) -> &[u32] {
+        &self.dp_ranks
+    }
+
+    pub(crate) fn clear_rank(&self, key: WorkerKey) {
+        self.state.index.remove_worker(key);
+        self.state.predicted.remove_worker(key);
+    }
+
     fn key(&self, dp_rank: u32) -> Option<WorkerKey> {
         self.dp_ranks
             .contains(&dp_rank)
             .then(|| WorkerKey::new(self.worker_id, dp_rank))
     }
 
-    async fn apply_batch(&self, batch: EventBatch) {
+    pub(crate) async fn apply_batch(&self, batch: EventBatch) {
         let Some(key) = self.key(batch.dp_rank) else {
             self.send_error(format!("dp rank {} was not registered", batch.dp_rank))
                 .await;
@@ -663,7 +737,7 @@ impl Stream {
     }
 
     /// Gathers one part of a rank's dump; with the last part, applies them all.
-    async fn apply_dump_part(&self, dump: Dump, dumps: &mut DumpState) {
+    pub(crate) async fn apply_dump_part(&self, dump: Dump, dumps: &mut DumpState) {
         let Some(key) = self.key(dump.dp_rank) else {
             self.send_error(format!("dp rank {} was not registered", dump.dp_rank))
                 .await;
@@ -762,6 +836,9 @@ impl Stream {
     }
 
     async fn await_resync(&self, dp_rank: u32, from: u64, dump: bool) {
+        if !self.holds {
+            return;
+        }
         let resync = Resync {
             from,
             attempts: 1,
@@ -770,6 +847,12 @@ impl Stream {
         };
         self.pending.lock().unwrap().insert(dp_rank, resync);
         self.resync_asked.notify_one();
+        self.send_resync(dp_rank, from).await;
+    }
+
+    /// Asks the worker to resend from `from` without awaiting the answer: the
+    /// events are here already, and are missing only from the cluster's log.
+    pub(crate) async fn ask_replay(&self, dp_rank: u32, from: u64) {
         self.send_resync(dp_rank, from).await;
     }
 
@@ -784,6 +867,9 @@ impl Stream {
     }
 
     fn ack(&self, key: WorkerKey) {
+        if !self.holds {
+            return;
+        }
         if let Some(last_event_id) = self.state.index.last_event_id(key) {
             // Acks are advisory; a later one supersedes a dropped one.
             let _ = self.out.try_send(message(router_message::Body::Ack(Ack {
@@ -794,6 +880,10 @@ impl Stream {
     }
 
     async fn send_error(&self, text: String) {
+        if !self.holds {
+            tracing::debug!(worker = self.worker_id, "{text}");
+            return;
+        }
         tracing::warn!(worker = self.worker_id, "{text}");
         let _ = self
             .out
@@ -821,6 +911,9 @@ impl Stream {
     /// The stream closed: out of routing now, purged after the grace period
     /// unless the worker registers again first.
     fn disconnected(&self, generation: u64) {
+        if let (Some(claim), Some(replica)) = (self.logged, self.state.replica.get()) {
+            replica.release(self.worker_id, claim);
+        }
         if !self.state.registry.disconnect(self.worker_id, generation) {
             return;
         }
@@ -942,6 +1035,8 @@ mod tests {
             pending: Pending::default(),
             resync_asked: Arc::default(),
             fence: claim.fence,
+            holds: true,
+            logged: None,
         };
         let (work, work_rx) = mpsc::unbounded_channel();
         let queue = Arc::new(Semaphore::new(1 << 20));

@@ -9,7 +9,9 @@
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
 //! the digests workers send; [`server`] starts the listeners,
-//! background tasks and the graceful shutdown. [`config`], [`error`],
+//! background tasks and the graceful shutdown. With `[cluster]`, [`replica`] is
+//! the seam through which replicas share their workers' events (the NATS side
+//! lives in `kvroute-cluster`). [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
@@ -24,6 +26,7 @@ pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod registry;
+pub mod replica;
 pub mod scheduler;
 pub mod series;
 pub mod server;

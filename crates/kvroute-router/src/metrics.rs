@@ -51,6 +51,11 @@ pub const INDEX_DIGESTS: &str = "kvroute_index_digests_total";
 pub const INDEX_DIVERGENCE: &str = "kvroute_index_divergence_total";
 pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
 pub const TLS_HANDSHAKE_FAILURES: &str = "kvroute_tls_handshake_failures_total";
+pub const CLUSTER_CONNECTED: &str = "kvroute_cluster_connected";
+pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
+pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
+pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
+pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -177,6 +182,26 @@ pub const FAMILIES: &[(&str, &str)] = &[
         TLS_HANDSHAKE_FAILURES,
         "TLS handshakes that failed, by listener (http, grpc): plain-text clients, missing or untrusted certificates, timeouts",
     ),
+    (
+        CLUSTER_CONNECTED,
+        "Replicas ([cluster]): 1 while the NATS event log answers, 0 while it does not (and without [cluster])",
+    ),
+    (
+        CLUSTER_CAUGHT_UP,
+        "Replicas: 1 once this replica has applied the event log as far as it stood at start (0 without [cluster])",
+    ),
+    (
+        CLUSTER_RECORDS,
+        "Replicas: records of the event log applied here, by kind",
+    ),
+    (
+        CLUSTER_SKIPPED,
+        "Replicas: records skipped because a later claim of their worker superseded their stream",
+    ),
+    (
+        CLUSTER_APPEND_FAILURES,
+        "Replicas: batches and dumps the event log did not take, applied here only",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -269,6 +294,8 @@ fn install() -> Renderer {
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
+        CLUSTER_CONNECTED,
+        CLUSTER_CAUGHT_UP,
     ] {
         if is_histogram(name) {
             let _ = metrics::histogram!(name);

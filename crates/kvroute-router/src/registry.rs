@@ -33,8 +33,9 @@ use crate::breaker::Breaker;
 use crate::config::{Config, Policy};
 use crate::metrics;
 
-/// What a worker tells about itself, over gRPC or in the config file.
-#[derive(Clone, Debug)]
+/// What a worker tells about itself, over gRPC or in the config file (or, from
+/// another replica, in the cluster's registrations).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Registration {
     pub worker_id: u64,
     pub dp_ranks: Vec<u32>,

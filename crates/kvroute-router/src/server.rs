@@ -21,6 +21,7 @@ use crate::config::{Config, LogConfig, LogFormat, TlsConfig};
 use crate::error::RouterError;
 use crate::ingest::Ingest;
 use crate::metrics;
+use crate::replica::Replica;
 use crate::state::AppState;
 
 /// A started router.
@@ -49,11 +50,24 @@ pub fn init_logging(log: &LogConfig) -> Result<(), RouterError> {
 
 /// Binds both listeners and starts serving.
 pub async fn start(config: Config) -> Result<Running, RouterError> {
+    start_with(config, None).await
+}
+
+/// Like [`start`], as one replica of a cluster sharing `replica`'s log; the
+/// caller (`kvroute-cluster`) adds the tasks that follow the log.
+pub async fn start_replica(config: Config, replica: Arc<Replica>) -> Result<Running, RouterError> {
+    start_with(config, Some(replica)).await
+}
+
+async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Running, RouterError> {
     config.log_notices();
     crate::auth::check_exposure(&config)?;
     let tls = load_tls(&config.tls)?;
     // Before binding: a tokenizer that does not load stops the start.
     let state = AppState::new(config, Some(metrics::handle()))?;
+    if let Some(replica) = replica {
+        let _ = state.replica.set(replica);
+    }
     let config = &state.config;
     let http = TcpListener::bind(config.http_addr).await.map_err(|e| {
         RouterError::Config(format!(
@@ -171,6 +185,17 @@ fn load_tls(tls: &TlsConfig) -> Result<Option<ServerTls>, RouterError> {
 }
 
 impl Running {
+    /// Turns true when the router shuts down: tasks added with
+    /// [`Self::add_task`] stop on it.
+    pub fn stopped(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    /// A task the shutdown waits for, like the router's own.
+    pub fn add_task(&mut self, task: JoinHandle<()>) {
+        self.tasks.push(task);
+    }
+
     /// Stops accepting and waits for in-flight responses, up to the shutdown grace.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);

@@ -16,6 +16,7 @@ use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
+use crate::replica::Replica;
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
 use crate::tokenize::RouterTokenizer;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub metrics: Option<Renderer>,
     /// Which event stream may write each worker's index entries.
     pub writers: Writers,
+    /// Set once at start with `[cluster]`: this replica's side of the shared log.
+    pub replica: std::sync::OnceLock<Arc<Replica>>,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
     /// A test hook: while a test holds it for writing, event batches and dumps
@@ -109,6 +112,7 @@ impl AppState {
             upstream,
             metrics,
             writers: Writers::default(),
+            replica: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
             ingest_gate: tokio::sync::RwLock::new(()),
         }))
@@ -285,6 +289,11 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
+        if let Some(replica) = self.replica.get() {
+            let flag = |on: bool| f64::from(u8::from(on));
+            ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(flag(replica.connected()));
+            ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(flag(replica.caught_up()));
+        }
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }

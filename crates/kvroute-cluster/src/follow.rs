@@ -1,0 +1,113 @@
+//! Every replica reads the whole stream in order with an ordered consumer and
+//! applies each record ([`ReplicaApplier`]); it is ready (`/readyz`) once it
+//! has applied the stream as far as it stood when the replica started.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::{self, consumer};
+use futures_util::StreamExt;
+use kvroute_router::replica::{Replica, ReplicaApplier};
+use kvroute_router::state::AppState;
+use tokio::sync::watch;
+
+use crate::record;
+
+/// Applies the stream until shutdown, resuming after the last applied record
+/// whenever the consumer has to be made again.
+pub async fn follow(
+    js: jetstream::Context,
+    state: Arc<AppState>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let replica = Arc::clone(state.replica.get().expect("a replica is set up"));
+    let mut applier = ReplicaApplier::new(Arc::clone(&state));
+    let mut applied = 0u64;
+    let mut caught_up_at: Option<u64> = None;
+    loop {
+        let run = read(&js, &replica, &mut applier, &mut applied, &mut caught_up_at);
+        tokio::select! {
+            result = run => {
+                if let Err(e) = result {
+                    tracing::debug!("reading the event log: {e}");
+                }
+            }
+            _ = stopped.wait_for(|&s| s) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stopped.wait_for(|&s| s) => return,
+        }
+    }
+}
+
+async fn read(
+    js: &jetstream::Context,
+    replica: &Replica,
+    applier: &mut ReplicaApplier,
+    applied: &mut u64,
+    caught_up_at: &mut Option<u64>,
+) -> Result<(), String> {
+    let mut stream = js
+        .get_stream(record::STREAM)
+        .await
+        .map_err(|e| e.to_string())?;
+    let last = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence;
+    let target = *caught_up_at.get_or_insert(last);
+    if *applied >= target {
+        replica.set_caught_up();
+    }
+    let deliver_policy = if *applied == 0 {
+        consumer::DeliverPolicy::All
+    } else {
+        consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: *applied + 1,
+        }
+    };
+    let consumer = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    while let Some(message) = messages.next().await {
+        let message = message.map_err(|e| e.to_string())?;
+        let info = message.info().map_err(|e| e.to_string())?;
+        let seq = info.stream_sequence;
+        let pending = info.pending;
+        match record::decode(message.headers.as_ref(), &message.payload) {
+            Ok(record) => applier.apply(seq, record).await,
+            Err(e) => tracing::warn!(seq, "unreadable record skipped: {e}"),
+        }
+        *applied = seq;
+        if seq >= target || pending == 0 {
+            replica.set_caught_up();
+        }
+    }
+    Ok(())
+}
+
+/// Tells the replica whether NATS answers, as the client sees it.
+pub async fn watch_connection(
+    client: async_nats::Client,
+    replica: Arc<Replica>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    loop {
+        replica
+            .set_connected(client.connection_state() == State::Connected)
+            .await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            _ = stopped.wait_for(|&s| s) => return,
+        }
+    }
+}

@@ -1,0 +1,617 @@
+//! The seam between ingest and a log shared by router replicas (`[cluster]`).
+//!
+//! With one replica, a worker stream's applier applies its batches and dumps to
+//! the index itself. With several, the replica that holds the stream appends
+//! them to a shared, ordered log ([`EventLog`]; NATS JetStream in
+//! `kvroute-cluster`) and every replica, the holder included, applies the log
+//! in order through a [`ReplicaApplier`]. So every index goes through the same
+//! states, and one replica's index is every replica's.
+//!
+//! The holder learns the outcome of its worker's records from its own applier:
+//! a gap asks the worker for a resync, an applied record is acked (so an ack
+//! means the log stored it), a refused dump answers with an error. Gaps,
+//! resyncs, dumps, restarts and refusals thus mean what they mean with one
+//! replica; the other replicas apply the same records and answer nobody.
+//!
+//! Each stream opens with a [`Record::Claim`]; its sequence in the log names
+//! the claim, and the stream's records carry it. A record of any claim but its
+//! worker's latest is skipped on every replica alike, so a replica that lost a
+//! worker to another can no longer write its state. A claim with a new
+//! instance id is the worker's restart: its ranks are cleared everywhere.
+//! Event ids make a resent event stale, so a worker that moves to another
+//! replica and resends has nothing applied twice.
+//!
+//! This module knows nothing of NATS: without `[cluster]` none of it runs.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+use kvroute_index::WorkerKey;
+use kvroute_proto::{Dump, EventBatch};
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::ingest::{DumpState, Stream, Work};
+use crate::metrics;
+use crate::registry::Registration;
+use crate::state::AppState;
+
+/// One entry of the shared log.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    /// A worker's stream opened on `replica_id`.
+    Claim {
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: Vec<u32>,
+        replica_id: String,
+    },
+    /// A batch of the stream of `claim` (the claim's sequence), ids kept.
+    Events {
+        worker_id: u64,
+        claim: u64,
+        batch: EventBatch,
+    },
+    /// A dump, or a part of one, of the stream of `claim`.
+    Dump {
+        worker_id: u64,
+        claim: u64,
+        dump: Dump,
+    },
+    /// The holder gave up resyncing a rank: it is cleared.
+    Clear {
+        worker_id: u64,
+        claim: u64,
+        dp_rank: u32,
+    },
+}
+
+impl Record {
+    pub fn worker_id(&self) -> u64 {
+        match self {
+            Record::Claim { worker_id, .. }
+            | Record::Events { worker_id, .. }
+            | Record::Dump { worker_id, .. }
+            | Record::Clear { worker_id, .. } => *worker_id,
+        }
+    }
+
+    /// The kind's name, for subjects and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Record::Claim { .. } => "claim",
+            Record::Events { .. } => "events",
+            Record::Dump { .. } => "dump",
+            Record::Clear { .. } => "clear",
+        }
+    }
+}
+
+/// A record the log did not store, given back with why.
+pub struct Unlogged {
+    pub error: String,
+    pub record: Record,
+    /// The log answered, and refused this record (too large): resending it
+    /// would not help.
+    pub refused: bool,
+}
+
+/// The shared, ordered log and the registrations beside it.
+pub trait EventLog: Send + Sync {
+    /// Appends `record`; resolves with its sequence once the log has stored it.
+    fn append(&self, record: Record) -> BoxFuture<'static, Result<u64, Unlogged>>;
+    /// Publishes the registration of a worker whose stream this replica holds,
+    /// and keeps it alive until the returned guard is dropped.
+    fn hold(&self, registration: Registration) -> Box<dyn Any + Send>;
+}
+
+/// A replica's side of the cluster, in [`AppState::replica`].
+pub struct Replica {
+    pub log: Arc<dyn EventLog>,
+    /// This replica's name (`cluster.replica_id`), in its claims.
+    pub replica_id: String,
+    /// Streams held here, by worker: their claim, and their context.
+    held: Mutex<HashMap<u64, (u64, Stream)>>,
+    connected: AtomicBool,
+    caught_up: AtomicBool,
+    /// (worker, rank) → the claim and the first event id applied here only.
+    unlogged: Mutex<HashMap<(u64, u32), (u64, u64)>>,
+}
+
+impl Replica {
+    pub fn new(log: Arc<dyn EventLog>, replica_id: String) -> Self {
+        Self {
+            log,
+            replica_id,
+            held: Mutex::default(),
+            connected: AtomicBool::new(true),
+            caught_up: AtomicBool::new(false),
+            unlogged: Mutex::default(),
+        }
+    }
+
+    /// Whether the log answered the last time it was used.
+    pub fn connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Records whether the log answers; says so in the log on a change only.
+    /// Back in touch, asks the workers to resend what was applied here alone.
+    pub async fn set_connected(&self, connected: bool) {
+        if self.connected.swap(connected, Ordering::AcqRel) != connected {
+            if connected {
+                tracing::info!("the cluster's event log answers again");
+            } else {
+                tracing::warn!(
+                    "the cluster's event log does not answer: routing on the state at hand, applying events here only"
+                );
+            }
+        }
+        if connected {
+            self.replay_unlogged().await;
+        }
+    }
+
+    /// Asks held workers to resend the ranks whose events were applied here
+    /// only while the log did not answer, so that they reach the log, and
+    /// every other replica, after all. Here they are stale: nothing changes.
+    async fn replay_unlogged(&self) {
+        let unlogged: Vec<_> = std::mem::take(&mut *self.unlogged.lock().unwrap())
+            .into_iter()
+            .collect();
+        for ((worker_id, dp_rank), (claim, from)) in unlogged {
+            if let Some(stream) = self.holder(worker_id, claim) {
+                tracing::info!(
+                    worker = worker_id,
+                    dp_rank,
+                    from,
+                    "asking the worker to resend what the cluster's log missed"
+                );
+                stream.ask_replay(dp_rank, from).await;
+            }
+        }
+    }
+
+    /// Whether this replica has applied the log as far as it stood at start.
+    pub fn caught_up(&self) -> bool {
+        self.caught_up.load(Ordering::Acquire)
+    }
+
+    pub fn set_caught_up(&self) {
+        if !self.caught_up.swap(true, Ordering::AcqRel) {
+            tracing::info!("caught up with the cluster's event log");
+        }
+    }
+
+    /// Opens a stream in the log; the claim's sequence names it.
+    pub(crate) async fn claim(
+        &self,
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: &[u32],
+    ) -> Result<u64, tonic::Status> {
+        let record = Record::Claim {
+            worker_id,
+            instance_id,
+            dp_ranks: dp_ranks.to_vec(),
+            replica_id: self.replica_id.clone(),
+        };
+        let result = self.log.append(record).await;
+        self.set_connected(result.is_ok()).await;
+        result.map_err(|e| {
+            tonic::Status::unavailable(format!("the cluster's event log: {}", e.error))
+        })
+    }
+
+    pub(crate) fn hold(&self, claim: u64, stream: Stream) {
+        let worker_id = stream.worker_id();
+        self.held.lock().unwrap().insert(worker_id, (claim, stream));
+    }
+
+    /// The stream of `claim` ended.
+    pub(crate) fn release(&self, worker_id: u64, claim: u64) {
+        let mut held = self.held.lock().unwrap();
+        if held.get(&worker_id).is_some_and(|(c, _)| *c == claim) {
+            held.remove(&worker_id);
+        }
+    }
+
+    fn holder(&self, worker_id: u64, claim: u64) -> Option<Stream> {
+        let held = self.held.lock().unwrap();
+        held.get(&worker_id)
+            .filter(|(c, _)| *c == claim)
+            .map(|(_, s)| s.clone())
+    }
+
+    /// Appends a stream's queued work; gives it back when the log did not take
+    /// it, to be applied here (so no event is lost while NATS is away).
+    pub(crate) async fn append(&self, worker_id: u64, claim: u64, item: Work) -> Option<Work> {
+        let (record, permit): (Record, OwnedSemaphorePermit) = match item {
+            Work::Events(batch, permit) => (
+                Record::Events {
+                    worker_id,
+                    claim,
+                    batch,
+                },
+                permit,
+            ),
+            Work::Dump(dump, permit) => (
+                Record::Dump {
+                    worker_id,
+                    claim,
+                    dump,
+                },
+                permit,
+            ),
+            // Not checked yet with replicas: here it would be compared with
+            // an index still behind the log, and ask for needless dumps.
+            Work::Digest(..) => return None,
+        };
+        match self.log.append(record).await {
+            Ok(_) => {
+                self.set_connected(true).await;
+                None
+            }
+            Err(unlogged) => {
+                ::metrics::counter!(metrics::CLUSTER_APPEND_FAILURES).increment(1);
+                if unlogged.refused {
+                    tracing::warn!(worker = worker_id, error = %unlogged.error, "the cluster's log refused a record: applied on this replica only");
+                } else {
+                    self.set_connected(false).await;
+                    tracing::debug!(worker = worker_id, error = %unlogged.error, "not appended");
+                }
+                let refused = unlogged.refused;
+                let (rank, from, work) = match unlogged.record {
+                    Record::Events { batch, .. } => (
+                        batch.dp_rank,
+                        batch.events.first().map_or(0, |e| e.event_id),
+                        Work::Events(batch, permit),
+                    ),
+                    // Nobody else has it: the whole rank is to be resent.
+                    Record::Dump { dump, .. } => (dump.dp_rank, 0, Work::Dump(dump, permit)),
+                    _ => return None,
+                };
+                if refused {
+                    return Some(work);
+                }
+                self.unlogged
+                    .lock()
+                    .unwrap()
+                    .entry((worker_id, rank))
+                    .and_modify(|(c, f)| {
+                        if *c == claim {
+                            *f = (*f).min(from);
+                        } else {
+                            (*c, *f) = (claim, from);
+                        }
+                    })
+                    .or_insert((claim, from));
+                Some(work)
+            }
+        }
+    }
+
+    /// Clears a rank on every replica (here too if the log does not answer).
+    pub(crate) async fn clear(&self, worker_id: u64, claim: u64, dp_rank: u32) {
+        let record = Record::Clear {
+            worker_id,
+            claim,
+            dp_rank,
+        };
+        let result = self.log.append(record).await;
+        self.set_connected(result.is_ok()).await;
+        if result.is_err()
+            && let Some(stream) = self.holder(worker_id, claim)
+        {
+            stream.clear_rank(WorkerKey::new(worker_id, dp_rank));
+        }
+    }
+}
+
+/// A worker as the log has it: its latest claim, and that stream's dumps.
+struct Follower {
+    claim: u64,
+    /// None when the claim itself was never seen (see [`ReplicaApplier::current`]).
+    instance_id: Option<u64>,
+    dumps: DumpState,
+    /// Its records' context here when this replica does not hold the stream.
+    context: Stream,
+}
+
+/// Applies the log, in order, to this replica's index. One per replica, driven
+/// by the task that reads the log.
+pub struct ReplicaApplier {
+    state: Arc<AppState>,
+    workers: HashMap<u64, Follower>,
+}
+
+impl ReplicaApplier {
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self {
+            state,
+            workers: HashMap::new(),
+        }
+    }
+
+    /// Applies the record at `seq`, which follows every record applied before.
+    pub async fn apply(&mut self, seq: u64, record: Record) {
+        let kind = record.kind();
+        let applied = match record {
+            Record::Claim {
+                worker_id,
+                instance_id,
+                dp_ranks,
+                replica_id,
+            } => {
+                self.claim(seq, worker_id, instance_id, dp_ranks, &replica_id);
+                true
+            }
+            Record::Events {
+                worker_id,
+                claim,
+                batch,
+            } => match self.current(worker_id, claim, batch.dp_rank) {
+                Some((follower, context)) => {
+                    // What this stream applied: a later, older dump would roll it back.
+                    follower.dumps.applied.insert(batch.dp_rank);
+                    context.apply_batch(batch).await;
+                    true
+                }
+                None => false,
+            },
+            Record::Dump {
+                worker_id,
+                claim,
+                dump,
+            } => match self.current(worker_id, claim, dump.dp_rank) {
+                Some((follower, context)) => {
+                    context.apply_dump_part(dump, &mut follower.dumps).await;
+                    true
+                }
+                None => false,
+            },
+            Record::Clear {
+                worker_id,
+                claim,
+                dp_rank,
+            } => match self.current(worker_id, claim, dp_rank) {
+                Some((_, context)) => {
+                    context.clear_rank(WorkerKey::new(worker_id, dp_rank));
+                    true
+                }
+                None => false,
+            },
+        };
+        if applied {
+            ::metrics::counter!(metrics::CLUSTER_RECORDS, "kind" => kind).increment(1);
+        } else {
+            ::metrics::counter!(metrics::CLUSTER_SKIPPED).increment(1);
+        }
+    }
+
+    fn claim(
+        &mut self,
+        seq: u64,
+        worker_id: u64,
+        instance_id: u64,
+        dp_ranks: Vec<u32>,
+        replica_id: &str,
+    ) {
+        let context = Stream::follower(Arc::clone(&self.state), worker_id, dp_ranks.clone());
+        if let Some(previous) = self.workers.get(&worker_id)
+            && previous.instance_id.is_some_and(|i| i != instance_id)
+        {
+            tracing::info!(
+                worker = worker_id,
+                instance_id,
+                "a new instance of the worker registered: clearing its ranks"
+            );
+            ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => worker_id.to_string())
+                .increment(1);
+            let mut ranks = previous.context.dp_ranks().to_vec();
+            for &rank in &dp_ranks {
+                if !ranks.contains(&rank) {
+                    ranks.push(rank);
+                }
+            }
+            for rank in ranks {
+                context.clear_rank(WorkerKey::new(worker_id, rank));
+            }
+        }
+        tracing::debug!(
+            worker = worker_id,
+            claim = seq,
+            replica = replica_id,
+            "claim applied"
+        );
+        self.workers.insert(
+            worker_id,
+            Follower {
+                claim: seq,
+                instance_id: Some(instance_id),
+                dumps: DumpState::default(),
+                context,
+            },
+        );
+    }
+
+    /// The worker's state and the context to apply its record in, if `claim`
+    /// is its latest: the stream itself when held here.
+    ///
+    /// A worker whose claim this replica never saw (it left the stream's
+    /// retention before this replica started) is taken to be on that claim,
+    /// with the ranks its records name: without it, a replica started later
+    /// would never apply that worker's records until it reconnected.
+    fn current(
+        &mut self,
+        worker_id: u64,
+        claim: u64,
+        dp_rank: u32,
+    ) -> Option<(&mut Follower, Stream)> {
+        let state = &self.state;
+        let follower = self.workers.entry(worker_id).or_insert_with(|| Follower {
+            claim,
+            instance_id: None,
+            dumps: DumpState::default(),
+            context: Stream::follower(Arc::clone(state), worker_id, Vec::new()),
+        });
+        if follower.claim != claim {
+            return None;
+        }
+        if follower.instance_id.is_none() && !follower.context.dp_ranks().contains(&dp_rank) {
+            let mut ranks = follower.context.dp_ranks().to_vec();
+            ranks.push(dp_rank);
+            follower.context = Stream::follower(Arc::clone(state), worker_id, ranks);
+        }
+        let context = self
+            .state
+            .replica
+            .get()
+            .and_then(|r| r.holder(worker_id, claim))
+            .unwrap_or_else(|| follower.context.clone());
+        Some((follower, context))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_proto::{KvEvent, Stored, StoredBlock, kv_event};
+
+    use super::*;
+    use crate::config::Config;
+
+    fn batch(first_id: u64, blocks: &[u64]) -> EventBatch {
+        // One Stored event per block, chained from the root.
+        let events = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &hash)| KvEvent {
+                event_id: first_id + i as u64,
+                kind: Some(kv_event::Kind::Stored(Stored {
+                    parent_hash: (i > 0).then(|| blocks[i - 1]),
+                    blocks: vec![StoredBlock {
+                        block_hash: hash,
+                        tokens_hash: hash * 10,
+                    }],
+                })),
+            })
+            .collect();
+        EventBatch { dp_rank: 0, events }
+    }
+
+    fn claim(worker_id: u64, instance_id: u64) -> Record {
+        Record::Claim {
+            worker_id,
+            instance_id,
+            dp_ranks: vec![0],
+            replica_id: "r".into(),
+        }
+    }
+
+    fn events(claim: u64, batch: EventBatch) -> Record {
+        Record::Events {
+            worker_id: 1,
+            claim,
+            batch,
+        }
+    }
+
+    /// (blocks, last event id) of worker 1's rank 0.
+    fn rank(state: &AppState) -> (u64, Option<u64>) {
+        let key = WorkerKey::new(1, 0);
+        (
+            state.index.worker_blocks(key),
+            state.index.last_event_id(key),
+        )
+    }
+
+    #[tokio::test]
+    async fn only_the_latest_claims_records_apply_and_resent_events_apply_once() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        applier.apply(2, events(1, batch(0, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        // The worker moved: a claim of the same instance keeps its state.
+        applier.apply(3, claim(1, 7)).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        // The old stream's late record is skipped; the new one's resend of
+        // event 1 is stale, event 2 applies.
+        applier.apply(4, events(1, batch(2, &[13]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        applier.apply(5, events(3, batch(1, &[12, 13]))).await;
+        assert_eq!(rank(&state), (3, Some(2)));
+        // A clear of the old claim is skipped too; the current one's applies.
+        let clear = |claim| Record::Clear {
+            worker_id: 1,
+            claim,
+            dp_rank: 0,
+        };
+        applier.apply(6, clear(1)).await;
+        assert_eq!(rank(&state), (3, Some(2)));
+        applier.apply(7, clear(3)).await;
+        assert_eq!(rank(&state), (0, None));
+    }
+
+    #[tokio::test]
+    async fn records_whose_claim_left_the_retention_still_apply() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        // Claim 1 is gone from the stream: its records come first.
+        applier.apply(40, events(1, batch(30, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(31)));
+        // A later claim still fences it.
+        applier.apply(41, claim(1, 7)).await;
+        applier.apply(42, events(1, batch(32, &[13]))).await;
+        assert_eq!(rank(&state), (2, Some(31)));
+    }
+
+    #[tokio::test]
+    async fn a_claim_of_a_new_instance_clears_the_workers_ranks() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        applier.apply(2, events(1, batch(0, &[11, 12]))).await;
+        assert_eq!(rank(&state), (2, Some(1)));
+        applier.apply(3, claim(1, 8)).await;
+        assert_eq!(rank(&state), (0, None));
+        // The new instance's ids start again.
+        applier.apply(4, events(3, batch(0, &[21]))).await;
+        assert_eq!(rank(&state), (1, Some(0)));
+    }
+
+    #[tokio::test]
+    async fn an_older_dump_than_what_the_claims_stream_applied_is_refused() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        let dump = |last_event_id, hashes: &[u64]| Record::Dump {
+            worker_id: 1,
+            claim: 1,
+            dump: Dump {
+                dp_rank: 0,
+                last_event_id,
+                chains: hashes
+                    .iter()
+                    .map(|&h| Stored {
+                        parent_hash: None,
+                        blocks: vec![StoredBlock {
+                            block_hash: h,
+                            tokens_hash: h * 10,
+                        }],
+                    })
+                    .collect(),
+                more: false,
+            },
+        };
+        applier.apply(2, dump(4, &[31, 32, 33])).await;
+        assert_eq!(rank(&state), (3, Some(4)));
+        applier.apply(3, events(1, batch(5, &[34]))).await;
+        assert_eq!(rank(&state), (4, Some(5)));
+        // A late answer to an earlier resync would roll the rank back.
+        applier.apply(4, dump(3, &[31])).await;
+        assert_eq!(rank(&state), (4, Some(5)));
+    }
+}
