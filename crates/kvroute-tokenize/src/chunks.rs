@@ -210,7 +210,11 @@ mod tests {
         };
         let text = "0<a>12<b>3<a>x4<a>";
         assert_eq!(cuts.next(text, 0), Some(4));
-        assert_eq!(cuts.next(text, 5), Some(14), "<b> is not safe; <a>x is longest");
+        assert_eq!(
+            cuts.next(text, 5),
+            Some(14),
+            "<b> is not safe; <a>x is longest"
+        );
         assert_eq!(cuts.next(text, 15), None);
     }
 
