@@ -66,7 +66,12 @@ pub struct Routed<B = ()> {
 impl AppState {
     /// Loads the configured tokenizer (an error if it does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
-        let tokenizer = RouterTokenizer::new(&config.tokenizer, config.allow_tokenizer_mismatch)?;
+        let tokenizer = RouterTokenizer::new(
+            &config.tokenizer,
+            config.tokenizer_cache_tokens,
+            config.tokenize_threads,
+            config.allow_tokenizer_mismatch,
+        )?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig {
             max_blocks: Some(config.index.max_blocks),
@@ -287,6 +292,12 @@ impl AppState {
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
+        }
+        if let Some(tokenizer) = self.tokenizer.get() {
+            let cache = tokenizer.cache_stats();
+            ::metrics::gauge!(metrics::TOKENIZER_CACHE_TOKENS).set(cache.cached_tokens as f64);
+            ::metrics::counter!(metrics::TOKENIZER_CACHE_HITS).absolute(cache.hit_tokens);
+            ::metrics::counter!(metrics::TOKENIZED_TOKENS).absolute(cache.tokenized_tokens);
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let tasks = runtime.metrics().num_alive_tasks();
