@@ -293,12 +293,14 @@ impl AppState {
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }
-        if let Some(tokenizer) = self.tokenizer.get() {
-            let cache = tokenizer.cache_stats();
-            ::metrics::gauge!(metrics::TOKENIZER_CACHE_TOKENS).set(cache.cached_tokens as f64);
-            ::metrics::counter!(metrics::TOKENIZER_CACHE_HITS).absolute(cache.hit_tokens);
-            ::metrics::counter!(metrics::TOKENIZED_TOKENS).absolute(cache.tokenized_tokens);
-        }
+        let cache = self
+            .tokenizer
+            .get()
+            .map(|t| t.cache_stats())
+            .unwrap_or_default();
+        ::metrics::gauge!(metrics::TOKENIZER_CACHE_TOKENS).set(cache.cached_tokens as f64);
+        ::metrics::counter!(metrics::TOKENIZER_CACHE_HITS).absolute(cache.hit_tokens);
+        ::metrics::counter!(metrics::TOKENIZED_TOKENS).absolute(cache.tokenized_tokens);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let tasks = runtime.metrics().num_alive_tasks();
             ::metrics::gauge!(metrics::ALIVE_TASKS).set(tasks as f64);

@@ -118,7 +118,7 @@ pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
         "Hugging Face tokenizer.json of cl100k_base's 100k tokens",
     )?;
     println!(
-        "\n== multi-turn: the last turn of a conversation whose earlier turns were routed, against tokenizing it with no cache (CPU time of one thread)"
+        "\n== multi-turn: the last turn of a conversation whose earlier turns were routed, against tokenizing it with no cache (wall clock, one thread)"
     );
     super::tokenize::multi_turn(&tiktoken, "tiktoken chat", true)?;
     super::tokenize::multi_turn(&hf, "Hugging Face chat", true)?;
@@ -645,7 +645,7 @@ fn pinned_runtime(cpu: usize) -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// CPU time used so far by the calling thread, in nanoseconds: on a shared
 /// machine wall-clock time also counts the time other processes had the core.
-pub(super) fn thread_cpu_ns() -> anyhow::Result<u64> {
+fn thread_cpu_ns() -> anyhow::Result<u64> {
     schedstat_ns(std::path::Path::new("/proc/thread-self/schedstat"))
 }
 

@@ -58,6 +58,10 @@ async fn streaming_stub(epoch: Instant) -> anyhow::Result<std::net::SocketAddr> 
         .route("/health", axum::routing::get(|| async { "ok" }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    // Nagle's algorithm would hold back each small chunk for the last one's ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(addr)
 }
