@@ -62,7 +62,7 @@ impl Fleet {
             .context("cannot start the router")?;
         let mut template = WorkerConfig::new(0, engine.clone());
         template.model = MODEL.into();
-        template.router = Some(format!("http://{}", router.grpc_addr));
+        template.routers = vec![format!("http://{}", router.grpc_addr)];
         let workers = start_fleet(&template, workers, 0).await?;
         let fleet = Fleet { router, workers };
         fleet.wait_registered().await?;

@@ -416,6 +416,19 @@ fn fuzz_dump() {
 }
 
 #[test]
+fn fuzz_digest() {
+    let digest = (dp_rank(), event_id(), any::<u64>(), any::<u64>()).prop_map(
+        |(dp_rank, last_event_id, block_count, block_set_hash)| kvroute_proto::Digest {
+            dp_rank,
+            last_event_id,
+            block_count,
+            block_set_hash,
+        },
+    );
+    fuzz_ingest("ingest Digest", 5, bytes_like(digest.boxed()));
+}
+
+#[test]
 fn fuzz_route_rpc() {
     let fixture = Fixture::start();
     let request = (

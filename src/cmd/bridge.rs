@@ -23,14 +23,23 @@ pub struct BridgeArgs {
     /// The engine's data-parallel size: one publisher per rank.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     data_parallel_size: u32,
-    /// The router's gRPC URL, e.g. http://router:50051 (https:// for TLS).
-    #[arg(long, value_name = "GRPC_URL")]
-    router: String,
+    /// The router's gRPC URL, e.g. http://router:50051 (https:// for TLS), or
+    /// several replicas' URLs separated by commas: a failed or refused stream
+    /// moves on to the next, round and round.
+    #[arg(
+        long,
+        value_name = "URL[,URL...]",
+        value_delimiter = ',',
+        required = true
+    )]
+    router: Vec<String>,
     /// Bearer token for the router's gRPC ingest, when it requires one.
     #[arg(long, env = "KVROUTE_ROUTER_TOKEN", hide_env_values = true)]
     router_token: Option<String>,
     #[command(flatten)]
     router_tls: crate::cmd::sim::RouterTlsArgs,
+    #[command(flatten)]
+    digest: crate::cmd::sim::DigestArgs,
     /// This engine's worker id at the router.
     #[arg(long)]
     worker_id: u64,
@@ -65,7 +74,7 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         engine_replay: args.engine_replay,
         topic: args.topic,
         data_parallel_size: args.data_parallel_size,
-        router: args.router,
+        routers: args.router,
         router_token: args.router_token,
         router_tls: args.router_tls.into(),
         worker_id: args.worker_id,
@@ -74,6 +83,8 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         medium: args.medium,
         metrics_addr: args.metrics_addr,
         tokenizer: args.tokenizer,
+        digest_events: args.digest.digest_events,
+        digest_interval: std::time::Duration::from_millis(args.digest.digest_interval_ms),
     };
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(kvroute_bridge::run(config))?;

@@ -53,6 +53,18 @@ impl EngineArgs {
     }
 }
 
+/// How often workers send the router a digest of their cache, to check its
+/// index against; shared by `sim` and `bridge`.
+#[derive(Args, Clone, Debug)]
+pub struct DigestArgs {
+    /// Send a digest after this many events of a rank (0: not by count).
+    #[arg(long, default_value_t = kvroute_sim::worker::DEFAULT_DIGEST_EVENTS)]
+    pub digest_events: u64,
+    /// Send a digest of every rank at this interval, in milliseconds (0: not by time).
+    #[arg(long, default_value_t = kvroute_sim::worker::DEFAULT_DIGEST_INTERVAL.as_millis() as u64)]
+    pub digest_interval_ms: u64,
+}
+
 /// TLS toward an `https://` router, shared by `sim` and `bridge`.
 #[derive(Args, Clone, Debug)]
 pub struct RouterTlsArgs {
@@ -82,10 +94,11 @@ pub struct SimArgs {
     /// Number of engines.
     #[arg(long, default_value_t = 1)]
     workers: usize,
-    /// The router's gRPC URL, e.g. http://127.0.0.1:50051 (https:// for TLS);
-    /// without it no events are published.
-    #[arg(long)]
-    router: Option<String>,
+    /// The router's gRPC URL, e.g. http://127.0.0.1:50051 (https:// for TLS),
+    /// or several replicas' URLs separated by commas: a failed or refused stream
+    /// moves on to the next, round and round. Without it no events are published.
+    #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',')]
+    router: Vec<String>,
     #[command(flatten)]
     router_tls: RouterTlsArgs,
     /// PEM certificate chain: the engines serve HTTPS, and register https:// URLs.
@@ -118,6 +131,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 100)]
     load_report_ms: u64,
     #[command(flatten)]
+    digest: DigestArgs,
+    #[command(flatten)]
     engine: EngineArgs,
 }
 
@@ -128,10 +143,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     template.model = args.model;
     template.http_addr = (args.host, 0).into();
     template.router_tls = args.router_tls.into();
-    if let Some(router) = &args.router {
-        kvroute_tls::grpc_endpoint(router, &template.router_tls).context("--router")?;
+    for router in &args.router {
+        kvroute_tls::grpc_endpoint(router, &template.router_tls)
+            .with_context(|| format!("--router {router}"))?;
     }
-    template.router = args.router;
+    template.routers = args.router;
+    template.digest_events = args.digest.digest_events;
+    template.digest_interval = Duration::from_millis(args.digest.digest_interval_ms);
     if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
         template.http_tls = Some(kvroute_tls::https_server_config(cert, key)?);
     }

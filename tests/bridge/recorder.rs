@@ -27,6 +27,9 @@ pub struct Recorded {
     pub resyncs_sent: Mutex<u64>,
     /// A rank whose next event batch is lost on purpose, as by a router whose queue overflowed.
     pub lose_next_batch_of: Mutex<Option<u32>>,
+    /// Digests received: (dp rank, event id, whether they equal the index's at
+    /// that id; `None` when the index is at another id).
+    pub digests: Mutex<Vec<(u32, u64, Option<bool>)>>,
 }
 
 #[derive(Clone)]
@@ -132,6 +135,19 @@ impl Recorded {
             }
             Body::Load(load) => {
                 self.loads.lock().unwrap().push(load);
+                vec![]
+            }
+            Body::Digest(digest) => {
+                let indexed = self
+                    .index
+                    .digest(WorkerKey::new(worker_id, digest.dp_rank))
+                    .filter(|i| i.last_event_id == Some(digest.last_event_id));
+                let verdict = indexed.map(|i| {
+                    (i.digest.block_count, i.digest.block_set_hash)
+                        == (digest.block_count, digest.block_set_hash)
+                });
+                let entry = (digest.dp_rank, digest.last_event_id, verdict);
+                self.digests.lock().unwrap().push(entry);
                 vec![]
             }
             Body::Register(_) => vec![],

@@ -376,8 +376,13 @@ pub const DEADLINE: Duration = Duration::from_secs(30);
 
 /// Waits until `n` workers are connected to `router`.
 pub async fn wait_registered(router: &RouterProcess, n: usize) {
+    wait_registered_at(&router.http, n).await;
+}
+
+/// Waits until `n` workers are connected to the router serving HTTP at `http_url`.
+pub async fn wait_registered_at(http_url: &str, n: usize) {
     let http = Http::default();
-    let url = format!("{}/workers", router.http);
+    let url = format!("{http_url}/workers");
     eventually("workers to register", || async {
         let workers = http.get(&url).await.json();
         let connected = workers["workers"].as_array().map_or(0, |w| {

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use kvroute_index::EventKind;
 use kvroute_proto as proto;
 use metrics::{counter, gauge};
+use proto::worker_message::Body as WorkerBody;
 use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -45,7 +46,10 @@ pub struct RankFollower {
     filter: EventFilter,
     tracker: SequenceTracker,
     mirror: Arc<Mutex<RankMirror>>,
-    outbox: mpsc::Sender<proto::EventBatch>,
+    /// Event batches, and digests behind them, for the router.
+    outbox: mpsc::Sender<WorkerBody>,
+    /// A digest follows the batch that makes this many events since the last (0: never).
+    digest_events: u64,
     /// The engine's instance id, renewed when this rank sees the engine restart.
     instance: Arc<watch::Sender<u64>>,
     rank_label: String,
@@ -58,7 +62,8 @@ impl RankFollower {
         topic: String,
         filter: EventFilter,
         mirror: Arc<Mutex<RankMirror>>,
-        outbox: mpsc::Sender<proto::EventBatch>,
+        outbox: mpsc::Sender<WorkerBody>,
+        digest_events: u64,
         instance: Arc<watch::Sender<u64>>,
     ) -> Self {
         Self {
@@ -69,6 +74,7 @@ impl RankFollower {
             tracker: SequenceTracker::default(),
             mirror,
             outbox,
+            digest_events,
             instance,
             block_size_refusals: 0,
         }
@@ -287,10 +293,17 @@ impl RankFollower {
             dp_rank: mirror.dp_rank(),
             events,
         };
-        if self.outbox.try_send(batch).is_err() {
+        if self.outbox.try_send(WorkerBody::Events(batch)).is_err() {
             // The router will see the gap in event ids and ask for a dump.
             counter!(crate::metrics::BATCHES_DROPPED, "rank" => self.rank_label.clone())
                 .increment(1);
+            return;
+        }
+        // Taken with the batch, under the same lock: exactly as of its last event.
+        if self.digest_events > 0 && mirror.since_digest() >= self.digest_events {
+            let _ = self
+                .outbox
+                .try_send(WorkerBody::Digest(mirror.take_digest()));
         }
     }
 }

@@ -78,8 +78,9 @@ pub struct BridgeConfig {
     pub topic: String,
     /// Data-parallel ranks of the engine.
     pub data_parallel_size: u32,
-    /// The router's gRPC URL.
-    pub router: String,
+    /// The router replicas' gRPC URLs (at least one): a failed stream moves on
+    /// to the next.
+    pub routers: Vec<String>,
     /// Bearer token for the router's gRPC ingest, when it requires one.
     pub router_token: Option<String>,
     /// CA and client certificate for an `https://` router.
@@ -96,6 +97,10 @@ pub struct BridgeConfig {
     /// The engine's tokenizer, declared to the router at registration (the
     /// engine does not tell); `None`: not declared, the router cannot check it.
     pub tokenizer: Option<kvroute_tokenize::TokenizerSpec>,
+    /// A rank's digest follows the batch that makes this many events (0: never).
+    pub digest_events: u64,
+    /// Every rank's digest goes out at this interval (zero: never).
+    pub digest_interval: Duration,
 }
 
 /// Runs the bridge until the router refuses it or `/metrics` cannot be served.
@@ -106,9 +111,14 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         ));
     }
     let ranks = rank_endpoints(&config)?;
-    // Bad TLS files stop the bridge here instead of failing every reconnect.
-    kvroute_tls::grpc_endpoint(&config.router, &config.router_tls)
-        .map_err(|e| BridgeError::Config(format!("--router: {e}")))?;
+    if config.routers.is_empty() {
+        return Err(BridgeError::Config("--router is required".into()));
+    }
+    // Bad URLs or TLS files stop the bridge here instead of failing every reconnect.
+    for router in &config.routers {
+        kvroute_tls::grpc_endpoint(router, &config.router_tls)
+            .map_err(|e| BridgeError::Config(format!("--router {router}: {e}")))?;
+    }
     let engine_uri: hyper::Uri = config
         .engine_url
         .parse()
@@ -149,6 +159,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
             filter.clone(),
             mirror,
             events_tx.clone(),
+            config.digest_events,
             Arc::clone(&instance),
         );
         tokio::spawn(follower.run());
@@ -161,7 +172,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         loads_tx,
     ));
     let link = RouterLink {
-        url: config.router.clone(),
+        urls: config.routers.clone(),
         token: config.router_token.clone(),
         tls: config.router_tls.clone(),
         worker_id: config.worker_id,
@@ -171,6 +182,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         mirrors,
         engine,
         instance: instance_rx,
+        digest_interval: config.digest_interval,
     };
     tokio::select! {
         refused = link.run(events_rx, loads_rx) => Err(refused),

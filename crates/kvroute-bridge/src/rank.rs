@@ -180,6 +180,8 @@ pub struct RankMirror {
     index: KvIndex,
     /// The id of the last event given out; ids start at 1, so 0 means none yet.
     last_event_id: u64,
+    /// Events given out since the last digest.
+    since_digest: u64,
 }
 
 impl RankMirror {
@@ -188,6 +190,7 @@ impl RankMirror {
             key: WorkerKey::new(worker_id, dp_rank),
             index: KvIndex::default(),
             last_event_id: 0,
+            since_digest: 0,
         }
     }
 
@@ -198,12 +201,36 @@ impl RankMirror {
     /// Gives `kind` the next id and applies it to the mirror.
     pub fn record(&mut self, kind: EventKind) -> KvEvent {
         self.last_event_id += 1;
+        self.since_digest += 1;
         let event = KvEvent {
             event_id: self.last_event_id,
             kind,
         };
         self.index.apply(self.key, &event);
         event
+    }
+
+    /// Events given out since the last [`Self::take_digest`].
+    pub fn since_digest(&self) -> u64 {
+        self.since_digest
+    }
+
+    /// The digest of what the rank holds, as of the last event given out: the
+    /// router checks its index against it. Kept by the mirror's index as events
+    /// apply, so taking it costs nothing.
+    pub fn take_digest(&mut self) -> proto::Digest {
+        self.since_digest = 0;
+        let digest = self
+            .index
+            .digest(self.key)
+            .map(|d| d.digest)
+            .unwrap_or_default();
+        proto::Digest {
+            dp_rank: self.key.dp_rank,
+            last_event_id: self.last_event_id,
+            block_count: digest.block_count,
+            block_set_hash: digest.block_set_hash,
+        }
     }
 
     /// Blocks the rank holds, for the mirror-size gauge.
@@ -486,7 +513,17 @@ mod tests {
         held.sort();
         assert_eq!(held, [1, 2]);
         assert_eq!(mirror.blocks(), 2);
+        let digest = mirror.take_digest();
+        assert_eq!((digest.dp_rank, digest.last_event_id), (1, 3));
+        let expected = kvroute_index::BlockSetDigest::of([1, 2]);
+        assert_eq!(
+            (digest.block_count, digest.block_set_hash),
+            (expected.block_count, expected.block_set_hash)
+        );
+        assert_eq!(mirror.since_digest(), 0);
         mirror.record(EventKind::Cleared);
         assert!(mirror.dump().chains.is_empty());
+        assert_eq!(mirror.since_digest(), 1);
+        assert_eq!(mirror.take_digest().block_count, 0);
     }
 }

@@ -1,5 +1,7 @@
 //! The router side: one gRPC stream, re-opened with backoff for as long as the
-//! bridge runs.
+//! bridge runs. With several router URLs (replicas), a stream that fails or is
+//! refused moves on to the next URL, round and round; only a refusal no replica
+//! would reconsider (a block-size mismatch, a bad token) ends the bridge.
 //!
 //! Each time the stream opens, the bridge registers the engine (models and LoRA
 //! adapters as the engine lists them now, and the engine's instance id) and
@@ -8,7 +10,9 @@
 //! covers are then left out. When the engine restarts, the stream is re-opened
 //! at once to register the new instance: the router then clears every rank. Afterwards the
 //! stream carries event batches and load reports out, and acks, resync requests
-//! (answered with a dump) and errors in.
+//! (answered with a dump) and errors in. Each rank's digest goes out behind the
+//! batch that completes `digest_events` events, and every `digest_interval`
+//! for all ranks, so the router can check its index.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,7 +36,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the router link needs to know and share.
 pub struct RouterLink {
-    pub url: String,
+    /// The router replicas' gRPC URLs, tried in turn.
+    pub urls: Vec<String>,
     pub token: Option<String>,
     pub tls: kvroute_tls::GrpcClientTls,
     pub worker_id: u64,
@@ -43,6 +48,8 @@ pub struct RouterLink {
     pub engine: crate::EngineHttp,
     /// The engine's instance id; changes when a rank sees the engine restart.
     pub instance: watch::Receiver<u64>,
+    /// Every rank's digest goes out at this interval (zero: never).
+    pub digest_interval: Duration,
 }
 
 /// Why a stream ended.
@@ -59,20 +66,29 @@ impl RouterLink {
     /// Runs until the router refuses the bridge, which is a configuration error.
     pub async fn run(
         self,
-        mut events: mpsc::Receiver<proto::EventBatch>,
+        mut events: mpsc::Receiver<WorkerBody>,
         mut loads: mpsc::Receiver<proto::LoadReport>,
     ) -> BridgeError {
         let mut backoff = Backoff::default();
         let mut instance = self.instance.clone();
+        let mut turn = 0;
         loop {
+            let url = &self.urls[turn % self.urls.len()];
             let served = self.engine.models().await;
             match served {
                 Ok(served) => match self
-                    .session(&served, &mut instance, &mut events, &mut loads)
+                    .session(
+                        url,
+                        &served,
+                        &mut instance,
+                        &mut events,
+                        &mut loads,
+                        &mut backoff,
+                    )
                     .await
                 {
                     Ended::Restarted => {
-                        info!(router = %self.url, "the engine restarted: registering its new instance");
+                        info!(router = %url, "the engine restarted: registering its new instance");
                         continue;
                     }
                     Ended::Refused(status) => {
@@ -82,7 +98,8 @@ impl RouterLink {
                     }
                     Ended::Lost(why) => {
                         counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "lost").increment(1);
-                        warn!(router = %self.url, "router stream: {why}");
+                        turn += 1;
+                        warn!(router = %url, next = %self.urls[turn % self.urls.len()], "router stream: {why}");
                     }
                 },
                 Err(e) => warn!("engine models: {e}"),
@@ -93,12 +110,14 @@ impl RouterLink {
 
     async fn session(
         &self,
+        url: &str,
         served: &ServedModels,
         instance: &mut watch::Receiver<u64>,
-        events: &mut mpsc::Receiver<proto::EventBatch>,
+        events: &mut mpsc::Receiver<WorkerBody>,
         loads: &mut mpsc::Receiver<proto::LoadReport>,
+        backoff: &mut Backoff,
     ) -> Ended {
-        let channel = match kvroute_tls::grpc_endpoint(&self.url, &self.tls) {
+        let channel = match kvroute_tls::grpc_endpoint(url, &self.tls) {
             Ok(endpoint) => {
                 proto::with_keepalive(endpoint)
                     .connect_timeout(CONNECT_TIMEOUT)
@@ -152,23 +171,38 @@ impl RouterLink {
             Err(status) => return ended_by(status),
         };
         counter!(crate::metrics::ROUTER_CONNECTS, "outcome" => "registered").increment(1);
-        info!(router = %self.url, worker_id = self.worker_id, models = ?served.models, "registered with the router");
+        // A stream that worked: when it fails, the next URL gets the shortest back-off.
+        backoff.reset();
+        info!(router = %url, worker_id = self.worker_id, models = ?served.models, "registered with the router");
         for part in dumps {
             if out.send(message(part)).await.is_err() {
                 return Ended::Lost("request stream closed".into());
             }
         }
+        let digest_period = self.digest_interval.max(Duration::from_millis(1));
+        let mut digest_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + digest_period, digest_period);
         loop {
             let outgoing = tokio::select! {
-                batch = events.recv() => {
-                    let Some(mut batch) = batch else { return Ended::Lost("bridge shutting down".into()) };
-                    let covered = dumped.get(&batch.dp_rank).copied().unwrap_or(0);
-                    batch.events.retain(|e| e.event_id > covered);
-                    if batch.events.is_empty() {
-                        continue;
+                body = events.recv() => match body {
+                    Some(WorkerBody::Events(mut batch)) => {
+                        let covered = dumped.get(&batch.dp_rank).copied().unwrap_or(0);
+                        batch.events.retain(|e| e.event_id > covered);
+                        if batch.events.is_empty() {
+                            continue;
+                        }
+                        vec![WorkerBody::Events(batch)]
                     }
-                    vec![WorkerBody::Events(batch)]
-                }
+                    Some(body) => vec![body],
+                    None => return Ended::Lost("bridge shutting down".into()),
+                },
+                // Exact when the outbox is empty; otherwise ahead of the router,
+                // which then skips it.
+                _ = digest_tick.tick(), if !self.digest_interval.is_zero() => self
+                    .mirrors
+                    .iter()
+                    .map(|m| WorkerBody::Digest(m.lock().unwrap().take_digest()))
+                    .collect(),
                 load = loads.recv() => match load {
                     Some(load) => vec![WorkerBody::Load(load)],
                     None => return Ended::Lost("bridge shutting down".into()),
@@ -214,7 +248,7 @@ impl RouterLink {
                 dump_parts(dump)
             }
             RouterBody::Error(error) => {
-                warn!(router = %self.url, "router reported: {}", error.message);
+                warn!("router reported: {}", error.message);
                 Vec::new()
             }
         }

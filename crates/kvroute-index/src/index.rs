@@ -14,13 +14,18 @@
 //!
 //! With `max_blocks`, an [`crate::lru`] order evicts least-recently-used leaf
 //! blocks when the index holds more memberships than the limit.
+//!
+//! A dump (millions of blocks) is built beside the worker's state under a
+//! hidden slot, a few hundred blocks per lock hold, and swapped in at once, so
+//! routing and other workers go on meanwhile and never see half of it.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
@@ -128,6 +133,14 @@ struct WorkerSlot {
     held: AtomicU64,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
+    /// Lookups see the slot's blocks and `max_blocks` counts them: false while
+    /// a dump is built under the slot and after a dump replaced it (see
+    /// [`KvIndex::replace_worker`]). Changed under the eviction mutex and the
+    /// indices' write lock.
+    live: AtomicBool,
+    /// Blocks were evicted under `max_blocks` since the worker's last clear:
+    /// its engine-hash map, and so its digest, no longer follow its events alone.
+    trimmed: AtomicBool,
     state: Mutex<WorkerState>,
 }
 
@@ -150,9 +163,18 @@ impl WorkerSlot {
 struct WorkerState {
     last_event_id: Option<u64>,
     /// Engine block hash → the block it names.
-    blocks: HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>,
+    blocks: EngineMap,
+    /// Digest of the keys of `blocks`, kept as they change (unless `trimmed`).
+    digest: BlockSetDigest,
     counters: Counters,
 }
+
+type EngineMap = HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>;
+
+/// Blocks a dump stores, a replaced state releases or an eviction after a dump
+/// drops per critical section: lookups and other workers' events wait at most
+/// that long for it.
+const DUMP_BATCH: usize = 512;
 
 /// Shards of the worker registry: ingest threads applying different workers'
 /// events then rarely share the lock's cache line.
@@ -174,6 +196,21 @@ struct Eviction {
     memberships: u64,
     max_memberships: u64,
     evicted_blocks: u64,
+}
+
+/// How a dump paces itself: at most `batch` blocks per critical section, and
+/// `between` called while it holds no lock.
+struct Pace<'f> {
+    batch: usize,
+    between: &'f mut dyn FnMut(),
+}
+
+/// Where an eviction in batches goes on.
+#[derive(Default)]
+struct EvictionScan {
+    cursor: Cursor,
+    /// The current pass evicted something: another may free more.
+    evicted_this_pass: bool,
 }
 
 /// The global index. All methods take `&self` and may be called from many threads.
@@ -230,7 +267,7 @@ impl KvIndex {
                     self.sweep_dangling(slot, &mut state, eviction.is_some());
                     let outcome = self.apply_kind(slot, &mut state, &event.kind, &mut eviction);
                     if let Some(eviction) = eviction.as_deref_mut() {
-                        self.evict_over_limit(eviction);
+                        self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
                     }
                     outcome
                 }
@@ -259,31 +296,208 @@ impl KvIndex {
     /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as
     /// of `last_event_id`. Returns the blocks it could not place: those whose
     /// parent the dump did not hold.
+    ///
+    /// Lookups see the worker's old state until the dump is complete, then the
+    /// new one: the dump is stored under a second, hidden interned index, in
+    /// batches of [`DUMP_BATCH`] blocks holding the locks only for a batch, and
+    /// swapped in under one short critical section; the old state is then
+    /// released in batches. Routing and other workers' events go on meanwhile.
     pub fn replace_worker(
         &self,
         worker: WorkerKey,
         last_event_id: u64,
         events: &[EventKind],
     ) -> u64 {
-        self.with_slot(worker, |slot| {
-            let mut state = slot.state.lock().unwrap();
-            let mut eviction = self.lock_eviction();
-            self.clear(slot, &mut state, &mut eviction);
-            state.last_event_id = Some(last_event_id);
-            let mut orphans = 0;
-            for kind in events {
-                if let ApplyOutcome::Applied {
-                    rejected_blocks, ..
-                } = self.apply_kind(slot, &mut state, kind, &mut eviction)
+        let mut pace = Pace {
+            batch: DUMP_BATCH,
+            between: &mut std::thread::yield_now,
+        };
+        self.replace_worker_with(worker, last_event_id, events, &mut pace)
+    }
+
+    /// [`Self::replace_worker`] at a given pace.
+    fn replace_worker_with(
+        &self,
+        worker: WorkerKey,
+        last_event_id: u64,
+        events: &[EventKind],
+        pace: &mut Pace<'_>,
+    ) -> u64 {
+        // The worker exists from now on, as with any event, so that a removal
+        // while the dump is built is seen (the dump is then dropped).
+        self.with_slot(worker, |_| ());
+        let shadow = {
+            let mut indices = self.indices.write().unwrap();
+            self.new_slot(&mut indices, worker, false)
+        };
+        let (mut state, orphans) = self.build_dump(&shadow, events, pace);
+        state.last_event_id = Some(last_event_id);
+        match self.swap_in(worker, &shadow, state) {
+            Ok((old, old_blocks)) => {
+                // Released before evicting, so that the scan meets only the
+                // blocks it would have met had the old state been cleared first.
+                self.retire(&old, old_blocks, pace);
+                let mut scan = EvictionScan::default();
+                while let Some(mut eviction) = self.lock_eviction()
+                    && self.evict_over_limit(&mut eviction, &mut scan, pace.batch)
                 {
-                    orphans += rejected_blocks;
+                    drop(eviction);
+                    (pace.between)();
                 }
             }
-            if let Some(eviction) = eviction.as_deref_mut() {
-                self.evict_over_limit(eviction);
+            Err(blocks) => self.retire(&shadow, blocks, pace),
+        }
+        orphans
+    }
+
+    /// Applies a dump's events to a hidden slot, in batches; returns its state and
+    /// the blocks that could not be placed. A chain longer than a batch goes in
+    /// parts, parent first; with a limit, the parts' paths are then touched again,
+    /// last part first, which leaves the recency order as one touch of the whole
+    /// chain does (root newest).
+    fn build_dump(
+        &self,
+        shadow: &WorkerSlot,
+        events: &[EventKind],
+        pace: &mut Pace<'_>,
+    ) -> (WorkerState, u64) {
+        let mut state = WorkerState::default();
+        // Sized now, with no lock held: growing a map of millions of entries
+        // rehashes it whole, which would hold up everyone for that batch.
+        let stored = events.iter().map(|kind| match kind {
+            EventKind::Stored { blocks, .. } => blocks.len(),
+            _ => 0,
+        });
+        state.blocks.reserve(stored.sum());
+        let mut orphans = 0;
+        let mut eviction = self.lock_eviction();
+        let mut batch = 0;
+        for kind in events {
+            let (parent_hash, blocks) = match kind {
+                EventKind::Stored {
+                    parent_hash,
+                    blocks,
+                } if blocks.len() > pace.batch => (parent_hash, blocks),
+                _ => {
+                    orphans +=
+                        rejected_blocks(self.apply_kind(shadow, &mut state, kind, &mut eviction));
+                    batch += match kind {
+                        EventKind::Stored { blocks, .. } => blocks.len(),
+                        EventKind::Removed { block_hashes } => block_hashes.len(),
+                        EventKind::Cleared => 1,
+                    };
+                    self.end_of_batch(&mut batch, &mut eviction, pace);
+                    continue;
+                }
+            };
+            let mut parent = match parent_hash {
+                None => None,
+                Some(p) => match state.blocks.get(p) {
+                    Some(&r) => Some(r),
+                    None => {
+                        // Rejected whole, as one event would be.
+                        orphans += blocks.len() as u64;
+                        continue;
+                    }
+                },
+            };
+            let mut paths = Vec::new();
+            let mut parent_hash = *parent_hash;
+            for part in blocks.chunks(pace.batch) {
+                let part_event = EventKind::Stored {
+                    parent_hash,
+                    blocks: part.to_vec(),
+                };
+                self.apply_kind(shadow, &mut state, &part_event, &mut eviction);
+                if eviction.is_some() {
+                    let mut path: Vec<u64> = parent.iter().map(|r| r.key()).collect();
+                    for block in part {
+                        let r = BlockRef::child_of(parent, block.tokens_hash);
+                        path.push(r.key());
+                        parent = Some(r);
+                    }
+                    paths.push(path);
+                }
+                parent_hash = part.last().map(|b| b.block_hash);
+                batch += part.len();
+                self.end_of_batch(&mut batch, &mut eviction, pace);
             }
-            orphans
-        })
+            for path in paths.iter().rev().skip(1) {
+                if let Some(eviction) = eviction.as_deref_mut() {
+                    eviction.lru.touch(path);
+                }
+                batch += path.len();
+                self.end_of_batch(&mut batch, &mut eviction, pace);
+            }
+        }
+        (state, orphans)
+    }
+
+    /// Lets go of the locks between two batches of a dump once `batch` blocks
+    /// were done under them.
+    fn end_of_batch<'a>(
+        &'a self,
+        batch: &mut usize,
+        eviction: &mut Option<MutexGuard<'a, Eviction>>,
+        pace: &mut Pace<'_>,
+    ) {
+        if *batch >= pace.batch {
+            *batch = 0;
+            let limited = eviction.take().is_some();
+            (pace.between)();
+            if limited {
+                *eviction = self.lock_eviction();
+            }
+        }
+    }
+
+    /// Makes a built dump the worker's state in one short critical section.
+    /// Returns the replaced slot with its engine map, or, when the worker was
+    /// removed meanwhile, the dump's own engine map (the dump is dropped).
+    fn swap_in(
+        &self,
+        worker: WorkerKey,
+        shadow: &Arc<WorkerSlot>,
+        mut state: WorkerState,
+    ) -> Result<(Arc<WorkerSlot>, EngineMap), EngineMap> {
+        let mut workers = self.registry_shard(worker).write().unwrap();
+        let Some(old) = workers.get(&worker).cloned() else {
+            return Err(state.blocks);
+        };
+        let mut old_state = old.state.lock().unwrap();
+        state.counters = std::mem::take(&mut old_state.counters);
+        let old_blocks = std::mem::take(&mut old_state.blocks);
+        // Nobody else locks the hidden slot's state: it is in no registry yet.
+        *shadow.state.lock().unwrap() = state;
+        let mut eviction = self.lock_eviction();
+        if let Some(eviction) = eviction.as_deref_mut() {
+            eviction.memberships = eviction.memberships + shadow.held.load(Ordering::Relaxed)
+                - old.held.load(Ordering::Relaxed);
+        }
+        {
+            let _indices = self.indices.write().unwrap();
+            old.live.store(false, Ordering::Relaxed);
+            shadow.live.store(true, Ordering::Relaxed);
+        }
+        workers.insert(worker, Arc::clone(shadow));
+        Ok((Arc::clone(&old), old_blocks))
+    }
+
+    /// Takes the memberships of a slot that is no longer live away in batches,
+    /// then frees its interned index.
+    fn retire(&self, slot: &WorkerSlot, blocks: EngineMap, pace: &mut Pace<'_>) {
+        let mut refs: Vec<BlockRef> = blocks.into_values().collect();
+        refs.sort_unstable_by_key(|r| r.shard());
+        for part in refs.chunks(pace.batch) {
+            let mut eviction = self.lock_eviction();
+            let released = self.unhold_all(slot, part, &mut eviction);
+            slot.add_held(-released);
+            drop(eviction);
+            (pace.between)();
+        }
+        let mut indices = self.indices.write().unwrap();
+        indices.by_idx[slot.idx as usize] = None;
+        indices.free.push(Reverse(slot.idx));
     }
 
     /// `worker`'s blocks reachable from the root through blocks it holds, as
@@ -335,6 +549,18 @@ impl KvIndex {
         })
     }
 
+    /// The digest of the engine block hashes `worker` holds, with the event id
+    /// it is current to, read together; `None` for a worker the index does not know.
+    pub fn digest(&self, worker: WorkerKey) -> Option<IndexedDigest> {
+        let slot = self.find_slot(worker)?;
+        let state = slot.state.lock().unwrap();
+        Some(IndexedDigest {
+            last_event_id: state.last_event_id,
+            digest: state.digest,
+            trimmed: slot.trimmed.load(Ordering::Relaxed),
+        })
+    }
+
     pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
         let slot = self.find_slot(worker)?;
         slot.state.lock().unwrap().last_event_id
@@ -353,28 +579,28 @@ impl KvIndex {
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
+        // Held over the walk: a dump swapped in meanwhile (see `replace_worker`)
+        // would otherwise show its hidden bits, read half built, as the worker's.
+        let indices = self.indices.read().unwrap();
         let (depths, seqs) = self.match_depths(local_hashes);
+        let mut matches = Vec::with_capacity(depths.len());
+        matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
+            let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
+            slot.live.load(Ordering::Relaxed).then(|| WorkerMatch {
+                worker: slot.key,
+                depth,
+                total_blocks: slot.held.load(Ordering::Relaxed),
+            })
+        }));
+        drop(indices);
         if let Some(eviction) = &self.eviction {
-            let deepest = depths.iter().map(|&(_, d)| d).max().unwrap_or(0);
+            let deepest = matches.iter().map(|m| m.depth).max().unwrap_or(0);
             eviction
                 .lock()
                 .unwrap()
                 .lru
                 .touch(&seqs[..deepest as usize]);
         }
-        if depths.is_empty() {
-            return Vec::new();
-        }
-        let indices = self.indices.read().unwrap();
-        let mut matches = Vec::with_capacity(depths.len());
-        matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
-            let slot = indices.by_idx.get(idx as usize)?.as_ref()?;
-            Some(WorkerMatch {
-                worker: slot.key,
-                depth,
-                total_blocks: slot.held.load(Ordering::Relaxed),
-            })
-        }));
         matches
     }
 
@@ -542,26 +768,33 @@ impl KvIndex {
             if workers.contains_key(&worker) {
                 continue;
             }
-            let mut indices = self.indices.write().unwrap();
-            let idx = match indices.free.pop() {
-                Some(Reverse(idx)) => idx,
-                None => {
-                    indices.by_idx.push(None);
-                    indices.by_idx.len() as u32 - 1
-                }
-            };
-            let slot = Arc::new(WorkerSlot {
-                key: worker,
-                idx,
-                held: AtomicU64::new(0),
-                dangling: AtomicU64::new(0),
-                state: Mutex::default(),
-            });
-            indices.by_idx[idx as usize] = Some(slot.clone());
+            let slot = self.new_slot(&mut self.indices.write().unwrap(), worker, true);
             workers.insert(worker, slot);
-            self.groups
-                .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
         }
+    }
+
+    /// A slot for `worker` under the smallest free interned index.
+    fn new_slot(&self, indices: &mut Indices, worker: WorkerKey, live: bool) -> Arc<WorkerSlot> {
+        let idx = match indices.free.pop() {
+            Some(Reverse(idx)) => idx,
+            None => {
+                indices.by_idx.push(None);
+                indices.by_idx.len() as u32 - 1
+            }
+        };
+        let slot = Arc::new(WorkerSlot {
+            key: worker,
+            idx,
+            held: AtomicU64::new(0),
+            dangling: AtomicU64::new(0),
+            live: AtomicBool::new(live),
+            trimmed: AtomicBool::new(false),
+            state: Mutex::default(),
+        });
+        indices.by_idx[idx as usize] = Some(slot.clone());
+        self.groups
+            .fetch_max(idx as usize / 64 + 1, Ordering::AcqRel);
+        slot
     }
 
     fn lock_eviction(&self) -> Option<MutexGuard<'_, Eviction>> {
@@ -579,6 +812,7 @@ impl KvIndex {
         let mut rejected_blocks = 0;
         let mut unknown_removals = 0;
         let mut held_delta = 0;
+        let counted = u64::from(slot.live.load(Ordering::Relaxed));
         let mut writer = ShardWriter::new(&self.table);
         match kind {
             EventKind::Stored {
@@ -597,10 +831,12 @@ impl KvIndex {
                         for block in blocks {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
                             let seq = r.key();
-                            if let Some(old) = state.blocks.insert(block.block_hash, r)
-                                && old.key() != seq
-                            {
-                                held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                            match state.blocks.insert(block.block_hash, r) {
+                                None => state.digest.insert(block.block_hash),
+                                Some(old) if old.key() != seq => {
+                                    held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                                }
+                                Some(_) => {}
                             }
                             let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
                             let (added, created) = writer.shard(r.shard()).insert(
@@ -611,7 +847,7 @@ impl KvIndex {
                             );
                             held_delta += i64::from(added);
                             if let Some(eviction) = eviction.as_deref_mut() {
-                                eviction.memberships += added as u64;
+                                eviction.memberships += counted * added as u64;
                                 if created {
                                     eviction.lru.insert(seq, parent_seq);
                                 }
@@ -631,7 +867,10 @@ impl KvIndex {
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
                     match state.blocks.remove(hash) {
-                        Some(r) => held_delta -= self.unhold(&mut writer, slot, r, eviction),
+                        Some(r) => {
+                            state.digest.remove(*hash);
+                            held_delta -= self.unhold(&mut writer, slot, r, eviction);
+                        }
                         None => unknown_removals += 1,
                     }
                 }
@@ -658,14 +897,25 @@ impl KvIndex {
     ) {
         let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
         refs.sort_unstable_by_key(|r| r.shard());
-        let mut writer = ShardWriter::new(&self.table);
-        let mut released = 0;
-        for r in refs {
-            released += self.unhold(&mut writer, slot, r, eviction);
-        }
+        let released = self.unhold_all(slot, &refs, eviction);
         slot.add_held(-released);
         state.blocks.shrink_to_fit();
+        state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
+        slot.trimmed.store(false, Ordering::Relaxed);
+    }
+
+    /// [`Self::unhold`] for each block (sorted by shard: one lock per shard).
+    fn unhold_all(
+        &self,
+        slot: &WorkerSlot,
+        refs: &[BlockRef],
+        eviction: &mut Option<MutexGuard<'_, Eviction>>,
+    ) -> i64 {
+        let mut writer = ShardWriter::new(&self.table);
+        refs.iter()
+            .map(|&r| self.unhold(&mut writer, slot, r, eviction))
+            .sum()
     }
 
     /// Takes the worker's membership of one block away; returns 1 if the worker
@@ -679,7 +929,9 @@ impl KvIndex {
     ) -> i64 {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
         if let Some(eviction) = eviction.as_deref_mut() {
-            eviction.memberships -= held as u64;
+            if slot.live.load(Ordering::Relaxed) {
+                eviction.memberships -= held as u64;
+            }
             if gone {
                 eviction.lru.remove(r.key());
             }
@@ -688,41 +940,57 @@ impl KvIndex {
     }
 
     /// Evicts least-recently-used unpinned leaves until the limit holds, in
-    /// cursor-resumed scans (one when path-touch order holds).
-    fn evict_over_limit(&self, eviction: &mut Eviction) {
+    /// cursor-resumed scans (one when path-touch order holds), or until
+    /// `max_victims` blocks went; returns whether it stopped for that (`scan`
+    /// then says where to go on).
+    fn evict_over_limit(
+        &self,
+        eviction: &mut Eviction,
+        scan: &mut EvictionScan,
+        max_victims: usize,
+    ) -> bool {
         if eviction.memberships <= eviction.max_memberships {
-            return;
+            return false;
         }
+        let indices = self.indices.read().unwrap();
         let mut writer = ShardWriter::new(&self.table);
-        let mut holders = Vec::new();
-        let mut cursor = Cursor::default();
-        let mut evicted_this_pass = false;
+        let EvictionScan {
+            cursor,
+            evicted_this_pass,
+        } = scan;
+        let mut victims = 0;
         while eviction.memberships > eviction.max_memberships {
-            let Some(seq) = eviction.lru.next_victim(&mut cursor) else {
+            if victims == max_victims {
+                return true;
+            }
+            let Some(seq) = eviction.lru.next_victim(cursor) else {
                 // A pass can end over the limit when evicting a leaf made its
                 // parent a leaf behind the cursor: an ancestor older than its
                 // descendants, as a store under an untouched ancestor leaves it.
                 // Another pass then frees it; stop once a pass frees nothing.
-                if !std::mem::take(&mut evicted_this_pass) {
+                if !std::mem::take(evicted_this_pass) {
                     break;
                 }
-                cursor = Cursor::default();
+                *cursor = Cursor::default();
                 continue;
             };
-            evicted_this_pass = true;
-            let dropped = writer.shard(BlockRef::from_key(seq).shard()).evict(seq);
-            eviction.memberships -= dropped.len() as u64;
+            *evicted_this_pass = true;
+            victims += 1;
             eviction.evicted_blocks += 1;
-            holders.extend(dropped);
-        }
-        drop(writer);
-        let indices = self.indices.read().unwrap();
-        for idx in holders {
-            if let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) {
+            for idx in writer.shard(BlockRef::from_key(seq).shard()).evict(seq) {
+                let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) else {
+                    continue;
+                };
+                // Bits of a dump being built or of a replaced state are not counted.
+                if slot.live.load(Ordering::Relaxed) {
+                    eviction.memberships -= 1;
+                }
                 slot.add_held(-1);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
+                slot.trimmed.store(true, Ordering::Relaxed);
             }
         }
+        false
     }
 
     /// Gives back the memory of engine-hash entries whose blocks were evicted,
@@ -763,5 +1031,210 @@ pub struct OwnedPinnedPath {
 impl Drop for OwnedPinnedPath {
     fn drop(&mut self) {
         self.index.unpin_seqs(&self.seqs);
+    }
+}
+
+fn rejected_blocks(outcome: ApplyOutcome) -> u64 {
+    match outcome {
+        ApplyOutcome::Applied {
+            rejected_blocks, ..
+        } => rejected_blocks,
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::thread;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A chain whose engine hashes and local hashes are `first..first + len`.
+    fn chain(first: u64, len: u64, parent: Option<u64>) -> EventKind {
+        EventKind::Stored {
+            parent_hash: parent,
+            blocks: (first..first + len)
+                .map(|h| StoredBlock {
+                    block_hash: h,
+                    tokens_hash: h,
+                })
+                .collect(),
+        }
+    }
+
+    fn depth(index: &KvIndex, path: &[u64], worker: WorkerKey) -> u32 {
+        index
+            .find_matches(path)
+            .iter()
+            .find(|m| m.worker == worker)
+            .map_or(0, |m| m.depth)
+    }
+
+    /// Between a dump's batches the applying thread holds no lock: a lookup and
+    /// another worker's event, run on another thread, complete there (the old
+    /// apply held the worker's and the eviction lock throughout). They see the
+    /// dumping worker's old state until the swap and its new one after it.
+    #[test]
+    fn lookups_and_other_events_go_on_between_a_dumps_batches() {
+        let index = Arc::new(KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        }));
+        let (router, dumper, other) = (
+            WorkerKey::new(1, 0),
+            WorkerKey::new(2, 0),
+            WorkerKey::new(3, 0),
+        );
+        let routed: Vec<u64> = (1 << 40..(1 << 40) + 8).collect();
+        let old: Vec<u64> = (1 << 41..(1 << 41) + 8).collect();
+        let new: Vec<u64> = (1..=1000).collect();
+        for (worker, path) in [(router, &routed), (dumper, &old)] {
+            let kind = chain(path[0], 8, None);
+            index.apply(worker, &KvEvent { event_id: 1, kind });
+        }
+        let dump: Vec<EventKind> = (0..20).map(|c| chain(c * 1000 + 1, 1000, None)).collect();
+        let mut seen = Vec::new();
+        let mut between = || {
+            let (index, routed, old, new) =
+                (Arc::clone(&index), routed.clone(), old.clone(), new.clone());
+            let event_id = seen.len() as u64 + 1;
+            let (done, finished) = mpsc::channel();
+            // Not joined: on a lock held by the apply it would never return.
+            thread::spawn(move || {
+                let kind = chain(1 << 42, 1, None);
+                let outcome = index.apply(other, &KvEvent { event_id, kind });
+                let depths = [
+                    depth(&index, &routed, router),
+                    depth(&index, &old, dumper),
+                    depth(&index, &new, dumper),
+                ];
+                done.send((outcome, depths)).unwrap();
+            });
+            let (outcome, depths) = finished
+                .recv_timeout(Duration::from_secs(60))
+                .expect("a lookup or an event waited for the dump's batch to end");
+            assert_eq!(outcome.status(), EventStatus::Applied);
+            seen.push(depths);
+        };
+        let mut pace = Pace {
+            batch: DUMP_BATCH,
+            between: &mut between,
+        };
+        assert_eq!(index.replace_worker_with(dumper, 1, &dump, &mut pace), 0);
+        let before = seen.iter().take_while(|&&d| d == [8, 8, 0]).count();
+        assert!(before >= dump.len(), "{seen:?}");
+        assert!(
+            seen[before..].iter().all(|&d| d == [8, 0, 1000]),
+            "{seen:?}"
+        );
+        assert!(before < seen.len(), "no batch after the swap: {seen:?}");
+        assert_eq!(depth(&index, &new, dumper), 1000);
+        assert_eq!(index.worker_blocks(dumper), 20_000);
+    }
+
+    /// A worker removed while its dump is built stays removed: the dump is
+    /// dropped and its blocks and interned index given back.
+    #[test]
+    fn a_worker_removed_while_its_dump_is_built_stays_removed() {
+        for max_blocks in [None, Some(1 << 20)] {
+            let index = KvIndex::new(IndexConfig { max_blocks });
+            let (dumper, other) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+            let kind = chain(1 << 40, 8, None);
+            index.apply(other, &KvEvent { event_id: 1, kind });
+            let dump: Vec<EventKind> = (0..4).map(|c| chain(c * 1000 + 1, 1000, None)).collect();
+            let mut removed = false;
+            let mut pace = Pace {
+                batch: DUMP_BATCH,
+                between: &mut || {
+                    if !std::mem::replace(&mut removed, true) {
+                        index.remove_worker(dumper);
+                    }
+                },
+            };
+            assert_eq!(index.replace_worker_with(dumper, 1, &dump, &mut pace), 0);
+            assert_eq!(index.workers(), vec![other]);
+            assert!(index.find_matches(&[1, 2, 3]).is_empty());
+            let stats = index.stats();
+            assert_eq!((stats.blocks, stats.memberships), (8, 8));
+            // The removed worker's interned index and the dump's are free again.
+            assert_eq!(index.indices.read().unwrap().free.len(), 2);
+            if let Some(eviction) = &index.eviction {
+                assert_eq!(eviction.lock().unwrap().memberships, 8);
+            }
+        }
+    }
+
+    /// What a dump leaves (its worker's state, the blocks evicted for it, the
+    /// recency order later evictions follow) does not depend on the batch size:
+    /// chains split into parts, the eviction resumed across batches.
+    #[test]
+    fn a_dump_in_small_batches_leaves_what_one_batch_leaves() {
+        let (dumper, other) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let dump = vec![
+            chain(1, 1000, None),
+            // Below block 400 of the first chain, and a chain whose parent the
+            // dump does not hold (rejected whole).
+            chain(2001, 600, Some(400)),
+            chain(3001, 700, Some(99_999)),
+            chain(4001, 3, Some(1000)),
+            // Engine hash 5 named again, under another block: block 5 goes.
+            chain(5, 1, Some(4003)),
+        ];
+        let probes: Vec<Vec<u64>> = vec![
+            (1..=1000).collect(),
+            (1..=400).chain(2001..=2600).collect(),
+            (1..=1000).chain(4001..=4003).chain([5]).collect(),
+            (10_001..=10_300).collect(),
+            (10_001..=10_150).chain(11_001..=11_005).collect(),
+            (20_001..=20_300).collect(),
+            (30_001..=30_800).collect(),
+        ];
+        let run = |batch: usize| {
+            let index = KvIndex::new(IndexConfig {
+                max_blocks: Some(1650),
+            });
+            let mut observed = Vec::new();
+            let mut observe = |index: &KvIndex| {
+                let mut matches: Vec<_> = probes.iter().map(|p| index.find_matches(p)).collect();
+                matches.iter_mut().for_each(|m| m.sort_by_key(|m| m.worker));
+                observed.push(format!(
+                    "{matches:?} {:?} {:?} {:?} {}",
+                    index.dump(dumper),
+                    index.dump(other),
+                    index.stats(),
+                    index.evicted_blocks()
+                ));
+            };
+            let kind = chain(10_001, 300, None);
+            index.apply(other, &KvEvent { event_id: 1, kind });
+            // Stored under block 150 of that chain, which it touches but not
+            // its ancestors: once evictions reach block 150, block 149 is a leaf
+            // behind the scan's cursor, which a scan restarted at the tail would
+            // take before newer leaves.
+            let kind = chain(11_001, 5, Some(10_150));
+            index.apply(other, &KvEvent { event_id: 2, kind });
+            let kind = chain(20_001, 300, None);
+            index.apply(dumper, &KvEvent { event_id: 1, kind });
+            let mut pace = Pace {
+                batch,
+                between: &mut || {},
+            };
+            let orphans = index.replace_worker_with(dumper, 7, &dump, &mut pace);
+            assert_eq!(orphans, 700);
+            let evicted = index.evicted_blocks();
+            assert!(evicted > 0);
+            observe(&index);
+            // Over the limit again: what goes next follows the recency order.
+            index.find_matches(&probes[3]);
+            let kind = chain(30_001, 800, None);
+            index.apply(other, &KvEvent { event_id: 3, kind });
+            assert!(index.evicted_blocks() > evicted);
+            observe(&index);
+            observed
+        };
+        let whole = run(usize::MAX);
+        assert_eq!(run(7), whole);
+        assert_eq!(run(DUMP_BATCH), whole);
     }
 }

@@ -6,12 +6,15 @@
 //!   events from Dynamo-instrumented engines and ours agree;
 //! - [`event`] defines the events workers report (stored chains, removals,
 //!   clears) and what applying one did;
+//! - [`digest`] sums up a set of engine block hashes, for workers and the
+//!   router to check that they agree on what a rank holds;
 //! - [`index`] applies events per worker, in id order, and answers "how long a
 //!   prefix of this request does each worker hold?";
 //! - [`timeline`] derives benchmark workloads (lookups and events) from a trace;
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
 //!   that publish no events and for requests that race the engine's first event.
 
+pub mod digest;
 pub mod event;
 pub mod hash;
 pub mod index;
@@ -20,6 +23,7 @@ pub mod predicted;
 mod table;
 pub mod timeline;
 
+pub use digest::{BlockSetDigest, IndexedDigest};
 pub use event::{ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey};
 pub use hash::{
     BlockHasher, ExtraKeys, MultimodalItem, multimodal_identifier_hash, salt_key, sequence_hash,

@@ -41,7 +41,10 @@ pub(crate) struct Lru {
 pub(crate) enum Cursor {
     #[default]
     Tail,
-    At(u32),
+    /// At node `id`, which held block `seq` when the cursor was set: a scan
+    /// resumed after the lock was let go (a dump's eviction in batches) starts
+    /// at the tail again if that node went meanwhile.
+    At { id: u32, seq: u64 },
     /// The scan reached the head.
     Done,
 }
@@ -127,7 +130,8 @@ impl Lru {
     pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
-            Cursor::At(id) => Some(id),
+            Cursor::At { id, seq } if self.index.get(&seq) == Some(&id) => Some(id),
+            Cursor::At { .. } => self.tail,
             Cursor::Done => None,
         };
         while let Some(id) = at {
@@ -137,7 +141,10 @@ impl Lru {
             if node.children == 0 && node.pins == 0 {
                 let seq = node.seq;
                 self.remove(seq);
-                *cursor = next.map_or(Cursor::Done, Cursor::At);
+                *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
+                    id,
+                    seq: self.nodes[id as usize].seq,
+                });
                 return Some(seq);
             }
             at = next;

@@ -172,3 +172,79 @@ fn concurrent_writers_and_readers_see_only_serial_states() {
         Err(mpsc::RecvTimeoutError::Disconnected) => panic!("a thread of the test panicked"),
     }
 }
+
+/// A worker's dumps, each of 40 events, replace its state while a reader looks.
+/// The two dumps share their first half; the reader sees the dumping worker
+/// holding all of one dump or all of the other, never part of one or neither.
+#[test]
+fn readers_never_see_a_half_applied_dump() {
+    const EVENTS: u64 = 40;
+    const PER_EVENT: u64 = 25;
+    const DEPTH: u32 = (EVENTS * PER_EVENT) as u32;
+    const SHARED: u32 = DEPTH / 2;
+    let dumper = WorkerKey::new(7, 0);
+    // Hash of dump `d`'s block at `depth` (from 0), engine and local alike.
+    let hash = |d: u64, depth: u64| {
+        if depth < u64::from(SHARED) {
+            depth + 1
+        } else {
+            d << 32 | (depth + 1)
+        }
+    };
+    let dump = move |d: u64| -> Vec<EventKind> {
+        (0..EVENTS)
+            .map(|e| {
+                let first = e * PER_EVENT;
+                let blocks: Vec<(u64, u64)> = (first..first + PER_EVENT)
+                    .map(|depth| (hash(d, depth), hash(d, depth)))
+                    .collect();
+                stored(first.checked_sub(1).map(|p| hash(d, p)), &blocks)
+            })
+            .collect()
+    };
+    let paths: [Vec<u64>; 2] =
+        [1, 2].map(|d| (0..u64::from(DEPTH)).map(|depth| hash(d, depth)).collect());
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        });
+        index.replace_worker(dumper, 0, &dump(1));
+        let done = AtomicBool::new(false);
+        thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut lookups = 0;
+                while !done.load(Ordering::Acquire) {
+                    for path in &paths {
+                        let depth = index
+                            .find_matches(path)
+                            .iter()
+                            .find(|m| m.worker == dumper)
+                            .map_or(0, |m| m.depth);
+                        assert!(
+                            depth == DEPTH || depth == SHARED,
+                            "the dumping worker seen at depth {depth}"
+                        );
+                        lookups += 1;
+                    }
+                }
+                lookups
+            });
+            for round in 1..=20 {
+                index.replace_worker(dumper, round, &dump(1 + round % 2));
+            }
+            done.store(true, Ordering::Release);
+            reader.join().unwrap();
+        });
+        assert_eq!(index.worker_blocks(dumper), u64::from(DEPTH));
+        assert_eq!(index.stats().blocks, u64::from(DEPTH));
+        tx.send(()).unwrap();
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => {}
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("deadlock: the threads did not finish in 60 s")
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("a thread of the test panicked"),
+    }
+}

@@ -34,6 +34,10 @@
 //! one older than what is applied is refused (a late answer to an earlier
 //! resync would roll the rank back). Blocks a dump cannot place under a parent
 //! are counted, not dropped silently.
+//!
+//! A worker's `Digest` of a rank takes the same queue, so it is checked against
+//! the index after exactly the events sent before it ([`crate::verify`]); a
+//! difference asks for a full dump, and no applied event settles that request.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -43,7 +47,7 @@ use std::time::Duration;
 use kvroute_index::{EventKind, KvEvent, StoredBlock, WorkerKey};
 use kvroute_proto::kv_router_server::KvRouter;
 use kvroute_proto::{
-    Ack, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
+    Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
     RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
     route_request, router_message, worker_message,
 };
@@ -91,12 +95,16 @@ struct Resync {
     attempts: u32,
     /// When it is asked again, or given up.
     deadline: Instant,
+    /// Only a dump answers it: the index diverged from the worker's digest.
+    dump: bool,
 }
 
 /// Queued work, holding its bytes of the stream's queue until applied.
 enum Work {
     Events(EventBatch, OwnedSemaphorePermit),
     Dump(Dump, OwnedSemaphorePermit),
+    /// Queued behind the events it covers: see [`crate::verify`].
+    Digest(Digest, OwnedSemaphorePermit),
 }
 
 /// The parts of a rank's dump gathered so far.
@@ -457,6 +465,15 @@ impl Stream {
                         break;
                     }
                 }
+                // Only worth checking in order; on a full queue the next one will do.
+                Some(worker_message::Body::Digest(digest)) => {
+                    let bytes = queue_bytes(digest.encoded_len());
+                    if let Ok(permit) = Arc::clone(&queue).try_acquire_many_owned(bytes)
+                        && work.send(Work::Digest(digest, permit)).is_err()
+                    {
+                        break;
+                    }
+                }
                 Some(worker_message::Body::Load(load)) => self.report_load(load),
                 Some(worker_message::Body::Register(_)) => {
                     self.send_error("Register is only valid as the first message".into())
@@ -512,6 +529,22 @@ impl Stream {
                 drop(permit);
                 self.apply_dump_part(dump, dumps).await;
             }
+            Work::Digest(digest, _permit) => self.check_digest(digest).await,
+        }
+    }
+
+    /// Asks for a full dump when the worker's digest shows the index diverged.
+    async fn check_digest(&self, digest: Digest) {
+        let Some(key) = self.key(digest.dp_rank) else {
+            self.send_error(format!("dp rank {} was not registered", digest.dp_rank))
+                .await;
+            return;
+        };
+        let resyncing = self.pending.lock().unwrap().contains_key(&key.dp_rank);
+        if crate::verify::check(&self.state, key, &digest, resyncing)
+            == crate::verify::Verdict::Diverged
+        {
+            self.request_dump(key.dp_rank).await;
         }
     }
 
@@ -608,7 +641,7 @@ impl Stream {
                     let mut pending = self.pending.lock().unwrap();
                     if pending
                         .get(&key.dp_rank)
-                        .is_some_and(|r| event.event_id >= r.from)
+                        .is_some_and(|r| !r.dump && event.event_id >= r.from)
                     {
                         pending.remove(&key.dp_rank);
                     }
@@ -708,10 +741,22 @@ impl Stream {
 
     /// Asks for events from `from` on, with a first deadline for the answer.
     async fn request_resync(&self, dp_rank: u32, from: u64) {
+        self.await_resync(dp_rank, from, false).await;
+    }
+
+    /// Asks for a full dump: a resync from event 0, which workers, numbering
+    /// their events from 1 or resending only from their recent ones, answer
+    /// with a dump. Events applied meanwhile do not settle it.
+    async fn request_dump(&self, dp_rank: u32) {
+        self.await_resync(dp_rank, 0, true).await;
+    }
+
+    async fn await_resync(&self, dp_rank: u32, from: u64, dump: bool) {
         let resync = Resync {
             from,
             attempts: 1,
             deadline: Instant::now() + resync_timeout(&self.state),
+            dump,
         };
         self.pending.lock().unwrap().insert(dp_rank, resync);
         self.resync_asked.notify_one();

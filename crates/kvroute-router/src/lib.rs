@@ -6,8 +6,9 @@
 //! For every OpenAI-style request the HTTP API ([`api`]) tokenizes the prompt
 //! ([`tokenize`]), hashes it into blocks, asks the [`scheduler`] for the worker
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
-//! ([`upstream`]). [`state`] ties these together, and [`writers`] decides which
-//! worker stream may write the index; [`server`] starts the listeners,
+//! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
+//! worker stream may write the index, and [`verify`] checks the index against
+//! the digests workers send; [`server`] starts the listeners,
 //! background tasks and the graceful shutdown. [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
@@ -29,6 +30,7 @@ pub mod server;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;
+pub mod verify;
 pub mod worker_url;
 pub mod writers;
 

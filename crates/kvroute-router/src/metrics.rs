@@ -47,6 +47,8 @@ pub const LIMIT_REFUSALS: &str = "kvroute_limit_refusals_total";
 pub const INDEX_EVICTED: &str = "kvroute_index_evicted_blocks_total";
 pub const STALE_DUMPS: &str = "kvroute_stale_dumps_total";
 pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
+pub const INDEX_DIGESTS: &str = "kvroute_index_digests_total";
+pub const INDEX_DIVERGENCE: &str = "kvroute_index_divergence_total";
 pub const ALIVE_TASKS: &str = "kvroute_runtime_alive_tasks";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
@@ -160,6 +162,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         DUMP_ORPHANS,
         "Dump blocks whose parent the dump did not hold, not indexed",
+    ),
+    (
+        INDEX_DIGESTS,
+        "Workers' digests of their cache checked against the index, by outcome (matched, diverged; not_current or trimmed: skipped)",
+    ),
+    (
+        INDEX_DIVERGENCE,
+        "Workers' digests that differed from the index at the same event id: the rank was asked for a full dump",
     ),
     (
         ALIVE_TASKS,

@@ -11,8 +11,8 @@
 //! - [`events`]: the numbered event log a worker publishes, with a ring of
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
-//!   stream to the router ([`publisher`]), the OpenAI-compatible HTTP server
-//!   ([`http`]) and the faults tests inject;
+//!   stream to the router ([`publisher`], with the digests of [`view`]), the
+//!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
 //! - [`trace`]: Mooncake trace requests turned into token ids.
 
 pub mod cost;
@@ -22,6 +22,7 @@ pub mod http;
 pub mod pool;
 pub mod publisher;
 pub mod trace;
+pub mod view;
 pub mod worker;
 
 pub use cost::CostModel;

@@ -5,8 +5,12 @@
 //! exact whatever it knew before (it may have restarted, or purged this
 //! worker). Events after that id follow in batches as the engine produces them,
 //! load reports at a fixed interval. A `ResyncRequest` is answered from the
-//! ring of recent events, or with a dump when they have left it. A failed
-//! connection is retried with exponential backoff (50 ms doubling to 5 s).
+//! ring of recent events, or with a dump when they have left it. A digest of
+//! what the router should hold ([`RouterView`]) follows every
+//! `digest_events` events and every `digest_interval`, so the router can check
+//! its index. A failed connection is retried on the next of the configured
+//! routers (replicas), round and round, with exponential backoff (50 ms
+//! doubling to 5 s; back to 50 ms once a stream had registered).
 //!
 //! Faults act here: events can be held back (`StopEvents`) or skipped
 //! (`DropEvents`, which leaves a gap the router must detect). A restart ends
@@ -27,14 +31,17 @@ use tonic::metadata::MetadataValue;
 
 use crate::events::stored;
 use crate::pool::PoolEvent;
+use crate::view::RouterView;
 use crate::worker::Shared;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-pub(crate) async fn run(shared: Arc<Shared>, router: String) {
+pub(crate) async fn run(shared: Arc<Shared>) {
+    let routers = &shared.config.routers;
     let mut stopped = shared.stop.subscribe();
     let mut backoff = FIRST_BACKOFF;
+    let mut turn = 0;
     // Loading the tokenizer for its fingerprint blocks: not on the async threads.
     let loading = Arc::clone(&shared);
     let tokenizer = tokio::task::spawn_blocking(move || loading.tokenizer.declaration())
@@ -42,18 +49,26 @@ pub(crate) async fn run(shared: Arc<Shared>, router: String) {
         .ok()
         .flatten();
     loop {
-        let session = Session::new(&shared);
+        let router = &routers[turn % routers.len()];
+        let mut session = Session::new(&shared);
         tokio::select! {
-            result = session.run(&router, tokenizer.clone()) => match result {
+            result = session.run(router, tokenizer.clone()) => match result {
                 Ok(Ended::Stopped) => return,
                 Ok(Ended::Restarted) => {
                     backoff = FIRST_BACKOFF;
                     continue;
                 }
-                Err(e) => tracing::warn!(
-                    worker = shared.config.worker_id,
-                    "event stream to {router} failed: {e}; retrying in {backoff:?}"
-                ),
+                Err(e) => {
+                    if session.registered {
+                        backoff = FIRST_BACKOFF;
+                    }
+                    turn += 1;
+                    tracing::warn!(
+                        worker = shared.config.worker_id,
+                        "event stream to {router} failed: {e}; trying {} in {backoff:?}",
+                        routers[turn % routers.len()]
+                    );
+                }
             },
             _ = crate::worker::until_stopped(&mut stopped) => return,
         }
@@ -71,6 +86,10 @@ struct Session<'a> {
     sent_upto: u64,
     /// The engine instance this connection registered.
     instance_id: u64,
+    /// The router accepted the stream.
+    registered: bool,
+    /// What the router should hold, for digests.
+    view: RouterView,
 }
 
 /// Why a connection ended well.
@@ -94,12 +113,14 @@ impl<'a> Session<'a> {
             shared,
             sent_upto: 0,
             instance_id: 0,
+            registered: false,
+            view: RouterView::default(),
         }
     }
 
     /// Serves one connection until it fails, the worker stops or the engine restarts.
     async fn run(
-        mut self,
+        &mut self,
         router: &str,
         tokenizer: Option<TokenizerInfo>,
     ) -> Result<Ended, String> {
@@ -138,10 +159,14 @@ impl<'a> Session<'a> {
             .await
             .map_err(|status| format!("the router refused the stream: {}", status.message()))?
             .into_inner();
+        self.registered = true;
         tracing::info!(worker = config.worker_id, "registered with {router}");
         send_all(&tx, dump).await?;
         let mut stopped = shared.stop.subscribe();
         let mut load_tick = tokio::time::interval(config.load_report_interval);
+        let digest_period = config.digest_interval.max(Duration::from_millis(1));
+        let mut digest_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + digest_period, digest_period);
         loop {
             tokio::select! {
                 _ = shared.events_ready.notified() => {
@@ -150,6 +175,13 @@ impl<'a> Session<'a> {
                         return Ok(Ended::Restarted);
                     };
                     send_all(&tx, pending).await?;
+                    let every = config.digest_events;
+                    if every > 0 && self.view.since_digest() >= every {
+                        send(&tx, self.digest()).await?;
+                    }
+                }
+                _ = digest_tick.tick(), if !config.digest_interval.is_zero() => {
+                    send(&tx, self.digest()).await?;
                 }
                 reply = inbound.message() => {
                     let reply = reply.map_err(|status| format!("stream error: {}", status.message()))?
@@ -181,8 +213,9 @@ impl<'a> Session<'a> {
         let core = self.shared.core();
         self.instance_id = core.instance_id;
         self.sent_upto = core.log.last_id();
-        dump_of(&core.engine.dump(), core.log.last_id())
-            .into_parts(kvroute_proto::DUMP_PART_BLOCKS)
+        let dump = dump_of(&core.engine.dump(), core.log.last_id());
+        self.view.reset(&dump);
+        dump.into_parts(kvroute_proto::DUMP_PART_BLOCKS)
             .into_iter()
             .map(|part| message(worker_message::Body::Dump(part)))
             .collect()
@@ -202,6 +235,7 @@ impl<'a> Session<'a> {
             return Ok(self.dump());
         };
         self.sent_upto = core.log.last_id();
+        self.view.apply(&events);
         let dropped = (core.drop_next as usize).min(events.len());
         if dropped > 0 {
             core.drop_next -= dropped as u64;
@@ -222,6 +256,7 @@ impl<'a> Session<'a> {
         }
         Ok(match core.log.since(from) {
             Some(events) => {
+                self.view.apply(&events);
                 self.sent_upto = self.sent_upto.max(core.log.last_id());
                 vec![batch(events)]
             }
@@ -230,6 +265,11 @@ impl<'a> Session<'a> {
                 self.dump()
             }
         })
+    }
+
+    /// What the router should hold as of the last event taken from the log.
+    fn digest(&mut self) -> WorkerMessage {
+        message(worker_message::Body::Digest(self.view.take_digest()))
     }
 
     fn load_report(&self) -> WorkerMessage {

@@ -24,6 +24,11 @@ use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
 use crate::http::SharedTokenizer;
 
+/// Events between two digests of the cache, by default.
+pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
+/// Longest time between two digests, by default.
+pub const DEFAULT_DIGEST_INTERVAL: Duration = Duration::from_secs(2);
+
 /// How to run one simulated worker.
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
@@ -33,8 +38,9 @@ pub struct WorkerConfig {
     pub engine: EngineConfig,
     /// Where the HTTP server listens (port 0: any free port).
     pub http_addr: SocketAddr,
-    /// The router's gRPC URL; `None` runs without publishing events.
-    pub router: Option<String>,
+    /// The router replicas' gRPC URLs, tried in turn (the next one after a failed
+    /// stream); none: the worker publishes no events.
+    pub routers: Vec<String>,
     /// Bearer token for the router's gRPC ingest, if it requires one.
     pub auth_token: Option<String>,
     /// CA and client certificate for an `https://` router.
@@ -46,6 +52,11 @@ pub struct WorkerConfig {
     pub load_report_interval: Duration,
     /// Recent events kept to answer resync requests.
     pub ring_events: usize,
+    /// A digest of the cache goes to the router after this many events (0: never
+    /// by count) ...
+    pub digest_events: u64,
+    /// ... and at this interval (zero: never by time).
+    pub digest_interval: Duration,
 }
 
 impl WorkerConfig {
@@ -55,7 +66,7 @@ impl WorkerConfig {
             model: "sim-model".into(),
             engine,
             http_addr: ([127, 0, 0, 1], 0).into(),
-            router: None,
+            routers: Vec::new(),
             auth_token: None,
             router_tls: GrpcClientTls::default(),
             http_tls: None,
@@ -64,6 +75,8 @@ impl WorkerConfig {
             },
             load_report_interval: Duration::from_millis(100),
             ring_events: DEFAULT_RING_EVENTS,
+            digest_events: DEFAULT_DIGEST_EVENTS,
+            digest_interval: DEFAULT_DIGEST_INTERVAL,
         }
     }
 }
@@ -236,11 +249,8 @@ impl Worker {
             tokio::spawn(iterate(Arc::clone(&shared))),
             tokio::spawn(crate::http::serve(Arc::clone(&shared), listener)),
         ];
-        if let Some(router) = shared.config.router.clone() {
-            tasks.push(tokio::spawn(crate::publisher::run(
-                Arc::clone(&shared),
-                router,
-            )));
+        if !shared.config.routers.is_empty() {
+            tasks.push(tokio::spawn(crate::publisher::run(Arc::clone(&shared))));
         }
         tracing::info!(worker = shared.config.worker_id, %http_addr, "simulated worker started");
         Ok(Worker {

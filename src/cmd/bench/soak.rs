@@ -365,7 +365,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             .build(HttpConnector::new());
         let mut template = WorkerConfig::new(0, engine);
         template.model = e2e::MODEL.into();
-        template.router = Some(router.grpc.clone());
+        template.routers = vec![router.grpc.clone()];
         let mut fleet = Fleet {
             template,
             workers: Vec::new(),
