@@ -4,7 +4,9 @@
 mod e2e;
 mod index;
 mod router;
+mod saturation;
 mod soak;
+mod tokenize;
 
 use clap::{Args, Subcommand};
 

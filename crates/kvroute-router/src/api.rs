@@ -74,8 +74,17 @@ impl RouterError {
 
 async fn count_responses(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
-    ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => response.status().as_u16().to_string())
-        .increment(1);
+    // The common statuses without formatting a label per request.
+    let status = match response.status().as_u16() {
+        200 => "200".into(),
+        400 => "400".into(),
+        404 => "404".into(),
+        429 => "429".into(),
+        502 => "502".into(),
+        503 => "503".into(),
+        other => std::borrow::Cow::Owned(other.to_string()),
+    };
+    ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => status).increment(1);
     response
 }
 
@@ -170,17 +179,72 @@ async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Byt
     Ok((parts.headers, bytes))
 }
 
-/// Parses the JSON body and turns its prompt into tokens. `endpoint` None: either kind (dry run).
-fn parse(
+/// What a request's tokens come from.
+enum PromptSource {
+    /// Token ids the client sent.
+    Tokens(Vec<u32>),
+    /// A completions prompt's text.
+    Text(String),
+    /// A chat's `messages`.
+    Chat {
+        messages: Vec<Value>,
+        add_generation_prompt: bool,
+    },
+}
+
+/// Parses the JSON body, then turns its prompt into tokens on the tokenizing
+/// pool (off the async runtime). `endpoint` None: either kind (dry run).
+async fn parse(
     state: &AppState,
     headers: &HeaderMap,
     body: Bytes,
     endpoint: Option<Endpoint>,
 ) -> Result<Parsed, RouterError> {
-    let json: Value = serde_json::from_slice(&body)
+    let (mut parsed, source) = parse_body(state, headers, body, endpoint)?;
+    let started = Instant::now();
+    let tokenized = match source {
+        PromptSource::Tokens(tokens) => Some((tokens, Vec::new())),
+        PromptSource::Text(text) => {
+            state
+                .tokenizer
+                .run(move |t| Ok((t.encode(&text)?, Vec::new())))
+                .await?
+        }
+        PromptSource::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            state
+                .tokenizer
+                .run(move |t| t.encode_chat(&messages, add_generation_prompt))
+                .await?
+        }
+    };
+    metrics::observe_phase("tokenize", started);
+    match tokenized {
+        Some((tokens, multimodal)) => {
+            parsed.tokens = tokens;
+            parsed.extra.multimodal = multimodal;
+        }
+        None => {
+            parsed.untokenized = Some(state.tokenizer.missing_reason());
+            ::metrics::counter!(metrics::UNTOKENIZED).increment(1);
+        }
+    }
+    Ok(parsed)
+}
+
+/// Everything of a request but its tokens, and what they come from.
+fn parse_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Bytes,
+    endpoint: Option<Endpoint>,
+) -> Result<(Parsed, PromptSource), RouterError> {
+    let mut json: Value = serde_json::from_slice(&body)
         .map_err(|e| RouterError::BadRequest(format!("the body is not valid JSON: {e}")))?;
     let object = json
-        .as_object()
+        .as_object_mut()
         .ok_or_else(|| RouterError::BadRequest("the body must be a JSON object".into()))?;
     let model = object
         .get("model")
@@ -192,55 +256,35 @@ fn parse(
         None if object.contains_key("messages") => Endpoint::Chat,
         None => Endpoint::Completions,
     };
-    let started = Instant::now();
-    let tokenizer = state.tokenizer.get();
-    let mut untokenized = None;
-    let mut multimodal = Vec::new();
-    let tokens = match endpoint {
+    let source = match endpoint {
         Endpoint::Completions => {
             let prompt = object
                 .get("prompt")
                 .ok_or_else(|| RouterError::BadRequest("missing field `prompt`".into()))?;
             match completion_prompt(prompt)? {
-                Prompt::Tokens(tokens) => tokens,
-                Prompt::Text(text) => match tokenizer {
-                    Some(t) => t.encode(&text)?,
-                    None => {
-                        untokenized = Some(state.tokenizer.missing_reason());
-                        Vec::new()
-                    }
-                },
+                Prompt::Tokens(tokens) => PromptSource::Tokens(tokens),
+                Prompt::Text(text) => PromptSource::Text(text),
             }
         }
         Endpoint::Chat => {
-            let messages = object
-                .get("messages")
-                .and_then(Value::as_array)
-                .ok_or_else(|| {
-                    RouterError::BadRequest("missing field `messages` (an array)".into())
-                })?;
             // vLLM's default: the prompt ends with the assistant's header.
             let add_generation_prompt = object
                 .get("add_generation_prompt")
                 .and_then(Value::as_bool)
                 .unwrap_or(true);
-            match tokenizer {
-                Some(t) => {
-                    let (tokens, images) = t.encode_chat(messages, add_generation_prompt)?;
-                    multimodal = images;
-                    tokens
-                }
-                None => {
-                    untokenized = Some(state.tokenizer.missing_reason());
-                    Vec::new()
+            match object.remove("messages") {
+                Some(Value::Array(messages)) => PromptSource::Chat {
+                    messages,
+                    add_generation_prompt,
+                },
+                _ => {
+                    return Err(RouterError::BadRequest(
+                        "missing field `messages` (an array)".into(),
+                    ));
                 }
             }
         }
     };
-    metrics::observe_phase("tokenize", started);
-    if untokenized.is_some() {
-        ::metrics::counter!(metrics::UNTOKENIZED).increment(1);
-    }
     // vLLM keys a salted request's first block with its salt.
     let cache_salt = match object.get("cache_salt") {
         None | Some(Value::Null) => None,
@@ -273,17 +317,18 @@ fn parse(
     {
         return Err(RouterError::UnknownWorker(id.to_string()));
     }
-    Ok(Parsed {
+    let parsed = Parsed {
         model,
-        tokens,
+        tokens: Vec::new(),
         extra: ExtraKeys {
             cache_salt,
-            multimodal,
+            multimodal: Vec::new(),
         },
-        untokenized,
+        untokenized: None,
         pin,
         body,
-    })
+    };
+    Ok((parsed, source))
 }
 
 async fn completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
@@ -306,7 +351,7 @@ async fn proxy(
 ) -> Result<Response, RouterError> {
     let received = Instant::now();
     let (headers, body) = read_body(&state, request).await?;
-    let parsed = parse(&state, &headers, body, Some(endpoint))?;
+    let parsed = parse(&state, &headers, body, Some(endpoint)).await?;
     let response = crate::proxy::forward(
         &state,
         Forward {
@@ -330,7 +375,7 @@ async fn dry_run(
     request: Request,
 ) -> Result<axum::Json<Value>, RouterError> {
     let (headers, body) = read_body(&state, request).await?;
-    let parsed = parse(&state, &headers, body, None)?;
+    let parsed = parse(&state, &headers, body, None).await?;
     let routed = state
         .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
         .map_err(|e| RouterError::Unavailable {

@@ -53,6 +53,10 @@ pub struct Config {
     pub tokenizer: TokenizerSpec,
     /// Accept workers that declare another tokenizer than the router's.
     pub allow_tokenizer_mismatch: bool,
+    /// Token ids of recent prompt text kept, in tokens (4 bytes each; 0: none).
+    pub tokenizer_cache_tokens: u64,
+    /// Threads tokenizing at once, off the async runtime (0: one per CPU).
+    pub tokenize_threads: usize,
     pub index: IndexConfig,
     pub limits: LimitsConfig,
     pub tls: TlsConfig,
@@ -330,6 +334,8 @@ impl Default for Config {
             upstream: UpstreamConfig::default(),
             tokenizer: TokenizerSpec::None,
             allow_tokenizer_mismatch: false,
+            tokenizer_cache_tokens: kvroute_tokenize::DEFAULT_CACHE_TOKENS,
+            tokenize_threads: 0,
             index: IndexConfig::default(),
             limits: LimitsConfig::default(),
             tls: TlsConfig::default(),
@@ -944,6 +950,11 @@ mod tests {
             config.allow_tokenizer_mismatch,
             defaults.allow_tokenizer_mismatch
         );
+        assert_eq!(
+            config.tokenizer_cache_tokens,
+            defaults.tokenizer_cache_tokens
+        );
+        assert_eq!(config.tokenize_threads, defaults.tokenize_threads);
         assert_eq!(
             config.ingest.resync_timeout_ms,
             defaults.ingest.resync_timeout_ms

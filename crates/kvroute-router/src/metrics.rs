@@ -56,6 +56,9 @@ pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
 pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
 pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
+pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
+pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
+pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -202,6 +205,15 @@ pub const FAMILIES: &[(&str, &str)] = &[
         CLUSTER_APPEND_FAILURES,
         "Replicas: batches and dumps the event log did not take, applied here only",
     ),
+    (
+        TOKENIZER_CACHE_TOKENS,
+        "Token ids of recent prompt text the tokenizer's cache holds (bounded by tokenizer_cache_tokens)",
+    ),
+    (
+        TOKENIZER_CACHE_HITS,
+        "Prompt tokens taken from the tokenizer's cache instead of tokenized",
+    ),
+    (TOKENIZED_TOKENS, "Prompt tokens tokenized (cache misses)"),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -271,7 +283,7 @@ fn install() -> Renderer {
             let _ = metrics::counter!(name);
         }
     }
-    for phase in ["tokenize", "hash", "find_matches", "schedule", "total"] {
+    for phase in PHASES {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
     }
     for &limit in crate::limits::ALL {
@@ -306,7 +318,42 @@ fn install() -> Renderer {
     handle
 }
 
+/// The histograms every request (or every streamed chunk) records into,
+/// resolved once: looking a series up by name and labels hashes the key and
+/// takes the registry's lock each time.
+pub struct Hot {
+    pub ttft: metrics::Histogram,
+    pub inter_token: metrics::Histogram,
+    pub e2e: metrics::Histogram,
+    pub predicted_overlap: metrics::Histogram,
+    phases: [metrics::Histogram; PHASES.len()],
+}
+
+/// The phases of [`OVERHEAD`].
+const PHASES: [&str; 5] = ["tokenize", "hash", "find_matches", "schedule", "total"];
+
+static HOT: std::sync::LazyLock<Hot> = std::sync::LazyLock::new(|| {
+    // The recorder first, or the handles would be bound to none for good.
+    handle();
+    Hot {
+        ttft: metrics::histogram!(TTFT),
+        inter_token: metrics::histogram!(INTER_TOKEN),
+        e2e: metrics::histogram!(E2E),
+        predicted_overlap: metrics::histogram!(PREDICTED_OVERLAP),
+        phases: PHASES.map(|phase| metrics::histogram!(OVERHEAD, "phase" => phase)),
+    }
+});
+
+/// The request path's histograms (installing the recorder on first use).
+pub fn hot() -> &'static Hot {
+    &HOT
+}
+
 /// Records the time since `started` as one phase of the routing overhead.
 pub fn observe_phase(phase: &'static str, started: std::time::Instant) {
-    metrics::histogram!(OVERHEAD, "phase" => phase).record(started.elapsed().as_secs_f64());
+    let elapsed = started.elapsed().as_secs_f64();
+    match PHASES.iter().position(|&p| p == phase) {
+        Some(i) => hot().phases[i].record(elapsed),
+        None => metrics::histogram!(OVERHEAD, "phase" => phase).record(elapsed),
+    }
 }

@@ -78,7 +78,8 @@ pub async fn forward(
         } = routed;
         let worker = decision.worker;
         if decision.request_blocks > 0 {
-            ::metrics::histogram!(metrics::PREDICTED_OVERLAP)
+            metrics::hot()
+                .predicted_overlap
                 .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
         }
         let prompt_tokens = request.tokens.len() as u64;

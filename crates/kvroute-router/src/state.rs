@@ -69,7 +69,12 @@ pub struct Routed<B = ()> {
 impl AppState {
     /// Loads the configured tokenizer (an error if it does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
-        let tokenizer = RouterTokenizer::new(&config.tokenizer, config.allow_tokenizer_mismatch)?;
+        let tokenizer = RouterTokenizer::new(
+            &config.tokenizer,
+            config.tokenizer_cache_tokens,
+            config.tokenize_threads,
+            config.allow_tokenizer_mismatch,
+        )?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
         let index = Arc::new(KvIndex::new(IndexConfig {
             max_blocks: Some(config.index.max_blocks),
@@ -297,6 +302,14 @@ impl AppState {
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }
+        let cache = self
+            .tokenizer
+            .get()
+            .map(|t| t.cache_stats())
+            .unwrap_or_default();
+        ::metrics::gauge!(metrics::TOKENIZER_CACHE_TOKENS).set(cache.cached_tokens as f64);
+        ::metrics::counter!(metrics::TOKENIZER_CACHE_HITS).absolute(cache.hit_tokens);
+        ::metrics::counter!(metrics::TOKENIZED_TOKENS).absolute(cache.tokenized_tokens);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let tasks = runtime.metrics().num_alive_tasks();
             ::metrics::gauge!(metrics::ALIVE_TASKS).set(tasks as f64);

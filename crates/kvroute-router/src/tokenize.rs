@@ -9,31 +9,42 @@
 //! configured with `none` adopts the tokenizer its workers declare, once it
 //! loads here with the same fingerprint. Text that still cannot be tokenized is
 //! routed on load alone, counted, and `/v1/route` says why.
+//!
+//! Tokenizing a long prompt takes milliseconds of CPU. Done on the async
+//! runtime's threads it would hold up everything else they run (event ingest,
+//! streamed responses, health checks), so [`RouterTokenizer::run`] tokenizes on
+//! tokio's blocking threads, at most `tokenize_threads` at once; requests
+//! beyond that wait for a permit without holding a thread.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kvroute_index::MultimodalItem;
 use kvroute_tokenize::{TokenizeError, TokenizerSpec};
 use serde_json::Value;
+use tokio::sync::Semaphore;
 
 pub use kvroute_tokenize::Prompt;
 
 use crate::error::RouterError;
 
-/// A loaded tokenizer.
+/// A loaded tokenizer; clones share it.
+#[derive(Clone)]
 pub struct Tokenizer {
-    inner: kvroute_tokenize::Tokenizer,
+    inner: Arc<kvroute_tokenize::Tokenizer>,
 }
 
 impl Tokenizer {
-    /// `None` for the spec `none`.
-    pub fn load(spec: &TokenizerSpec) -> Result<Option<Self>, RouterError> {
+    /// `None` for the spec `none`; `cache_tokens` bounds its cache of recent
+    /// results.
+    pub fn load(spec: &TokenizerSpec, cache_tokens: u64) -> Result<Option<Self>, RouterError> {
         if *spec == TokenizerSpec::None {
             return Ok(None);
         }
-        let inner = kvroute_tokenize::Tokenizer::load(spec)
+        let inner = kvroute_tokenize::Tokenizer::load_with_cache(spec, cache_tokens)
             .map_err(|e| RouterError::Config(format!("tokenizer: {e}")))?;
-        Ok(Some(Self { inner }))
+        Ok(Some(Self {
+            inner: Arc::new(inner),
+        }))
     }
 
     pub fn spec(&self) -> &TokenizerSpec {
@@ -42,6 +53,11 @@ impl Tokenizer {
 
     pub fn fingerprint(&self) -> &str {
         self.inner.fingerprint()
+    }
+
+    /// What its cache of recent results holds and has saved.
+    pub fn cache_stats(&self) -> kvroute_tokenize::CacheStats {
+        self.inner.cache_stats()
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, RouterError> {
@@ -85,19 +101,35 @@ pub enum Agreement {
 /// The router's tokenizer: configured, or adopted from the workers.
 pub struct RouterTokenizer {
     loaded: OnceLock<Tokenizer>,
+    /// The cache size of a tokenizer loaded here, configured or adopted.
+    cache_tokens: u64,
+    /// Permits to tokenize, one per thread that may tokenize at once.
+    pool: Arc<Semaphore>,
     allow_mismatch: bool,
     /// Why there is no tokenizer, while there is none.
     missing: Mutex<String>,
 }
 
 impl RouterTokenizer {
-    pub fn new(spec: &TokenizerSpec, allow_mismatch: bool) -> Result<Self, RouterError> {
+    /// `threads`: how many requests tokenize at once (0: one per CPU).
+    pub fn new(
+        spec: &TokenizerSpec,
+        cache_tokens: u64,
+        threads: usize,
+        allow_mismatch: bool,
+    ) -> Result<Self, RouterError> {
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        };
         let loaded = OnceLock::new();
-        if let Some(tokenizer) = Tokenizer::load(spec)? {
+        if let Some(tokenizer) = Tokenizer::load(spec, cache_tokens)? {
             let _ = loaded.set(tokenizer);
         }
         Ok(Self {
             loaded,
+            cache_tokens,
+            pool: Arc::new(Semaphore::new(threads)),
             allow_mismatch,
             missing: Mutex::new(
                 "the router has no tokenizer (tokenizer = \"none\") and no worker has declared one"
@@ -109,6 +141,30 @@ impl RouterTokenizer {
     /// The tokenizer in use, if any.
     pub fn get(&self) -> Option<&Tokenizer> {
         self.loaded.get()
+    }
+
+    /// Runs `work` with the tokenizer in use on a blocking thread, once one of
+    /// the pool's permits is free; `None` if there is no tokenizer.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Tokenizer) -> Result<T, RouterError> + Send + 'static,
+    ) -> Result<Option<T>, RouterError> {
+        let Some(tokenizer) = self.get().cloned() else {
+            return Ok(None);
+        };
+        // Held by the blocking task: a request abandoned meanwhile still
+        // counts until its tokenization ends.
+        let permit = Arc::clone(&self.pool)
+            .acquire_owned()
+            .await
+            .expect("the pool's semaphore is never closed");
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            work(&tokenizer)
+        })
+        .await
+        .map_err(|e| RouterError::Io(std::io::Error::other(format!("tokenizing failed: {e}"))))?
+        .map(Some)
     }
 
     /// Why text cannot be tokenized now (meaningful while [`Self::get`] is `None`).
@@ -169,11 +225,16 @@ impl RouterTokenizer {
         let loaded = spec
             .parse::<TokenizerSpec>()
             .map_err(|e| e.to_string())
-            .and_then(|spec| kvroute_tokenize::Tokenizer::load(&spec).map_err(|e| e.to_string()));
+            .and_then(|spec| {
+                kvroute_tokenize::Tokenizer::load_with_cache(&spec, self.cache_tokens)
+                    .map_err(|e| e.to_string())
+            });
         match loaded {
             Ok(inner) if inner.fingerprint() == fingerprint => {
                 tracing::info!(tokenizer = %spec, fingerprint, "adopted the tokenizer the workers declare");
-                let _ = self.loaded.set(Tokenizer { inner });
+                let _ = self.loaded.set(Tokenizer {
+                    inner: Arc::new(inner),
+                });
             }
             Ok(inner) => {
                 *missing = format!(
@@ -205,7 +266,7 @@ mod tests {
     use super::*;
 
     fn cl100k() -> (String, String) {
-        let t = Tokenizer::load(&"tiktoken:cl100k_base".parse().unwrap())
+        let t = Tokenizer::load(&"tiktoken:cl100k_base".parse().unwrap(), 0)
             .unwrap()
             .unwrap();
         (t.spec().to_string(), t.fingerprint().to_string())
@@ -213,7 +274,7 @@ mod tests {
 
     #[test]
     fn a_router_without_tokenizer_adopts_the_workers_then_refuses_others() {
-        let router = RouterTokenizer::new(&TokenizerSpec::None, false).unwrap();
+        let router = RouterTokenizer::new(&TokenizerSpec::None, 0, 1, false).unwrap();
         assert!(router.get().is_none());
         assert_eq!(router.check_worker(1, "", ""), Ok(Agreement::Undeclared));
         let (spec, fingerprint) = cl100k();
@@ -235,7 +296,7 @@ mod tests {
 
     #[test]
     fn an_unloadable_or_different_tokenizer_is_not_adopted_and_says_why() {
-        let router = RouterTokenizer::new(&TokenizerSpec::None, false).unwrap();
+        let router = RouterTokenizer::new(&TokenizerSpec::None, 0, 1, false).unwrap();
         assert_eq!(
             router.check_worker(1, "hf:/nowhere/model", "00"),
             Ok(Agreement::NotAdopted)
@@ -249,13 +310,55 @@ mod tests {
         assert!(router.missing_reason().contains("fingerprint"));
     }
 
+    /// The runtime has one thread; a tokenization that blocks it would stop
+    /// the other task from answering. The pool has one permit, so a second
+    /// tokenization waits for the first to end.
+    #[tokio::test(flavor = "current_thread")]
+    async fn tokenizing_runs_off_the_runtime_one_per_permit() {
+        let router = Arc::new(
+            RouterTokenizer::new(&"tiktoken:cl100k_base".parse().unwrap(), 0, 1, false).unwrap(),
+        );
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (started, mut first_started) = tokio::sync::mpsc::unbounded_channel();
+        let first = tokio::spawn({
+            let router = Arc::clone(&router);
+            async move {
+                router
+                    .run(move |t| {
+                        started.send(()).unwrap();
+                        // Blocks its thread until the test lets it go.
+                        released.recv().unwrap();
+                        t.encode("first")
+                    })
+                    .await
+            }
+        });
+        first_started.recv().await.unwrap();
+        // The runtime's one thread is free while the first one tokenizes.
+        let (ping, pong) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move { ping.send(()).unwrap() });
+        pong.await.unwrap();
+        let second = tokio::spawn({
+            let router = Arc::clone(&router);
+            async move { router.run(|t| t.encode("second")).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(router.pool.available_permits(), 0, "the first holds it");
+        assert!(!second.is_finished());
+        release.send(()).unwrap();
+        assert!(first.await.unwrap().unwrap().is_some());
+        assert!(second.await.unwrap().unwrap().is_some());
+        let none = RouterTokenizer::new(&TokenizerSpec::None, 0, 1, false).unwrap();
+        assert!(none.run(|t| t.encode("x")).await.unwrap().is_none());
+    }
+
     #[test]
     fn a_configured_mismatch_can_be_allowed() {
         let spec = "tiktoken:o200k_base".parse().unwrap();
         let (cl_spec, cl_fingerprint) = cl100k();
-        let strict = RouterTokenizer::new(&spec, false).unwrap();
+        let strict = RouterTokenizer::new(&spec, 0, 1, false).unwrap();
         assert!(strict.check_worker(1, &cl_spec, &cl_fingerprint).is_err());
-        let lenient = RouterTokenizer::new(&spec, true).unwrap();
+        let lenient = RouterTokenizer::new(&spec, 0, 1, true).unwrap();
         assert!(matches!(
             lenient.check_worker(1, &cl_spec, &cl_fingerprint),
             Ok(Agreement::AllowedMismatch(_))

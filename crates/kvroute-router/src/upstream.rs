@@ -240,7 +240,7 @@ impl TrackedBody {
 /// The worker's body ended as it meant to: once, with its end-to-end latency.
 fn complete(flight: &mut Flight, sent: Instant, check: Option<&Check>) {
     if !flight.finished {
-        ::metrics::histogram!(metrics::E2E).record(sent.elapsed().as_secs_f64());
+        metrics::hot().e2e.record(sent.elapsed().as_secs_f64());
         if let Some(check) = check {
             check.finish();
         }
@@ -267,7 +267,7 @@ impl Body for TrackedBody {
                     match *this.last_frame {
                         None => {
                             let ttft = now.duration_since(*this.sent);
-                            ::metrics::histogram!(metrics::TTFT).record(ttft.as_secs_f64());
+                            metrics::hot().ttft.record(ttft.as_secs_f64());
                             if let Some(booking) = this.flight.booking.as_mut() {
                                 // Only a stream's first frame is its first token.
                                 if *this.sse {
@@ -277,7 +277,8 @@ impl Body for TrackedBody {
                                 }
                             }
                         }
-                        Some(previous) => ::metrics::histogram!(metrics::INTER_TOKEN)
+                        Some(previous) => metrics::hot()
+                            .inter_token
                             .record(now.duration_since(previous).as_secs_f64()),
                     }
                     *this.last_frame = Some(now);

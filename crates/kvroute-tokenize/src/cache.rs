@@ -1,9 +1,9 @@
 //! A bounded cache of recent tokenizations.
 //!
 //! Tokenizing dominates the router's CPU time on long prompts, and prompts
-//! repeat: agents resend the same context, multi-turn chats resend their history
-//! (with tiktoken every message is cached on its own, so the history hits even
-//! when a new turn is appended). The cache maps a 128-bit xxh3 hash of the text
+//! repeat: agents resend the same context, multi-turn chats resend their history.
+//! Text is cached in chunks (`chunks` module), so a history hits even when a new
+//! turn is appended. The cache maps a 128-bit xxh3 hash of the text
 //! to its token ids; at 128 bits a collision between distinct prompts is not a
 //! practical concern, and keying by hash keeps the texts themselves out of memory.
 //!
@@ -12,6 +12,7 @@
 //! in tokens: at 4 bytes a token, [`DEFAULT_CACHE_TOKENS`] bounds it near 64 MiB.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use quick_cache::Weighter;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
@@ -29,12 +30,14 @@ type Ids = Arc<[u32]>;
 /// entries.
 #[derive(Clone, Copy)]
 pub(crate) enum Kind {
-    /// A completions prompt, with the special tokens the engine adds by default.
+    /// A completions prompt, with the special tokens the engine adds by default
+    /// (Hugging Face).
     Prompt,
-    /// A rendered chat template, without added special tokens.
+    /// A chunk of a rendered chat template, without added special tokens
+    /// (Hugging Face).
     Chat,
-    /// One message's text inside a tiktoken chat.
-    Segment,
+    /// A chunk of ordinary text: a completions prompt or a message (tiktoken).
+    Text,
 }
 
 #[derive(Clone)]
@@ -50,6 +53,22 @@ impl Weighter<u128, Ids> for TokenCount {
 pub(crate) struct TokenCache {
     /// `None` when the capacity is 0: every call tokenizes.
     entries: Option<quick_cache::sync::Cache<u128, Ids, TokenCount>>,
+    capacity_tokens: u64,
+    hit_tokens: AtomicU64,
+    tokenized_tokens: AtomicU64,
+}
+
+/// What a tokenizer's cache holds and has saved, for the router's metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Tokens held now.
+    pub cached_tokens: u64,
+    /// The most it holds.
+    pub capacity_tokens: u64,
+    /// Tokens served from the cache so far.
+    pub hit_tokens: u64,
+    /// Tokens tokenized so far (cache misses).
+    pub tokenized_tokens: u64,
 }
 
 impl TokenCache {
@@ -60,7 +79,32 @@ impl TokenCache {
             let estimated_items = (capacity_tokens / 1024).max(16) as usize;
             quick_cache::sync::Cache::with_weighter(estimated_items, capacity_tokens, TokenCount)
         });
-        TokenCache { entries }
+        TokenCache {
+            entries,
+            capacity_tokens,
+            hit_tokens: AtomicU64::new(0),
+            tokenized_tokens: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CacheStats {
+        CacheStats {
+            cached_tokens: self.entries.as_ref().map_or(0, |e| e.weight()),
+            capacity_tokens: self.capacity_tokens,
+            hit_tokens: self.hit_tokens.load(Ordering::Relaxed),
+            tokenized_tokens: self.tokenized_tokens.load(Ordering::Relaxed),
+        }
+    }
+
+    fn tokenize(
+        &self,
+        text: &str,
+        tokenize: impl FnOnce(&str) -> Result<Vec<u32>, TokenizeError>,
+    ) -> Result<Ids, TokenizeError> {
+        let ids = tokenize(text)?;
+        self.tokenized_tokens
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        Ok(Ids::from(ids))
     }
 
     /// The cached ids of `text`, or `tokenize(text)`, remembered on success.
@@ -71,13 +115,15 @@ impl TokenCache {
         tokenize: impl FnOnce(&str) -> Result<Vec<u32>, TokenizeError>,
     ) -> Result<Ids, TokenizeError> {
         let Some(entries) = &self.entries else {
-            return tokenize(text).map(Ids::from);
+            return self.tokenize(text, tokenize);
         };
         let key = xxh3_128_with_seed(text.as_bytes(), kind as u64);
         if let Some(ids) = entries.get(&key) {
+            self.hit_tokens
+                .fetch_add(ids.len() as u64, Ordering::Relaxed);
             return Ok(ids);
         }
-        let ids = Ids::from(tokenize(text)?);
+        let ids = self.tokenize(text, tokenize)?;
         entries.insert(key, ids.clone());
         Ok(ids)
     }
@@ -107,6 +153,9 @@ mod tests {
         assert_eq!(calls.get(), 1);
         cache.get_or_tokenize(Kind::Chat, "abc", counted).unwrap();
         assert_eq!(calls.get(), 2);
+        let stats = cache.stats();
+        assert_eq!((stats.hit_tokens, stats.tokenized_tokens), (3, 6));
+        assert_eq!(stats.cached_tokens, 6);
     }
 
     #[test]

@@ -5,14 +5,26 @@
 //! Special tokens follow vLLM's and SGLang's defaults: a completions prompt is
 //! encoded with the tokenizer's added special tokens (a Llama BOS, say), a
 //! rendered chat template without them, because the template writes its own.
+//!
+//! A rendered chat is cached in chunks cut just after added tokens (the
+//! `chunks` module), which `tokenizers` splits out first, encoding the text
+//! between them part by part. That makes the cut exact unless the tokenizer
+//! relates parts to each other, which [`chat_cuts`] checks: an added token that
+//! swallows the spaces after it (`rstrip`) is no cut; a `single_word` added
+//! token (matched by what is around it), a Metaspace pre-tokenizer prepending
+//! `▁` to the first part only (`prepend_scheme: first`), and truncation or
+//! padding turn chunking off (the whole text is cached as one entry).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
 
 use crate::TokenizeError;
+use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
+use crate::chunks::Cuts;
 
 /// The special tokens transformers hands to chat templates by name.
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -29,6 +41,8 @@ pub(crate) struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The chat template, or why there is none.
     chat: Result<ChatTemplate, String>,
+    /// Where a rendered chat may be cut; `None`: nowhere.
+    cuts: Option<Cuts>,
 }
 
 impl HfTokenizer {
@@ -61,7 +75,15 @@ impl HfTokenizer {
                 identity.extend_from_slice(&read(&path)?);
             }
         }
-        Ok((HfTokenizer { tokenizer, chat }, identity))
+        let cuts = chat_cuts(&tokenizer);
+        Ok((
+            HfTokenizer {
+                tokenizer,
+                chat,
+                cuts,
+            },
+            identity,
+        ))
     }
 
     /// Encodes `text`, adding special tokens when `add_special_tokens`.
@@ -78,12 +100,71 @@ impl HfTokenizer {
             })
     }
 
+    /// The ids of a rendered chat, without added special tokens, through
+    /// `cache`: chunk by chunk where it can be cut, else whole.
+    pub(crate) fn encode_chat_text(
+        &self,
+        text: &str,
+        cache: &TokenCache,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let encode = |text: &str| self.encode(text, false);
+        match &self.cuts {
+            Some(cuts) => cuts.encode(cache, Kind::Chat, text, encode),
+            None => Ok(cache.get_or_tokenize(Kind::Chat, text, encode)?.to_vec()),
+        }
+    }
+
     pub(crate) fn chat_template(&self) -> Result<&ChatTemplate, TokenizeError> {
         self.chat
             .as_ref()
             .map_err(|detail| TokenizeError::NoChatTemplate {
                 detail: detail.clone(),
             })
+    }
+}
+
+/// Where a rendered chat can be cut exactly: after an added token that
+/// `tokenizers` splits out of the raw text (not `normalized`) and that keeps
+/// the spaces after it (not `rstrip`). The matcher holds every non-normalized
+/// added token, as `tokenizers`' own does, so that it finds the same matches.
+fn chat_cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
+    if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+        return None;
+    }
+    let prepends_first_only = tokenizer
+        .get_pre_tokenizer()
+        .and_then(|pre| serde_json::to_value(pre).ok())
+        .is_some_and(|pre| mentions(&pre, "prepend_scheme", "first"));
+    if prepends_first_only {
+        return None;
+    }
+    let mut added: Vec<_> = tokenizer
+        .get_added_tokens_decoder()
+        .into_values()
+        .filter(|token| !token.normalized)
+        .collect();
+    if added.is_empty() || added.iter().any(|token| token.single_word) {
+        return None;
+    }
+    added.sort_by(|a, b| a.content.cmp(&b.content));
+    let matcher = AhoCorasick::builder()
+        .match_kind(MatchKind::LeftmostLongest)
+        .build(added.iter().map(|token| &token.content))
+        .ok()?;
+    Some(Cuts::AddedTokens {
+        added: matcher,
+        safe_after: added.iter().map(|token| !token.rstrip).collect(),
+    })
+}
+
+/// Whether `key` is `value` anywhere in a serialized pre-tokenizer.
+fn mentions(json: &Value, key: &str, value: &str) -> bool {
+    match json {
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| (k == key && v == value) || mentions(v, key, value)),
+        Value::Array(items) => items.iter().any(|item| mentions(item, key, value)),
+        _ => false,
     }
 }
 

@@ -14,7 +14,8 @@
 //!   OpenAI tiktoken encoding ([`tiktoken`](crate::tiktoken) module).
 //! - [`Tokenizer`] encodes completions prompts ([`Tokenizer::encode`]) and chat
 //!   messages ([`Tokenizer::encode_chat`]), remembering recent results in a
-//!   bounded cache (`cache` module) because prompts repeat.
+//!   bounded cache (`cache` module) because prompts repeat, chunk by chunk
+//!   (`chunks` module) because conversations grow.
 //! - [`parse_completion_prompt`] and [`ChatMessage`] read the prompt shapes
 //!   OpenAI clients send.
 //! - [`Tokenizer::fingerprint`] names what decides the ids (vocabulary, rules,
@@ -24,6 +25,7 @@
 
 mod cache;
 mod chat_template;
+mod chunks;
 mod error;
 mod hf;
 mod pieces;
@@ -32,7 +34,7 @@ mod spec;
 mod split;
 mod tiktoken;
 
-pub use cache::DEFAULT_CACHE_TOKENS;
+pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;
 pub use prompt::{ChatMessage, IMAGE_PLACEHOLDER, Prompt, parse_completion_prompt};
 pub use spec::TokenizerSpec;
@@ -117,13 +119,20 @@ impl Tokenizer {
     /// adds by default (a Hugging Face tokenizer's BOS, if it has one; none for
     /// tiktoken).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
-        let ids = self
-            .cache
-            .get_or_tokenize(Kind::Prompt, text, |text| match &self.backend {
-                Backend::Tiktoken(tiktoken) => Ok(tiktoken.encode(text)),
-                Backend::HuggingFace(hf) => hf.encode(text, true),
-            })?;
-        Ok(ids.to_vec())
+        match &self.backend {
+            Backend::Tiktoken(tiktoken) => tiktoken.encode_cached(text, &self.cache),
+            Backend::HuggingFace(hf) => {
+                let ids = self
+                    .cache
+                    .get_or_tokenize(Kind::Prompt, text, |text| hf.encode(text, true))?;
+                Ok(ids.to_vec())
+            }
+        }
+    }
+
+    /// What the cache of recent tokenizations holds and has saved.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
     }
 
     /// Token ids of a chat: the chat template applied to `messages`, then
@@ -141,10 +150,7 @@ impl Tokenizer {
                 let text = hf
                     .chat_template()?
                     .render(messages, add_generation_prompt)?;
-                let ids = self
-                    .cache
-                    .get_or_tokenize(Kind::Chat, &text, |text| hf.encode(text, false))?;
-                Ok(ids.to_vec())
+                hf.encode_chat_text(&text, &self.cache)
             }
         }
     }

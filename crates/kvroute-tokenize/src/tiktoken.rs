@@ -28,14 +28,16 @@
 //! The ids are those of tiktoken encoding that text with the two markers
 //! allowed as special tokens, except that markers inside a message's content
 //! stay plain text. Because special tokens split the text, each message's
-//! `{role}\n{content}` is encoded on its own, which lets the cache keep every
-//! message of a conversation separately.
+//! `{role}\n{content}` is encoded on its own. Prompts and messages are cached
+//! in chunks cut at line starts (`chunks` module), so a conversation's history
+//! and a growing prompt's head are not tokenized again.
 
 use std::cell::RefCell;
 
 use thread_local::ThreadLocal;
 
 use crate::cache::{Kind, TokenCache};
+use crate::chunks::Cuts;
 use crate::pieces::PieceCache;
 use crate::split::ascii_piece_end;
 use crate::{ChatMessage, TokenizeError};
@@ -124,6 +126,15 @@ impl TiktokenTokenizer {
         ids
     }
 
+    /// [`Self::encode`], chunk by chunk through `cache`.
+    pub(crate) fn encode_cached(
+        &self,
+        text: &str,
+        cache: &TokenCache,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        Cuts::LineStart.encode(cache, Kind::Text, text, |chunk| Ok(self.encode(chunk)))
+    }
+
     pub(crate) fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
@@ -152,11 +163,7 @@ impl TiktokenTokenizer {
         let mut ids = Vec::new();
         for message in messages {
             ids.push(self.im_start);
-            let segment =
-                cache.get_or_tokenize(Kind::Segment, &message_segment(message), |text| {
-                    Ok(self.encode(text))
-                })?;
-            ids.extend_from_slice(&segment);
+            ids.extend(self.encode_cached(&message_segment(message), cache)?);
             ids.push(self.im_end);
             ids.extend_from_slice(&self.newline);
         }

@@ -2,7 +2,9 @@
 //! the ids of tiktoken-rs (the port of OpenAI's own encoder), also for ASCII
 //! text, which cl100k_base splits by hand, and when pieces come from the
 //! per-thread piece cache; and the prompt cache never changes a result (the
-//! reference is the same tokenizer without a prompt cache).
+//! reference is the same tokenizer without a prompt cache, or tokenizing the
+//! whole text at once: a prompt or a conversation that grows is tokenized only
+//! in its new part, and must give the ids of the whole).
 
 use std::collections::HashSet;
 use std::sync::LazyLock;
@@ -19,6 +21,11 @@ static O200K: LazyLock<Tokenizer> = LazyLock::new(|| {
 /// The Llama-3-style Hugging Face tokenizer of the `huggingface` tests.
 static HUGGING_FACE: LazyLock<Tokenizer> = LazyLock::new(|| {
     crate::huggingface::load(&crate::huggingface::llama3_dir("properties")).unwrap()
+});
+/// The same tokenizer, straight from `tokenizers`: whole texts, no cache.
+static HUGGING_FACE_WHOLE: LazyLock<tokenizers::Tokenizer> = LazyLock::new(|| {
+    let dir = crate::huggingface::llama3_dir("properties_whole");
+    tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap()
 });
 static UNCACHED: LazyLock<Tokenizer> = LazyLock::new(|| {
     Tokenizer::load_with_cache(&"tiktoken:cl100k_base".parse::<TokenizerSpec>().unwrap(), 0)
@@ -62,6 +69,27 @@ fn ascii_text() -> impl Strategy<Value = String> {
         0..60,
     )
     .prop_map(|parts| parts.concat())
+}
+
+/// Multi-line text of a few kilobytes, so that it is cut into several chunks:
+/// lines starting with letters, digits, spaces, symbols or other scripts, and
+/// ending in the line feeds, spaces and symbols the split patterns treat apart.
+fn long_text() -> impl Strategy<Value = String> {
+    let line = (
+        prop_oneof!["[a-zA-Z0-9]", "[ \t!/'.]", "[éß中🙂]"],
+        "[ -~éß中🙂\t]{20,200}",
+        prop_oneof![
+            Just("\n"),
+            Just("\r\n"),
+            Just(" \n"),
+            Just("!!\n"),
+            Just("\n\n"),
+            Just("/\n"),
+            Just(""),
+        ],
+    )
+        .prop_map(|(start, middle, end)| format!("{start}{middle}{end}"));
+    prop::collection::vec(line, 8..30).prop_map(|lines| lines.concat())
 }
 
 /// tiktoken-rs's ids for `text` as ordinary text, or `None` where its
@@ -130,6 +158,50 @@ proptest! {
             turns.into_iter().map(|(role, content)| ChatMessage::new(role, content)).collect();
         let expected = UNCACHED.encode_chat(&messages, add_generation_prompt);
         prop_assert_eq!(CACHED.encode_chat(&messages, add_generation_prompt).ok(), expected.ok());
+    }
+
+    #[test]
+    fn a_grown_prompt_gives_the_ids_of_the_whole(
+        text in long_text(),
+        head in 0.0..1.0f64,
+    ) {
+        let mut split = (text.len() as f64 * head) as usize;
+        while !text.is_char_boundary(split) {
+            split -= 1;
+        }
+        for (tokenizer, bpe) in [
+            (&*CACHED, tiktoken_rs::cl100k_base_singleton()),
+            (&*O200K, tiktoken_rs::o200k_base_singleton()),
+        ] {
+            let Some(expected) = reference(bpe, &text) else { continue };
+            // The head first, as an earlier turn; then the whole, twice.
+            tokenizer.encode(&text[..split]).unwrap();
+            prop_assert_eq!(tokenizer.encode(&text).unwrap(), expected.clone());
+            prop_assert_eq!(tokenizer.encode(&text).unwrap(), expected);
+        }
+    }
+
+    #[test]
+    fn a_grown_conversation_gives_the_ids_of_the_whole(
+        contents in prop::collection::vec(long_text(), 1..4),
+        earlier in 0..4usize,
+    ) {
+        let messages: Vec<ChatMessage> = contents
+            .into_iter()
+            .enumerate()
+            .map(|(i, content)| ChatMessage::new(["user", "assistant"][i % 2], content))
+            .collect();
+        // The conversation's earlier turn first, then the whole.
+        HUGGING_FACE.encode_chat(&messages[..earlier.min(messages.len())], true).unwrap();
+        let text = HUGGING_FACE.apply_chat_template(&messages, true).unwrap();
+        let expected = HUGGING_FACE_WHOLE.encode_fast(text, false).unwrap().get_ids().to_vec();
+        prop_assert_eq!(HUGGING_FACE.encode_chat(&messages, true).unwrap(), expected);
+        // tiktoken's chat against its own uncached encoding of each message.
+        CACHED.encode_chat(&messages[..earlier.min(messages.len())], true).unwrap();
+        prop_assert_eq!(
+            CACHED.encode_chat(&messages, true).unwrap(),
+            UNCACHED.encode_chat(&messages, true).unwrap()
+        );
     }
 
     #[test]
