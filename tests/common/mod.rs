@@ -1034,8 +1034,9 @@ impl HttpsClient {
 }
 
 /// A real `nats-server` with JetStream on a free loopback port and a temporary
-/// store, stopped on drop. The binary comes from `tests/nats/install.sh`
-/// (`.ci/run` runs it), or from `KVROUTE_NATS_SERVER`.
+/// store, stopped on drop. The binary is `KVROUTE_NATS_SERVER`, or else the one
+/// `tests/nats/install.sh` installs (run here once per test process, so plain
+/// `cargo test --workspace` needs no set-up step; it is quick once installed).
 pub struct NatsServer {
     child: Child,
     binary: PathBuf,
@@ -1045,13 +1046,33 @@ pub struct NatsServer {
     dir: PathBuf,
 }
 
+/// The nats-server binary, installing it on first use.
+fn nats_server_binary() -> PathBuf {
+    static BINARY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            if let Some(binary) = std::env::var_os("KVROUTE_NATS_SERVER") {
+                return PathBuf::from(binary);
+            }
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/nats/install.sh");
+            let out = Command::new("bash")
+                .arg(&script)
+                .stderr(Stdio::inherit())
+                .output()
+                .expect("bash runs tests/nats/install.sh");
+            assert!(
+                out.status.success(),
+                "{} failed: nats-server could not be installed (or set KVROUTE_NATS_SERVER)",
+                script.display()
+            );
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        })
+        .clone()
+}
+
 impl NatsServer {
     pub fn start() -> Self {
-        let binary = std::env::var_os("KVROUTE_NATS_SERVER")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("target/nats/venv/bin/nats-server")
-            });
+        let binary = nats_server_binary();
         assert!(
             binary.exists(),
             "no nats-server at {}: run tests/nats/install.sh (or set KVROUTE_NATS_SERVER)",
