@@ -14,19 +14,6 @@ fn prompt(seed: u32) -> Vec<u32> {
     (seed * 1000..seed * 1000 + 64).collect()
 }
 
-/// The router's view of a worker's rank 0: (indexed blocks, last event id).
-async fn indexed(router: &RouterProcess, worker: u64) -> (u64, u64) {
-    let info = Http::default()
-        .get(&format!("{}/workers/{worker}", router.http))
-        .await
-        .json();
-    let rank = &info["index"][0];
-    (
-        rank["indexed_blocks"].as_u64().unwrap_or(0),
-        rank["last_event_id"].as_u64().unwrap_or(0),
-    )
-}
-
 async fn sim_last_event_id(url: &str) -> f64 {
     let text = Http::default().get(&format!("{url}/metrics")).await.text();
     metric(&text, "kvroute_sim_last_event_id", &[])

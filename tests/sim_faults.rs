@@ -26,19 +26,6 @@ async fn complete(router: &RouterProcess, tokens: &[u32]) -> Reply {
         .await
 }
 
-/// The router's view of a worker's rank 0: (indexed blocks, last event id).
-async fn indexed(router: &RouterProcess, worker: u64) -> (u64, u64) {
-    let info = Http::default()
-        .get(&format!("{}/workers/{worker}", router.http))
-        .await
-        .json();
-    let rank = &info["index"][0];
-    (
-        rank["indexed_blocks"].as_u64().unwrap_or(0),
-        rank["last_event_id"].as_u64().unwrap_or(0),
-    )
-}
-
 /// Waits until the router's view of `worker` is `expected`.
 async fn wait_indexed(router: &RouterProcess, worker: u64, what: &str, expected: (u64, u64)) {
     eventually(what, || async { indexed(router, worker).await == expected }).await;

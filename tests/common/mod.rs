@@ -386,6 +386,19 @@ pub fn tokens(start: u32, n: usize) -> Vec<u32> {
 /// How long [`eventually`] waits: generous, for a loaded CI machine.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
+/// The router's view of a worker's rank 0: (indexed blocks, last event id).
+pub async fn indexed(router: &RouterProcess, worker: u64) -> (u64, u64) {
+    let info = Http::default()
+        .get(&format!("{}/workers/{worker}", router.http))
+        .await
+        .json();
+    let rank = &info["index"][0];
+    (
+        rank["indexed_blocks"].as_u64().unwrap_or(0),
+        rank["last_event_id"].as_u64().unwrap_or(0),
+    )
+}
+
 /// Waits until `n` workers are connected to `router`.
 pub async fn wait_registered(router: &RouterProcess, n: usize) {
     wait_registered_at(&router.http, n).await;
