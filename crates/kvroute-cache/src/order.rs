@@ -20,7 +20,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Instant;
 
-use crate::replay::{PreparedTrace, ReplayReport, Tally};
+use crate::replay::{PreparedTrace, ReplayReport, Tally, resident_prefix};
 use crate::{BlockCache, BlockId, RadixLru};
 
 /// How blocks go back to the cache after a request; see the module docs.
@@ -95,10 +95,7 @@ pub fn replay_vllm<C: BlockCache + ?Sized>(
     let mut start = 0;
     for (request, &(input_length, end)) in trace.requests.iter().enumerate() {
         let blocks = &trace.accesses[start..end];
-        let resident_prefix = blocks
-            .iter()
-            .take_while(|&&block| cache.contains(block))
-            .count();
+        let resident_prefix = resident_prefix(blocks, |block| cache.contains(block));
         let started = Instant::now();
         let mut in_use = 0;
         for &block in blocks {
@@ -146,10 +143,7 @@ pub fn replay_sglang(
     let mut start = 0;
     for (request, &(input_length, end)) in trace.requests.iter().enumerate() {
         let blocks = &trace.accesses[start..end];
-        let resident_prefix = blocks
-            .iter()
-            .take_while(|&&block| cache.contains(block))
-            .count();
+        let resident_prefix = resident_prefix(blocks, |block| cache.contains(block));
         let mut new = 0;
         for &block in blocks {
             if first_use.first(request, block) {

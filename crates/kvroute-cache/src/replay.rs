@@ -139,10 +139,7 @@ pub fn replay<C: BlockCache + ?Sized>(
     let mut start = 0;
     for &(input_length, end) in &trace.requests {
         let blocks = &trace.accesses[start..end];
-        let resident_prefix = blocks
-            .iter()
-            .take_while(|&&block| cache.contains(block))
-            .count();
+        let resident_prefix = resident_prefix(blocks, |block| cache.contains(block));
         for (position, &block) in (start..).zip(blocks) {
             cache.hint(AccessHint {
                 depth: (position - start) as u32,
@@ -158,6 +155,12 @@ pub fn replay<C: BlockCache + ?Sized>(
         after_request();
     }
     tally.finish(cache.len())
+}
+
+/// How many leading blocks of a request are resident before it runs: its
+/// prefix hit, whatever order the replay then gives blocks back in.
+pub(crate) fn resident_prefix(blocks: &[BlockId], contains: impl Fn(BlockId) -> bool) -> usize {
+    blocks.iter().take_while(|&&block| contains(block)).count()
 }
 
 /// The running totals of a replay, whatever order it gives blocks back in.

@@ -475,8 +475,7 @@ async fn fault(
     State(shared): State<Arc<Shared>>,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let json: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let json = json_body(&body)?;
     let name = json
         .get("fault")
         .and_then(Value::as_str)
@@ -504,13 +503,18 @@ async fn fault(
     ))
 }
 
+/// An admin request's body as JSON, or a 400 saying why not.
+fn json_body(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))
+}
+
 /// Switches the eviction policy: `{"policy": NAME}`.
 async fn switch_eviction(
     State(shared): State<Arc<Shared>>,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let json: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let json = json_body(&body)?;
     let name = json
         .get("policy")
         .and_then(Value::as_str)
