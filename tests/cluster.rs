@@ -282,3 +282,91 @@ async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_retu
         assert_eq!(applied, 3.0, "each event applied once:\n{text}");
     }
 }
+
+/// The `[cluster]` section of replica `replica_id`, with snapshots every second.
+fn snapshotting(nats: &NatsServer, replica_id: &str, extra: &str) -> String {
+    format!(
+        "{}snapshot_interval_s = 1\n{extra}",
+        nats.cluster_config(replica_id)
+    )
+}
+
+/// Stores the full blocks of `tokens` below the engine block `parent`, and
+/// waits for the ack; returns their engine hashes.
+async fn store_below(worker: &mut GrpcWorker, parent: Option<u64>, tokens: &[u32]) -> Vec<u64> {
+    let (mut stored, hashes) = worker.chain(tokens);
+    stored.parent_hash = parent;
+    let id = worker
+        .event(None, kvroute_proto::kv_event::Kind::Stored(stored))
+        .await;
+    worker.wait_ack(id).await;
+    hashes
+}
+
+/// (first, last) sequence the event stream holds.
+async fn stream_bounds(nats: &NatsServer) -> (u64, u64) {
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js
+        .get_stream(kvroute_cluster::record::STREAM)
+        .await
+        .unwrap();
+    let state = &stream.info().await.unwrap().state;
+    (state.first_sequence, state.last_sequence)
+}
+
+#[tokio::test]
+async fn a_replica_started_after_the_stream_forgot_its_head_converges_from_a_snapshot() {
+    let nats = NatsServer::start();
+    let config = |id: &str| snapshotting(&nats, id, "stream_max_age_s = 3\n");
+    let first = RouterProcess::start(&config("r0"));
+    let http_worker = TestWorker::start(7).await;
+    let mut worker = GrpcWorker::connect(
+        &first.grpc,
+        None,
+        register(7, &http_worker.url, &["sim-model"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    // One chain of 4 × 4 blocks, each store below the one before.
+    let prompt = tokens(0, 512);
+    let mut parent = None;
+    for part in prompt[..256].chunks(64) {
+        parent = store_below(&mut worker, parent, part).await.last().copied();
+    }
+    assert_eq!(indexed(&first, 7).await, (16, 3));
+    let (_, head) = stream_bounds(&nats).await;
+    // The stream forgets the claim and those events (older than 3 s);
+    // snapshots written meanwhile cover them.
+    eventually("the stream to forget its head", || async {
+        stream_bounds(&nats).await.0 > head
+    })
+    .await;
+    // The tail: blocks whose parent only a snapshot still knows, and more.
+    store_below(&mut worker, parent, &prompt[256..320]).await;
+    let other = store_below(&mut worker, None, &tokens(5_000, 64)).await;
+    worker.remove(vec![other[3]]).await;
+    assert_eq!(indexed(&first, 7).await, (23, 6));
+
+    let late = RouterProcess::start(&config("late"));
+    let http = Http::default();
+    eventually("the late replica to be ready", || async {
+        http.get(&format!("{}/readyz", late.http)).await.status == 200
+    })
+    .await;
+    assert_eq!(indexed(&late, 7).await, (23, 6));
+    assert_eq!(overlaps(&late, &prompt[..320]).await, vec![(7, 20)]);
+    let text = metrics(&late).await;
+    let loaded = &[("outcome", "loaded")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_snapshots_total", loaded),
+        1.0
+    );
+    // It never saw the claim: the stream had forgotten it.
+    let claims = &[("kind", "claim")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_records_applied_total", claims),
+        0.0
+    );
+    assert_eq!(metric(&text, "kvroute_rejected_blocks_total", &[]), 0.0);
+}
