@@ -37,6 +37,17 @@ async fn metrics(router: &RouterProcess) -> String {
 /// Worker → overlap blocks in `router`'s dry run of `prompt` (costs differ per
 /// replica with their own requests in flight; overlaps must not).
 async fn overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
+    scores(router, prompt, "overlap_blocks").await
+}
+
+/// The same, of the index alone: a replica's route-time predictions are its
+/// own (not shared yet), a restarted one has none.
+async fn event_overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
+    scores(router, prompt, "event_overlap_blocks").await
+}
+
+/// Worker → `field` of its score in `router`'s dry run of `prompt`.
+async fn scores(router: &RouterProcess, prompt: &[u32], field: &str) -> Vec<(u64, u64)> {
     let answer = Http::default()
         .post(
             &format!("{}/v1/route", router.http),
@@ -48,12 +59,7 @@ async fn overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
         .as_array()
         .unwrap_or_else(|| panic!("no scores in {answer}"))
         .iter()
-        .map(|s: &Value| {
-            (
-                s["worker_id"].as_u64().unwrap(),
-                s["overlap_blocks"].as_u64().unwrap(),
-            )
-        })
+        .map(|s: &Value| (s["worker_id"].as_u64().unwrap(), s[field].as_u64().unwrap()))
         .collect();
     overlaps.sort_unstable();
     overlaps
@@ -355,7 +361,7 @@ async fn a_replica_started_after_the_stream_forgot_its_head_converges_from_a_sna
     })
     .await;
     assert_eq!(indexed(&late, 7).await, (23, 6));
-    assert_eq!(overlaps(&late, &prompt[..320]).await, vec![(7, 20)]);
+    assert_eq!(event_overlaps(&late, &prompt[..320]).await, vec![(7, 20)]);
     let text = metrics(&late).await;
     let loaded = &[("outcome", "loaded")];
     assert_eq!(
@@ -369,4 +375,118 @@ async fn a_replica_started_after_the_stream_forgot_its_head_converges_from_a_sna
         0.0
     );
     assert_eq!(metric(&text, "kvroute_rejected_blocks_total", &[]), 0.0);
+}
+
+/// The first `n` requests of the conversation trace, each cut to its first
+/// 1,024 tokens (64 blocks), so that the simulated caches keep several.
+fn trace_prompts(n: usize) -> Vec<Vec<u32>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/traces/conversation_trace.jsonl"
+    );
+    kvroute_trace::read_trace(path.as_ref(), Some(n))
+        .unwrap()
+        .iter()
+        .map(|r| kvroute_sim::trace::trace_tokens(&r.hash_ids, 1_024))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with_the_others() {
+    let nats = NatsServer::start();
+    let config = |id: &str| snapshotting(&nats, id, "");
+    let mut routers: Vec<RouterProcess> = (0..3)
+        .map(|i| RouterProcess::start(&config(&format!("r{i}"))))
+        .collect();
+    let sim = SimFleet::start(Some(&routers[0].grpc), 3);
+    for router in &routers {
+        wait_registered(router, 3).await;
+    }
+    let prompts = trace_prompts(150);
+    let http = Http::default();
+    for (i, prompt) in prompts[..50].iter().enumerate() {
+        let url = format!("{}/v1/completions", routers[i % 3].http);
+        let reply = http.post(&url, &completion("sim-model", prompt)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    eventually("a snapshot to be written", || async {
+        let text = metrics(&routers[2]).await;
+        metric(&text, "kvroute_cluster_snapshot_age_seconds", &[]) > 0.0
+    })
+    .await;
+
+    // The rest of the replay goes to the first two replicas, while the third
+    // is killed and started again.
+    let live: Vec<String> = routers[..2].iter().map(|r| r.http.clone()).collect();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let replay = tokio::spawn({
+        let prompts = prompts[50..].to_vec();
+        let sent = std::sync::Arc::clone(&sent);
+        async move {
+            let http = Http::default();
+            let mut failed = Vec::new();
+            for (i, prompt) in prompts.iter().enumerate() {
+                let url = format!("{}/v1/completions", live[i % 2]);
+                let reply = http.post(&url, &completion("sim-model", prompt)).await;
+                if reply.status != 200 {
+                    failed.push((i, reply.status, reply.text()));
+                }
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            failed
+        }
+    });
+    let progress = |n: usize| {
+        let sent = std::sync::Arc::clone(&sent);
+        move || {
+            let sent = std::sync::Arc::clone(&sent);
+            async move { sent.load(std::sync::atomic::Ordering::Relaxed) >= n }
+        }
+    };
+    eventually("the replay to go on", progress(20)).await;
+    drop(routers.pop()); // SIGKILL
+    eventually("the replay to go on without it", progress(50)).await;
+    let config_r2 = config("r2");
+    let restarted = tokio::task::spawn_blocking(move || RouterProcess::start(&config_r2))
+        .await
+        .unwrap();
+    eventually("the restarted replica to be ready", || async {
+        http.get(&format!("{}/readyz", restarted.http)).await.status == 200
+    })
+    .await;
+    let text = metrics(&restarted).await;
+    let loaded = &[("outcome", "loaded")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_snapshots_total", loaded),
+        1.0
+    );
+    let failed = replay.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "requests to live replicas failed: {failed:?}"
+    );
+    routers.push(restarted);
+
+    // Every replica's index is every worker's cache ...
+    for (id, url) in &sim.workers {
+        let sim_metrics = http.get(&format!("{url}/metrics")).await.text();
+        let last_id = metric(&sim_metrics, "kvroute_sim_last_event_id", &[]) as u64;
+        let cached = metric(&sim_metrics, "kvroute_sim_kv_blocks_cached", &[]) as u64;
+        for router in &routers {
+            eventually("every replica to index the worker's cache", || async {
+                indexed(router, *id).await == (cached, last_id)
+            })
+            .await;
+        }
+    }
+    // ... and they route with the same overlaps.
+    let mut matched = 0;
+    for prompt in prompts.iter().step_by(10) {
+        let first = event_overlaps(&routers[0], prompt).await;
+        matched += first.iter().filter(|&&(_, o)| o > 0).count();
+        for router in &routers[1..] {
+            assert_eq!(event_overlaps(router, prompt).await, first);
+        }
+    }
+    assert!(matched > 0, "no prompt overlaps any cache");
 }
