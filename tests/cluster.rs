@@ -490,3 +490,131 @@ async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with
     }
     assert!(matched > 0, "no prompt overlaps any cache");
 }
+
+/// Benchmark, not in CI (`#[ignore]`): a replica joining a fleet with 1M
+/// indexed blocks (8 workers × 131,072, in chains of 64) is ready in ≤ 5 s.
+/// Prints the time from the process's start to `/readyz` 200 and the
+/// snapshot's size. Run in release:
+/// `cargo test --release --test cluster -- --ignored --nocapture a_replica_joining`
+/// (`KVROUTE_BENCH_BLOCKS` sets another total).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
+    use futures_util::StreamExt;
+    use kvroute_proto::{Dump, Stored, StoredBlock, worker_message};
+
+    let total: u64 = std::env::var("KVROUTE_BENCH_BLOCKS")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1 << 20);
+    let (workers, chain) = (8u64, 64u64);
+    let nats = NatsServer::start();
+    let config = |id: &str| {
+        format!(
+            "{}snapshot_interval_s = 10\n[index]\nmax_blocks = {}\n",
+            nats.cluster_config(id),
+            2 * total
+        )
+    };
+    let fleet = RouterProcess::start(&config("fleet"));
+    let http_worker = TestWorker::start(1).await;
+    let mut streams = Vec::new();
+    for id in 0..workers {
+        let mut register = register(id, &http_worker.url, &["sim-model"], BLOCK_SIZE as u32);
+        register.total_kv_blocks = total / workers;
+        let worker = GrpcWorker::connect(&fleet.grpc, None, register)
+            .await
+            .unwrap();
+        // Distinct chains: every block is its own in the index.
+        let chains = (0..total / workers / chain)
+            .map(|c| Stored {
+                parent_hash: None,
+                blocks: (0..chain)
+                    .map(|b| {
+                        let n = (id << 40) | (c << 16) | b;
+                        StoredBlock {
+                            block_hash: n,
+                            tokens_hash: n.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        worker
+            .send(worker_message::Body::Dump(Dump {
+                dp_rank: 0,
+                last_event_id: 0,
+                chains,
+                more: false,
+            }))
+            .await;
+        streams.push(worker);
+    }
+    for worker in &mut streams {
+        worker.wait_ack(0).await;
+    }
+    let http = Http::default();
+    let indexed_blocks = |text: &str| metric(text, "kvroute_index_memberships", &[]) as u64;
+    assert_eq!(indexed_blocks(&metrics(&fleet).await), total);
+
+    // A snapshot covering the whole stream.
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let (_, last) = stream_bounds(&nats).await;
+    let waiting = std::time::Instant::now();
+    let size = loop {
+        if let Ok(store) = js.get_object_store(kvroute_cluster::snapshot::BUCKET).await {
+            let mut list = store.list().await.unwrap();
+            let mut covering = None;
+            while let Some(Ok(info)) = list.next().await {
+                let seq: u64 = info
+                    .metadata
+                    .get("seq")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                if seq >= last {
+                    covering = Some(info.size);
+                }
+            }
+            if let Some(size) = covering {
+                break size;
+            }
+        }
+        assert!(
+            waiting.elapsed() < DEADLINE,
+            "no snapshot of the whole stream"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+
+    let started = std::time::Instant::now();
+    let joining = config("joining");
+    let joiner = tokio::task::spawn_blocking(move || RouterProcess::start(&joining))
+        .await
+        .unwrap();
+    let readyz = format!("{}/readyz", joiner.http);
+    while http.get(&readyz).await.status != 200 {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the joining replica never got ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let ready = started.elapsed();
+    let text = metrics(&joiner).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_cluster_snapshots_total",
+            &[("outcome", "loaded")]
+        ),
+        1.0
+    );
+    assert_eq!(indexed_blocks(&text), total);
+    println!(
+        "cold start: {total} blocks ({workers} workers), snapshot {:.1} MB ({:.1} B/block) at stream sequence {last}; ready {} ms after the process started (goal ≤ 5000 ms)",
+        size as f64 / 1e6,
+        size as f64 / total as f64,
+        ready.as_millis()
+    );
+}

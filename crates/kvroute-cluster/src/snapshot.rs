@@ -134,6 +134,17 @@ fn count(outcome: &'static str) {
     ::metrics::counter!(metrics::CLUSTER_SNAPSHOTS, "outcome" => outcome).increment(1);
 }
 
+/// Whether the `uncovered` newest of a stream's `messages` (of `bytes` in
+/// all, at their average size) fill over half of its bound `max_bytes`
+/// (none when not positive): the stream would forget them next.
+fn uncovered_over_half(max_bytes: i64, bytes: u64, messages: u64, uncovered: u64) -> bool {
+    if max_bytes <= 0 || messages == 0 {
+        return false;
+    }
+    let share = (uncovered as f64 / messages as f64).min(1.0);
+    bytes as f64 * share > max_bytes as f64 / 2.0
+}
+
 /// This replica's side of the snapshots: its object, and the newest
 /// snapshot it knows of (its own or another replica's).
 pub struct Snapshots {
@@ -219,9 +230,7 @@ impl Snapshots {
             .get_stream(record::STREAM)
             .await
             .map_err(|e| e.to_string())?
-            .info()
-            .await
-            .map_err(|e| e.to_string())?
+            .cached_info()
             .state
             .clone();
         let mut candidates = Vec::new();
@@ -361,19 +370,17 @@ impl Snapshots {
         if age >= self.interval + self.turn {
             return true;
         }
-        let Ok(mut stream) = self.js.get_stream(record::STREAM).await else {
+        let Ok(stream) = self.js.get_stream(record::STREAM).await else {
             return false;
         };
-        let Ok(info) = stream.info().await else {
-            return false;
-        };
-        let (max_bytes, state) = (info.config.max_bytes, &info.state);
-        if max_bytes <= 0 || state.messages == 0 {
-            return false;
-        }
-        let after = state.last_sequence.saturating_sub(newest.seq) as f64;
-        let bytes_after = state.bytes as f64 * (after / state.messages as f64).min(1.0);
-        bytes_after > max_bytes as f64 / 2.0
+        let info = stream.cached_info();
+        let state = &info.state;
+        uncovered_over_half(
+            info.config.max_bytes,
+            state.bytes,
+            state.messages,
+            state.last_sequence.saturating_sub(newest.seq),
+        )
     }
 
     /// Asks the follower for its state, and stores it under this replica's name.
@@ -431,6 +438,19 @@ impl Snapshots {
 mod tests {
     use super::*;
     use kvroute_proto::{Stored as Chain, StoredBlock};
+
+    #[test]
+    fn a_snapshot_is_due_before_the_stream_forgets_half_its_bytes_uncovered() {
+        // 1,000 records of 1,000 bytes in a 2 MB stream.
+        assert!(!uncovered_over_half(2_000_000, 1_000_000, 1_000, 1_000));
+        // 1,000,000 bytes uncovered of a 1.5 MB bound: over half.
+        assert!(uncovered_over_half(1_500_000, 1_000_000, 1_000, 1_000));
+        assert!(!uncovered_over_half(1_500_000, 1_000_000, 1_000, 700));
+        assert!(uncovered_over_half(1_500_000, 1_000_000, 1_000, 800));
+        // No byte bound, or nothing kept.
+        assert!(!uncovered_over_half(-1, 1_000_000, 1_000, 1_000));
+        assert!(!uncovered_over_half(1_000, 0, 0, 5));
+    }
 
     #[test]
     fn a_snapshot_comes_back_as_it_went_and_bad_bytes_are_errors() {
