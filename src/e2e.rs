@@ -9,6 +9,8 @@
 //! prediction from its `kvroute_predicted_cached_tokens_total` counter, both as
 //! cached over prompt tokens, so the two compare like for like.
 
+pub mod replicas;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -19,8 +21,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_router::config::Policy;
 use kvroute_router::server::{self, Running};
-
-pub mod replicas;
 use kvroute_sim::eviction::PolicyFigures;
 use kvroute_sim::trace::trace_tokens;
 use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
