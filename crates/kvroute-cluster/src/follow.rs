@@ -90,10 +90,11 @@ async fn read(
                 applier.apply(seq, record).await;
                 // Batches only, and only live ones: a replay from the start
                 // is not lag.
-                if events && *caught_up_at <= Some(seq) {
-                    if let Some(lag) = record::since_sent(message.headers.as_ref()) {
-                        ::metrics::histogram!(metrics::CLUSTER_APPLY_LAG).record(lag.as_secs_f64());
-                    }
+                if events
+                    && *caught_up_at <= Some(seq)
+                    && let Some(lag) = record::since_sent(message.headers.as_ref())
+                {
+                    ::metrics::histogram!(metrics::CLUSTER_APPLY_LAG).record(lag.as_secs_f64());
                 }
             }
             Err(e) => tracing::warn!(seq, "unreadable record skipped: {e}"),
