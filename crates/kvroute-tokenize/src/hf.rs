@@ -6,14 +6,28 @@
 //! encoded with the tokenizer's added special tokens (a Llama BOS, say), a
 //! rendered chat template without them, because the template writes its own.
 //!
-//! A rendered chat is cached in chunks cut just after added tokens (the
-//! `chunks` module), which `tokenizers` splits out first, encoding the text
-//! between them part by part. That makes the cut exact unless the tokenizer
-//! relates parts to each other, which [`chat_cuts`] checks: an added token that
-//! swallows the spaces after it (`rstrip`) is no cut; a `single_word` added
-//! token (matched by what is around it), a Metaspace pre-tokenizer prepending
-//! `▁` to the first part only (`prepend_scheme: first`), and truncation or
-//! padding turn chunking off (the whole text is cached as one entry).
+//! Rendered chats and completions prompts are cached in chunks (the `chunks`
+//! module), cut where [`cuts`] finds that `tokenizers` cannot join what is on
+//! either side:
+//! - just after an added token, which `tokenizers` splits out first, encoding
+//!   the text between them part by part. That makes the cut exact unless the
+//!   tokenizer relates parts to each other: an added token that swallows the
+//!   spaces after it (`rstrip`) is no cut; a `single_word` added token
+//!   (matched by what is around it), a Metaspace pre-tokenizer prepending `▁`
+//!   to the first part only (`prepend_scheme: first`), and truncation or
+//!   padding turn chunking off (the whole text is cached as one entry).
+//! - at line starts (see `chunks`), when the tokenizer splits as cl100k_base
+//!   does: no normalizer, and a pre-tokenizer that is cl100k_base's split
+//!   pattern (Llama 3's too) then a byte-level mapping without a prefix space
+//!   ([`splits_as_cl100k`]). The model then sees the same pieces either way,
+//!   and encodes each on its own. No added token may hold a line feed (it
+//!   could span the cut) or strip the spaces before it (it could swallow the
+//!   line feed).
+//!
+//! A completions prompt is cut like a chat and encoded without special
+//! tokens; the post-processor's BOS (or other fixed tokens around the
+//! sequence, [`special_affixes`]) is then put around the ids. A post-processor
+//! that does anything else keeps prompts whole.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +38,7 @@ use serde_json::Value;
 use crate::TokenizeError;
 use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
-use crate::chunks::Cuts;
+use crate::chunks::{AddedTokenCuts, Cuts};
 
 /// The special tokens transformers hands to chat templates by name.
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -41,8 +55,11 @@ pub(crate) struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The chat template, or why there is none.
     chat: Result<ChatTemplate, String>,
-    /// Where a rendered chat may be cut; `None`: nowhere.
+    /// Where a rendered chat or a prompt may be cut; `None`: nowhere.
     cuts: Option<Cuts>,
+    /// The ids the post-processor puts before and after a prompt's, when it
+    /// does nothing else; `None`: prompts are encoded whole.
+    affixes: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl HfTokenizer {
@@ -75,12 +92,14 @@ impl HfTokenizer {
                 identity.extend_from_slice(&read(&path)?);
             }
         }
-        let cuts = chat_cuts(&tokenizer);
+        let cuts = cuts(&tokenizer);
+        let affixes = special_affixes(&tokenizer);
         Ok((
             HfTokenizer {
                 tokenizer,
                 chat,
                 cuts,
+                affixes,
             },
             identity,
         ))
@@ -100,6 +119,31 @@ impl HfTokenizer {
             })
     }
 
+    /// The ids of a completions prompt, with the special tokens the engine
+    /// adds by default, through `cache`: chunk by chunk where it can be cut
+    /// and the special tokens are fixed affixes, else whole.
+    pub(crate) fn encode_prompt(
+        &self,
+        text: &str,
+        cache: &TokenCache,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let (Some(cuts), Some((prefix, suffix))) = (&self.cuts, &self.affixes) else {
+            let ids = cache.get_or_tokenize(Kind::Prompt, text, |text| self.encode(text, true))?;
+            return Ok(ids.to_vec());
+        };
+        let mut ids = Vec::with_capacity(text.len() / 4 + 16);
+        ids.extend_from_slice(prefix);
+        cuts.encode_into(
+            cache,
+            Kind::Text,
+            text,
+            |text| self.encode(text, false),
+            &mut ids,
+        )?;
+        ids.extend_from_slice(suffix);
+        Ok(ids)
+    }
+
     /// The ids of a rendered chat, without added special tokens, through
     /// `cache`: chunk by chunk where it can be cut, else whole.
     pub(crate) fn encode_chat_text(
@@ -109,8 +153,8 @@ impl HfTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let encode = |text: &str| self.encode(text, false);
         match &self.cuts {
-            Some(cuts) => cuts.encode(cache, Kind::Chat, text, encode),
-            None => Ok(cache.get_or_tokenize(Kind::Chat, text, encode)?.to_vec()),
+            Some(cuts) => cuts.encode(cache, Kind::Text, text, encode),
+            None => Ok(cache.get_or_tokenize(Kind::Text, text, encode)?.to_vec()),
         }
     }
 
@@ -123,11 +167,13 @@ impl HfTokenizer {
     }
 }
 
-/// Where a rendered chat can be cut exactly: after an added token that
-/// `tokenizers` splits out of the raw text (not `normalized`) and that keeps
-/// the spaces after it (not `rstrip`). The matcher holds every non-normalized
-/// added token, as `tokenizers`' own does, so that it finds the same matches.
-fn chat_cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
+/// Where a rendered chat or a prompt can be cut exactly (see the module's
+/// doc): after an added token that `tokenizers` splits out of the raw text (not
+/// `normalized`) and that keeps the spaces after it (not `rstrip`), and at line
+/// starts when the tokenizer [`splits_as_cl100k`]. The added-token matcher
+/// holds every non-normalized added token, as `tokenizers`' own does, so that
+/// it finds the same matches.
+fn cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
     if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
         return None;
     }
@@ -138,23 +184,100 @@ fn chat_cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
     if prepends_first_only {
         return None;
     }
-    let mut added: Vec<_> = tokenizer
-        .get_added_tokens_decoder()
-        .into_values()
-        .filter(|token| !token.normalized)
-        .collect();
-    if added.is_empty() || added.iter().any(|token| token.single_word) {
+    let mut added: Vec<_> = tokenizer.get_added_tokens_decoder().into_values().collect();
+    if added.iter().any(|token| token.single_word) {
         return None;
     }
+    let line_starts =
+        splits_as_cl100k(tokenizer) && added.iter().all(|token| !token.content.contains('\n'));
+    added.retain(|token| !token.normalized);
     added.sort_by(|a, b| a.content.cmp(&b.content));
-    let matcher = AhoCorasick::builder()
-        .match_kind(MatchKind::LeftmostLongest)
-        .build(added.iter().map(|token| &token.content))
-        .ok()?;
-    Some(Cuts::AddedTokens {
-        added: matcher,
-        safe_after: added.iter().map(|token| !token.rstrip).collect(),
-    })
+    let added_tokens = if added.is_empty() {
+        None
+    } else {
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|token| &token.content))
+            .ok()?;
+        Some(AddedTokenCuts {
+            matcher,
+            safe_after: added.iter().map(|token| !token.rstrip).collect(),
+        })
+    };
+    Cuts::new(line_starts, added_tokens)
+}
+
+/// cl100k_base's split pattern, as tiktoken and Llama 3's `tokenizer.json`
+/// write it.
+pub(crate) const CL100K_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Whether `tokenizer` cuts text into the pieces cl100k_base's pattern does,
+/// and only then maps them to byte-level characters: no normalizer, and the
+/// pre-tokenizer is a `Split` by [`CL100K_PATTERN`] (isolating each match)
+/// followed by a `ByteLevel` that neither splits again nor adds a space.
+fn splits_as_cl100k(tokenizer: &tokenizers::Tokenizer) -> bool {
+    if tokenizer.get_normalizer().is_some() {
+        return false;
+    }
+    let Some(pre) = tokenizer
+        .get_pre_tokenizer()
+        .and_then(|pre| serde_json::to_value(pre).ok())
+    else {
+        return false;
+    };
+    let field = |value: &Value, key: &str| value.get(key).cloned().unwrap_or(Value::Null);
+    let [split, byte_level] = match pre.get("pretokenizers").and_then(Value::as_array) {
+        Some(steps) if field(&pre, "type") == "Sequence" && steps.len() == 2 => {
+            [&steps[0], &steps[1]]
+        }
+        _ => return false,
+    };
+    field(split, "type") == "Split"
+        && field(&field(split, "pattern"), "Regex") == CL100K_PATTERN
+        && field(split, "behavior") == "Isolated"
+        && field(split, "invert") == false
+        && field(byte_level, "type") == "ByteLevel"
+        && field(byte_level, "add_prefix_space") == false
+        && field(byte_level, "use_regex") == false
+}
+
+/// The ids `tokenizer`'s post-processor puts before and after a sequence's
+/// (a BOS, say), if that is all it does: found by post-processing sequences
+/// of one and of two made-up ids, and checked on a real encoding.
+fn special_affixes(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let post_process = |ids: &[u32]| {
+        let n = ids.len();
+        let encoding = tokenizers::Encoding::new(
+            ids.to_vec(),
+            vec![0; n],
+            vec![String::new(); n],
+            vec![None; n],
+            vec![(0, 0); n],
+            vec![0; n],
+            vec![1; n],
+            Vec::new(),
+            Default::default(),
+        );
+        tokenizer
+            .post_process(encoding, None, true)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let around = |prefix: &[u32], ids: &[u32], suffix: &[u32]| [prefix, ids, suffix].concat();
+    let probe = [u32::MAX, u32::MAX - 1];
+    let one = post_process(&probe[..1])?;
+    let at = one.iter().position(|&id| id == probe[0])?;
+    let (prefix, suffix) = (&one[..at], &one[at + 1..]);
+    let fixed = post_process(&probe)? == around(prefix, &probe, suffix);
+    let encode = |add_special_tokens| {
+        tokenizer
+            .encode_fast("a", add_special_tokens)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let plain = encode(false)?;
+    let real = encode(true)? == around(prefix, &plain, suffix);
+    (fixed && real).then(|| (prefix.to_vec(), suffix.to_vec()))
 }
 
 /// Whether `key` is `value` anywhere in a serialized pre-tokenizer.

@@ -132,7 +132,7 @@ impl TiktokenTokenizer {
         text: &str,
         cache: &TokenCache,
     ) -> Result<Vec<u32>, TokenizeError> {
-        Cuts::LineStart.encode(cache, Kind::Text, text, |chunk| Ok(self.encode(chunk)))
+        Cuts::LINE_STARTS.encode(cache, Kind::Text, text, |chunk| Ok(self.encode(chunk)))
     }
 
     pub(crate) fn apply_chat_template(

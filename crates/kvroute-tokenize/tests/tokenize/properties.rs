@@ -92,6 +92,41 @@ fn long_text() -> impl Strategy<Value = String> {
     prop::collection::vec(line, 8..30).prop_map(|lines| lines.concat())
 }
 
+/// [`long_text`] with the test Hugging Face tokenizer's added tokens spelled
+/// out here and there, at line starts too.
+fn long_text_with_added_tokens() -> impl Strategy<Value = String> {
+    let token = prop_oneof![
+        Just("<|eot_id|>"),
+        Just("<|start_header_id|>"),
+        Just("<|begin_of_text|>"),
+        Just("<|end_header_id|>\n"),
+        Just("\n<|eot_id|>"),
+    ];
+    prop::collection::vec((long_text(), prop::option::of(token)), 1..4).prop_map(|parts| {
+        parts
+            .into_iter()
+            .map(|(text, token)| format!("{text}{}", token.unwrap_or_default()))
+            .collect()
+    })
+}
+
+/// The positions just after a line feed followed by an ASCII letter or digit:
+/// where the line-start rule says a text can be cut.
+fn line_starts(text: &str) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    (1..bytes.len())
+        .filter(|&i| bytes[i - 1] == b'\n' && bytes[i].is_ascii_alphanumeric())
+        .collect()
+}
+
+fn hugging_face_ids(text: &str, add_special_tokens: bool) -> Vec<u32> {
+    HUGGING_FACE_WHOLE
+        .encode_fast(text, add_special_tokens)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
 /// tiktoken-rs's ids for `text` as ordinary text, or `None` where its
 /// backtracking regex gives up.
 fn reference(bpe: &tiktoken_rs::CoreBPE, text: &str) -> Option<Vec<u32>> {
@@ -202,6 +237,36 @@ proptest! {
             CACHED.encode_chat(&messages, true).unwrap(),
             UNCACHED.encode_chat(&messages, true).unwrap()
         );
+    }
+
+    /// The claim Hugging Face prompts are cut on, checked against
+    /// `tokenizers` for every line start of the text.
+    #[test]
+    fn every_line_start_is_an_exact_cut_for_a_cl100k_style_hugging_face_tokenizer(
+        text in long_text_with_added_tokens(),
+    ) {
+        let whole = hugging_face_ids(&text, false);
+        for cut in line_starts(&text) {
+            let mut joined = hugging_face_ids(&text[..cut], false);
+            joined.extend(hugging_face_ids(&text[cut..], false));
+            prop_assert_eq!(&joined, &whole, "cut at {}", cut);
+        }
+    }
+
+    #[test]
+    fn a_grown_hugging_face_prompt_gives_the_ids_of_the_whole(
+        text in long_text_with_added_tokens(),
+        head in 0.0..1.0f64,
+    ) {
+        let mut split = (text.len() as f64 * head) as usize;
+        while !text.is_char_boundary(split) {
+            split -= 1;
+        }
+        // The head first, as an earlier turn; then the whole, twice.
+        prop_assert_eq!(HUGGING_FACE.encode(&text[..split]).unwrap(), hugging_face_ids(&text[..split], true));
+        let expected = hugging_face_ids(&text, true);
+        prop_assert_eq!(HUGGING_FACE.encode(&text).unwrap(), expected.clone());
+        prop_assert_eq!(HUGGING_FACE.encode(&text).unwrap(), expected);
     }
 
     #[test]
