@@ -188,8 +188,10 @@ fn cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
     if added.iter().any(|token| token.single_word) {
         return None;
     }
-    let line_starts =
-        splits_as_cl100k(tokenizer) && added.iter().all(|token| !token.content.contains('\n'));
+    let line_starts = splits_as_cl100k(tokenizer)
+        && added
+            .iter()
+            .all(|token| !token.lstrip && !token.content.contains('\n'));
     added.retain(|token| !token.normalized);
     added.sort_by(|a, b| a.content.cmp(&b.content));
     let added_tokens = if added.is_empty() {
