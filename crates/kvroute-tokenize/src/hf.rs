@@ -24,21 +24,34 @@
 //!   could span the cut) or strip the spaces before it (it could swallow the
 //!   line feed).
 //!
+//! Such a tokenizer is also run faster: the pieces are found by this crate's
+//! cl100k_base splitter (`split` module; the property tests check it against
+//! `tokenizers`' own split), and each thread remembers recent pieces' ids
+//! (`pieces` module), so the model runs only on pieces not seen lately and
+//! none of `tokenizers`' per-piece bookkeeping (normalized strings, offsets,
+//! the encoding's other vectors) is done. Text holding an added token goes
+//! through `tokenizers` as it is.
+//!
 //! A completions prompt is cut like a chat and encoded without special
 //! tokens; the post-processor's BOS (or other fixed tokens around the
 //! sequence, [`special_affixes`]) is then put around the ids. A post-processor
 //! that does anything else keeps prompts whole.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
+use thread_local::ThreadLocal;
+use tokenizers::Model;
 
 use crate::TokenizeError;
 use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
 use crate::chunks::{AddedTokenCuts, Cuts};
+use crate::pieces::PieceCache;
+use crate::split::piece_end;
 
 /// The special tokens transformers hands to chat templates by name.
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -60,6 +73,18 @@ pub(crate) struct HfTokenizer {
     /// The ids the post-processor puts before and after a prompt's, when it
     /// does nothing else; `None`: prompts are encoded whole.
     affixes: Option<(Vec<u32>, Vec<u32>)>,
+    /// The fast path, for a tokenizer that [`splits_as_cl100k`].
+    pieces: Option<Pieces>,
+}
+
+/// What encoding by pieces needs (see the module's doc).
+struct Pieces {
+    /// Every added token: text holding one goes through `tokenizers`.
+    added: Option<AhoCorasick>,
+    /// The byte-level alphabet the model's vocabulary is written in.
+    byte_chars: [char; 256],
+    /// Each thread's cache of recent pieces' ids.
+    cache: ThreadLocal<RefCell<PieceCache>>,
 }
 
 impl HfTokenizer {
@@ -94,12 +119,14 @@ impl HfTokenizer {
         }
         let cuts = cuts(&tokenizer);
         let affixes = special_affixes(&tokenizer);
+        let pieces = splits_as_cl100k(&tokenizer).then(|| Pieces::new(&tokenizer));
         Ok((
             HfTokenizer {
                 tokenizer,
                 chat,
                 cuts,
                 affixes,
+                pieces,
             },
             identity,
         ))
@@ -111,6 +138,15 @@ impl HfTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(pieces) = &self.pieces
+            && !add_special_tokens
+            && !pieces
+                .added
+                .as_ref()
+                .is_some_and(|added| added.is_match(text))
+        {
+            return pieces.encode(self.tokenizer.get_model(), text);
+        }
         self.tokenizer
             .encode_fast(text, add_special_tokens)
             .map(|encoding| encoding.get_ids().to_vec())
@@ -165,6 +201,68 @@ impl HfTokenizer {
                 detail: detail.clone(),
             })
     }
+}
+
+impl Pieces {
+    fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
+        let added: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|token| token.content)
+            .collect();
+        Pieces {
+            added: (!added.is_empty())
+                .then(|| AhoCorasick::new(&added).ok())
+                .flatten(),
+            byte_chars: byte_chars(),
+            cache: ThreadLocal::new(),
+        }
+    }
+
+    /// The ids of `text`, which holds no added token, without special tokens:
+    /// cl100k_base's pieces, each from this thread's cache or `model`'s.
+    fn encode(
+        &self,
+        model: &tokenizers::ModelWrapper,
+        text: &str,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let mut cache = self.cache.get_or_default().borrow_mut();
+        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let mut spelled = String::new();
+        let mut start = 0;
+        while start < text.len() {
+            let end = piece_end(bpe_openai::cl100k_base(), true, text, start);
+            cache.encode_into(&text.as_bytes()[start..end], &mut ids, |piece| {
+                spelled.clear();
+                spelled.extend(piece.iter().map(|&byte| self.byte_chars[byte as usize]));
+                let tokens = model
+                    .tokenize(&spelled)
+                    .map_err(|error| TokenizeError::Encode {
+                        message: error.to_string(),
+                    })?;
+                Ok(tokens.into_iter().map(|token| token.id).collect())
+            })?;
+            start = end;
+        }
+        Ok(ids)
+    }
+}
+
+/// GPT-2's byte-to-character map, which byte-level BPE vocabularies are
+/// written in: printable bytes stand for themselves, the others for 256 + n.
+fn byte_chars() -> [char; 256] {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut chars = ['\0'; 256];
+    let mut next = 256;
+    for byte in 0..=255u8 {
+        chars[byte as usize] = if printable(byte) {
+            char::from(byte)
+        } else {
+            next += 1;
+            char::from_u32(next - 1).unwrap_or('\0')
+        };
+    }
+    chars
 }
 
 /// Where a rendered chat or a prompt can be cut exactly (see the module's

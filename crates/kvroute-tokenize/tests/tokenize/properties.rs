@@ -4,7 +4,8 @@
 //! per-thread piece cache; and the prompt cache never changes a result (the
 //! reference is the same tokenizer without a prompt cache, or tokenizing the
 //! whole text at once: a prompt or a conversation that grows is tokenized only
-//! in its new part, and must give the ids of the whole).
+//! in its new part, and must give the ids of the whole). Hugging Face
+//! tokenizers are checked against `tokenizers` encoding the whole text.
 
 use std::collections::HashSet;
 use std::sync::LazyLock;
@@ -21,6 +22,11 @@ static O200K: LazyLock<Tokenizer> = LazyLock::new(|| {
 /// The Llama-3-style Hugging Face tokenizer of the `huggingface` tests.
 static HUGGING_FACE: LazyLock<Tokenizer> = LazyLock::new(|| {
     crate::huggingface::load(&crate::huggingface::llama3_dir("properties")).unwrap()
+});
+/// The same tokenizer with no prompt cache.
+static HUGGING_FACE_UNCACHED: LazyLock<Tokenizer> = LazyLock::new(|| {
+    let dir = crate::huggingface::llama3_dir("properties_uncached");
+    Tokenizer::load_with_cache(&TokenizerSpec::HuggingFace { dir_or_file: dir }, 0).unwrap()
 });
 /// The same tokenizer, straight from `tokenizers`: whole texts, no cache.
 static HUGGING_FACE_WHOLE: LazyLock<tokenizers::Tokenizer> = LazyLock::new(|| {
@@ -165,10 +171,20 @@ proptest! {
         prop_assert_eq!(CACHED.encode(&text).ok(), expected.ok());
     }
 
+    /// Prompts are split by this crate and encoded piece by piece (the
+    /// second time from the piece cache), and must give `tokenizers`' ids.
     #[test]
-    fn hugging_face_encode_never_panics_and_starts_with_bos(text in text()) {
-        let ids = HUGGING_FACE.encode(&text).unwrap();
-        prop_assert_eq!(ids.first(), Some(&265));
+    fn hugging_face_prompts_give_the_ids_of_tokenizers(
+        parts in prop::collection::vec(
+            prop_oneof![4 => text(), 1 => Just("<|eot_id|>".to_string())],
+            0..4,
+        ),
+    ) {
+        let text = parts.concat();
+        let expected = hugging_face_ids(&text, true);
+        prop_assert_eq!(expected.first(), Some(&265));
+        prop_assert_eq!(HUGGING_FACE_UNCACHED.encode(&text).unwrap(), expected.clone());
+        prop_assert_eq!(HUGGING_FACE_UNCACHED.encode(&text).unwrap(), expected);
     }
 
     #[test]
