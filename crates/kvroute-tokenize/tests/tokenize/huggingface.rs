@@ -415,7 +415,9 @@ fn prompts_stay_whole_where_a_cut_could_change_the_ids() {
         json!({"id": id, "content": content, "single_word": false, "lstrip": lstrip,
                "rstrip": true, "normalized": false, "special": true})
     }
-    let variants: [(&str, fn(&mut Value)); 5] = [
+    /// A name, and how that variant changes the test tokenizer.
+    type Variant = (&'static str, fn(&mut Value));
+    let variants: [Variant; 5] = [
         ("normalizer", |json| {
             json["normalizer"] = json!({"type": "Lowercase"})
         }),
