@@ -283,6 +283,10 @@ pub struct ClusterConfig {
     pub stream_max_bytes: i64,
     /// A worker's registration lives this long unless its replica refreshes it.
     pub registration_ttl_ms: u64,
+    /// An index snapshot is written to the object store when the newest is
+    /// this old, in seconds; at most half of `stream_max_age_s`, so a
+    /// snapshot always covers what the stream forgot.
+    pub snapshot_interval_s: u64,
     /// Share bookings and predictions with the other replicas (core NATS).
     pub share_load: bool,
     /// Each replica sends all its bookings this often, besides every change.
@@ -305,6 +309,7 @@ impl Default for ClusterConfig {
             stream_max_age_s: 3_600,
             stream_max_bytes: 1 << 30,
             registration_ttl_ms: 10_000,
+            snapshot_interval_s: 300,
             share_load: true,
             load_full_state_ms: 500,
             load_expiry_ms: 3_000,
@@ -585,6 +590,15 @@ impl Config {
             return fail(
                 "cluster.registration_ttl_ms must be at least 1000 and cluster.stream_max_age_s at least 1".into(),
             );
+        }
+        if c.enabled()
+            && (c.snapshot_interval_s == 0
+                || c.snapshot_interval_s.saturating_mul(2) > c.stream_max_age_s)
+        {
+            return fail(format!(
+                "cluster.snapshot_interval_s ({}) must be at least 1 and at most half of cluster.stream_max_age_s ({}): a snapshot must cover what the stream forgets",
+                c.snapshot_interval_s, c.stream_max_age_s
+            ));
         }
         // An expiry within two full states would drop a live replica's load
         // whenever one of its messages is late.
@@ -952,6 +966,26 @@ mod tests {
         assert!(config.cluster.enabled());
         assert_eq!(config.cluster.nats_url, "nats://nats:4222");
         assert_eq!(config.cluster.replica_id, "");
+        assert_eq!(config.cluster.snapshot_interval_s, 300);
+    }
+
+    #[test]
+    fn snapshots_must_come_within_the_streams_retention() {
+        let cluster = |interval: &str| {
+            Config::load(
+                None,
+                env(&[
+                    ("KVROUTE_CLUSTER__NATS_URL", "nats://nats:4222"),
+                    ("KVROUTE_CLUSTER__STREAM_MAX_AGE_S", "60"),
+                    ("KVROUTE_CLUSTER__SNAPSHOT_INTERVAL_S", interval),
+                ]),
+            )
+        };
+        assert_eq!(cluster("30").unwrap().cluster.snapshot_interval_s, 30);
+        for bad in ["0", "31"] {
+            let err = cluster(bad).unwrap_err();
+            assert!(err.to_string().contains("snapshot_interval_s"), "{err}");
+        }
     }
 
     #[test]

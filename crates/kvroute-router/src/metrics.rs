@@ -56,6 +56,8 @@ pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
 pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
 pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
+pub const CLUSTER_SNAPSHOT_AGE: &str = "kvroute_cluster_snapshot_age_seconds";
+pub const CLUSTER_SNAPSHOTS: &str = "kvroute_cluster_snapshots_total";
 pub const CLUSTER_APPLY_LAG: &str = "kvroute_cluster_apply_lag_seconds";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
@@ -205,6 +207,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         CLUSTER_APPEND_FAILURES,
         "Replicas: batches and dumps the event log did not take, applied here only",
+    ),
+    (
+        CLUSTER_SNAPSHOT_AGE,
+        "Replicas: age of the newest index snapshot in the object store that this replica knows of or wrote",
+    ),
+    (
+        CLUSTER_SNAPSHOTS,
+        "Replicas: index snapshots by outcome (written, loaded at start, failed to write or load)",
     ),
     (
         CLUSTER_APPLY_LAG,
