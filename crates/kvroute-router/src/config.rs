@@ -146,10 +146,10 @@ impl std::str::FromStr for Policy {
 #[serde(rename_all = "snake_case")]
 pub enum Cost {
     /// Dynamo's: `overlap_weight × prefill blocks + decode blocks`.
+    #[default]
     Blocks,
     /// Seconds to the first token: the rank's prefill queue and this request's
     /// uncached tokens at the rank's measured rate, plus decode pressure.
-    #[default]
     Seconds,
 }
 
@@ -398,7 +398,7 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             policy: Policy::Kv,
-            cost: Cost::Seconds,
+            cost: Cost::Blocks,
             overlap_weight: 32.0,
             prefill_seconds_per_token: 50e-6,
             decode_seconds_per_block: 0.8e-3,

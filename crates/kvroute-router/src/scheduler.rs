@@ -4,11 +4,11 @@
 //! lowest cost wins. Its units are `scheduler.cost`:
 //!
 //! ```text
-//! blocks (Dynamo's cost):
+//! blocks (Dynamo's cost, the default):
 //!   cost           = overlap_weight × prefill_blocks + decode_blocks
 //!   prefill_blocks = (rank's prefill tokens in flight + prompt tokens not covered by its overlap) / block size
 //!   decode_blocks  = rank's active blocks + this request's blocks
-//! seconds (the default):
+//! seconds:
 //!   cost = (rank's prefill tokens in flight + uncovered prompt tokens) × rank's seconds per token
 //!        + decode_seconds_per_block × decode_blocks
 //! ```
