@@ -141,14 +141,53 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// The units of the `kv` policy's cost (see [`crate::scheduler`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Cost {
+    /// Dynamo's: `overlap_weight × prefill blocks + decode blocks`.
+    #[default]
+    Blocks,
+    /// Seconds to the first token: the rank's prefill queue and this request's
+    /// uncached tokens at the rank's measured rate, plus decode pressure.
+    Seconds,
+}
+
+impl Cost {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cost::Blocks => "blocks",
+            Cost::Seconds => "seconds",
+        }
+    }
+}
+
+impl std::str::FromStr for Cost {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Cost::deserialize(serde::de::value::StrDeserializer::<serde::de::value::Error>::new(s))
+            .map_err(|e| e.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     pub policy: Policy,
-    /// Weight of prefill blocks against decode blocks in the `kv` cost.
+    /// The `kv` cost's units: `blocks` (Dynamo's) or `seconds`.
+    pub cost: Cost,
+    /// Weight of prefill blocks against decode blocks in the `blocks` cost.
     /// Dynamo's default is 1; 32 is measured here: on the Mooncake conversation
     /// trace it hits more of the cache with lower TTFT and the same fairness (README).
     pub overlap_weight: f64,
+    /// `seconds` cost: prefill seconds per token until a rank's rate is measured.
+    pub prefill_seconds_per_token: f64,
+    /// `seconds` cost: seconds charged per KV block the rank holds for running
+    /// requests (this one's included), for decode slowing its prefill down.
+    pub decode_seconds_per_block: f64,
+    /// Ranks whose cost is within this much of the cheapest (in the cost's
+    /// units) count as tied on load, and the deepest overlap among them wins.
+    pub overlap_slack: f64,
     /// 0: always the lowest cost; above 0: sample a softmax over normalised costs.
     pub temperature: f64,
     /// A worker with this many requests in flight is busy; 0: no limit.
@@ -373,7 +412,11 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             policy: Policy::Kv,
+            cost: Cost::Blocks,
             overlap_weight: 32.0,
+            prefill_seconds_per_token: 50e-6,
+            decode_seconds_per_block: 0.8e-3,
+            overlap_slack: 0.0,
             temperature: 0.0,
             busy_max_inflight: 0,
             busy_kv_ratio: 1.0,
@@ -539,6 +582,15 @@ impl Config {
                 "scheduler.overlap_weight must be ≥ 0, got {}",
                 s.overlap_weight
             ));
+        }
+        for (name, value) in [
+            ("prefill_seconds_per_token", s.prefill_seconds_per_token),
+            ("decode_seconds_per_block", s.decode_seconds_per_block),
+            ("overlap_slack", s.overlap_slack),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return fail(format!("scheduler.{name} must be ≥ 0, got {value}"));
+            }
         }
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return fail(format!(
