@@ -78,17 +78,7 @@ impl RouterError {
 
 async fn count_responses(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
-    // The common statuses without formatting a label per request.
-    let status = match response.status().as_u16() {
-        200 => "200".into(),
-        400 => "400".into(),
-        404 => "404".into(),
-        429 => "429".into(),
-        502 => "502".into(),
-        503 => "503".into(),
-        other => std::borrow::Cow::Owned(other.to_string()),
-    };
-    ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => status).increment(1);
+    metrics::count_response(response.status().as_u16());
     response
 }
 
