@@ -82,6 +82,11 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
         replica_id,
         stopped.clone(),
     )));
+    running.add_task(tokio::spawn(follow::watch_peer_digests(
+        client.clone(),
+        Arc::clone(&replica),
+        stopped.clone(),
+    )));
     running.add_task(tokio::spawn(follow::watch_connection(
         client, replica, stopped,
     )));

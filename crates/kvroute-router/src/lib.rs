@@ -8,7 +8,7 @@
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
-//! the digests workers send; [`server`] starts the listeners,
+//! the digests workers send ([`faults`] corrupts it on purpose, for tests); [`server`] starts the listeners,
 //! background tasks and the graceful shutdown. With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events (the NATS side
 //! lives in `kvroute-cluster`). [`config`], [`error`],
@@ -21,6 +21,7 @@ pub mod breaker;
 pub mod cached_tokens;
 pub mod config;
 pub mod error;
+pub mod faults;
 pub mod ingest;
 pub mod limits;
 pub mod metrics;

@@ -56,6 +56,8 @@ pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
 pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
 pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
+pub const CLUSTER_PEER_DIGESTS: &str = "kvroute_cluster_peer_digests_total";
+pub const CLUSTER_RECORDS_BEHIND: &str = "kvroute_cluster_records_behind";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
@@ -203,7 +205,15 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         CLUSTER_APPEND_FAILURES,
-        "Replicas: batches and dumps the event log did not take, applied here only",
+        "Replicas: records the event log did not take (batches, dumps and digests: applied or checked here only; requests for a dump)",
+    ),
+    (
+        CLUSTER_PEER_DIGESTS,
+        "Replicas: this replica's digest of a worker rank compared with another replica's at the same point of the event log, by outcome (matched, differed: a full dump was asked for)",
+    ),
+    (
+        CLUSTER_RECORDS_BEHIND,
+        "Replicas: records of the event log not yet applied here (replication lag, in records)",
     ),
     (
         TOKENIZER_CACHE_TOKENS,
@@ -308,6 +318,7 @@ fn install() -> Renderer {
         QUEUED,
         CLUSTER_CONNECTED,
         CLUSTER_CAUGHT_UP,
+        CLUSTER_RECORDS_BEHIND,
     ] {
         if is_histogram(name) {
             let _ = metrics::histogram!(name);
