@@ -22,6 +22,7 @@ const KIND: &str = "Kvroute-Kind";
 const WORKER: &str = "Kvroute-Worker";
 const CLAIM: &str = "Kvroute-Claim";
 const RANK: &str = "Kvroute-Rank";
+const SEQ: &str = "Kvroute-Seq";
 
 #[derive(Serialize, Deserialize)]
 struct ClaimBody {
@@ -90,10 +91,12 @@ pub fn encode(record: &Record) -> (String, HeaderMap, Bytes) {
             worker_id,
             claim,
             dp_rank,
+            seq,
             replica_id,
         } => {
             headers.insert(CLAIM, claim.to_string().as_str());
             headers.insert(RANK, dp_rank.to_string().as_str());
+            headers.insert(SEQ, seq.to_string().as_str());
             let subject = format!("kvroute.events.{worker_id}.{dp_rank}");
             (subject, replica_id.as_bytes().to_vec())
         }
@@ -238,6 +241,7 @@ pub fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<Record, Str
             worker_id,
             claim: number(CLAIM)?,
             dp_rank: u32::try_from(number(RANK)?).map_err(|e| format!("{RANK}: {e}"))?,
+            seq: number(SEQ)?,
             replica_id: String::from_utf8(payload.to_vec())
                 .map_err(|e| format!("diverged: {e}"))?,
         },
@@ -307,6 +311,7 @@ mod tests {
                 worker_id: 3,
                 claim: 12,
                 dp_rank: 1,
+                seq: 40,
                 replica_id: "b".into(),
             },
         ];

@@ -75,12 +75,14 @@ pub enum Record {
         claim: u64,
         digest: Digest,
     },
-    /// Replica `replica_id` found its view of a rank wrong: the holder asks the
-    /// worker for a full dump, which heals every replica.
+    /// Replica `replica_id` found its view of a rank wrong at the log's record
+    /// `seq` (a worker's digest): the holder asks the worker for a full dump,
+    /// which heals every replica, unless one was applied since.
     Diverged {
         worker_id: u64,
         claim: u64,
         dp_rank: u32,
+        seq: u64,
         replica_id: String,
     },
 }
@@ -326,16 +328,18 @@ impl Replica {
             peer_event_id = ?peer.last_event_id,
             "another replica's index differs from this one's at the same point of the log: asking for a full dump"
         );
-        self.ask_for_dump(own.worker_id, own.claim, own.dp_rank);
+        self.ask_for_dump(own.worker_id, own.claim, own.dp_rank, own.seq);
     }
 
-    /// Asks the worker's holder, through the log, for a dump of `dp_rank`:
-    /// only the holder can ask the worker. Not awaited: the log goes on meanwhile.
-    fn ask_for_dump(&self, worker_id: u64, claim: u64, dp_rank: u32) {
+    /// Asks the worker's holder, through the log, for a dump of `dp_rank`, as
+    /// the rank stood wrong at record `seq`: only the holder can ask the
+    /// worker. Not awaited: the log goes on meanwhile.
+    fn ask_for_dump(&self, worker_id: u64, claim: u64, dp_rank: u32, seq: u64) {
         let record = Record::Diverged {
             worker_id,
             claim,
             dp_rank,
+            seq,
             replica_id: self.replica_id.clone(),
         };
         let log = Arc::clone(&self.log);
@@ -489,6 +493,8 @@ struct Follower {
     dumps: DumpState,
     /// Ranks this replica asked the holder to have dumped, until when.
     dump_asked: HashMap<u32, Instant>,
+    /// Per rank, the record that last replaced it whole (a dump's last part, a clear).
+    replaced: HashMap<u32, u64>,
     /// Its records' context here when this replica does not hold the stream.
     context: Stream,
 }
@@ -544,6 +550,7 @@ impl ReplicaApplier {
                     context.apply_dump_part(dump, &mut follower.dumps).await;
                     if last {
                         follower.dump_asked.remove(&rank);
+                        follower.replaced.insert(rank, seq);
                     }
                     true
                 }
@@ -556,6 +563,7 @@ impl ReplicaApplier {
             } => match self.current(worker_id, claim, dp_rank) {
                 Some((follower, context)) => {
                     follower.dump_asked.remove(&dp_rank);
+                    follower.replaced.insert(dp_rank, seq);
                     context.clear_rank(WorkerKey::new(worker_id, dp_rank));
                     true
                 }
@@ -579,7 +587,7 @@ impl ReplicaApplier {
                         if verdict == Some(Verdict::Diverged) && !context.holds() {
                             follower.dump_asked.insert(rank, now + asked_for);
                             if let Some(replica) = self.state.replica.get() {
-                                replica.ask_for_dump(worker_id, claim, rank);
+                                replica.ask_for_dump(worker_id, claim, rank, seq);
                             }
                         }
                         // Mid-resync or trimmed, this view proves nothing to peers.
@@ -595,10 +603,19 @@ impl ReplicaApplier {
                 worker_id,
                 claim,
                 dp_rank,
+                seq: wrong_at,
                 replica_id,
             } => match self.current(worker_id, claim, dp_rank) {
-                Some((_, context)) => {
-                    context.dump_for_replica(dp_rank, &replica_id).await;
+                Some((follower, context)) => {
+                    // Several replicas may ask about one difference; a dump
+                    // applied since answers all of them.
+                    if follower
+                        .replaced
+                        .get(&dp_rank)
+                        .is_none_or(|&at| at < wrong_at)
+                    {
+                        context.dump_for_replica(dp_rank, &replica_id).await;
+                    }
                     true
                 }
                 None => false,
@@ -683,6 +700,7 @@ impl ReplicaApplier {
                 instance_id: Some(instance_id),
                 dumps: DumpState::default(),
                 dump_asked: HashMap::new(),
+                replaced: HashMap::new(),
                 context,
             },
         );
@@ -707,6 +725,7 @@ impl ReplicaApplier {
             instance_id: None,
             dumps: DumpState::default(),
             dump_asked: HashMap::new(),
+            replaced: HashMap::new(),
             context: Stream::follower(Arc::clone(state), worker_id, Vec::new()),
         });
         if follower.claim != claim {
@@ -933,12 +952,13 @@ mod tests {
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
-        let wanted = Record::Diverged {
+        let wanted = |seq| Record::Diverged {
             worker_id: 1,
             claim: 3,
             dp_rank: 0,
+            seq,
             replica_id: "a".into(),
         };
-        assert_eq!(*log.appended.lock().unwrap(), vec![wanted.clone(), wanted]);
+        assert_eq!(*log.appended.lock().unwrap(), vec![wanted(13), wanted(10)]);
     }
 }
