@@ -315,7 +315,8 @@ async fn sim_cache(url: &str) -> (u64, u64) {
 /// of the worker is corrupted on purpose (`index.test_faults`: the content of
 /// its next events dropped, ids kept, so no gap tells); the digest catches it
 /// there, it is counted, and the dump the holder asks for heals it. Then the
-/// holder's own view is corrupted: the same.
+/// holder's own view is corrupted: the same. Last, a replica misses an event
+/// whole: only the replicas' comparison of their own digests can tell.
 #[tokio::test]
 async fn a_replicas_corrupted_view_of_a_worker_is_caught_by_the_digest_counted_and_healed() {
     let nats = NatsServer::start();
@@ -336,7 +337,7 @@ async fn a_replicas_corrupted_view_of_a_worker_is_caught_by_the_digest_counted_a
         wait_registered(router, 1).await;
     }
     let http = Http::default();
-    let prompts: Vec<Vec<u32>> = (0..6).map(|i| tokens(i * 10_000, 64)).collect();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| tokens(i * 10_000, 64)).collect();
     let fill = |range: std::ops::Range<usize>| {
         let http = &http;
         let prompts = &prompts;
@@ -421,7 +422,33 @@ async fn a_replicas_corrupted_view_of_a_worker_is_caught_by_the_digest_counted_a
         }
     }
     // The peers saw the difference too, at the same point of the log.
-    assert!(total(&routers, "kvroute_cluster_peer_digests_total", &differed).await >= 1.0);
+    let peers_differed = total(&routers, "kvroute_cluster_peer_digests_total", &differed).await;
+    assert!(peers_differed >= 1.0);
+
+    // A replica that does not hold the worker's stream misses an event whole:
+    // a gap that only the holder could ask the worker to fill, and the holder
+    // has none. The worker's digests are then "not current" there, never
+    // diverged; the replicas' own digests differ, and that heals it.
+    let router = &routers[2];
+    let dumps_before = dumps_applied(router, id).await;
+    let drop = http
+        .post(
+            &format!("{}/workers/{id}/drop-events", router.http),
+            &json!({"dp_rank": 0, "events": 1, "whole": true}),
+        )
+        .await;
+    assert_eq!(drop.status, 200, "{}", drop.text());
+    fill(6..8).await;
+    eventually("the dump to heal the replica behind", converged).await;
+    assert_eq!(dumps_applied(router, id).await, dumps_before + 1.0);
+    assert!(
+        total(&routers, "kvroute_cluster_peer_digests_total", &differed).await > peers_differed
+    );
+    for (i, other) in routers.iter().enumerate() {
+        let text = metrics(other).await;
+        let counted = metric(&text, "kvroute_index_divergence_total", &divergence);
+        assert_eq!(counted, diverged[i], "r{i}");
+    }
 
     // Off by default: the hook is refused.
     let plain = RouterProcess::start(&nats.cluster_config("plain"));

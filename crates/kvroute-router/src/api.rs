@@ -526,7 +526,8 @@ async fn delete_worker(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The test-only hook of [`crate::faults`]: `{"dp_rank": R, "events": N}`.
+/// The test-only hook of [`crate::faults`]: `{"dp_rank": R, "events": N,
+/// "whole": false}`.
 async fn drop_events(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
@@ -537,6 +538,9 @@ async fn drop_events(
     struct DropEvents {
         dp_rank: u32,
         events: u64,
+        /// Not applied at all, ids included (a gap), instead of applied empty.
+        #[serde(default)]
+        whole: bool,
     }
     if !state.faults.enabled() {
         return Err(RouterError::Forbidden(
@@ -547,7 +551,7 @@ async fn drop_events(
     let request: DropEvents = serde_json::from_slice(&body)
         .map_err(|e| RouterError::BadRequest(format!("drop-events body: {e}")))?;
     let key = kvroute_index::WorkerKey::new(id, request.dp_rank);
-    state.faults.drop_events(key, request.events);
+    state.faults.drop_events(key, request.events, request.whole);
     tracing::warn!(
         worker = id,
         dp_rank = request.dp_rank,

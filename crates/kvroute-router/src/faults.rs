@@ -16,8 +16,8 @@ use kvroute_index::{EventKind, KvEvent, WorkerKey};
 
 pub struct Faults {
     enabled: bool,
-    /// Rank → events still to be applied as no-ops.
-    drops: Mutex<HashMap<WorkerKey, u64>>,
+    /// Rank → events still to be dropped, and whether whole (ids too).
+    drops: Mutex<HashMap<WorkerKey, (u64, bool)>>,
 }
 
 impl Faults {
@@ -33,34 +33,36 @@ impl Faults {
     }
 
     /// Arms the hook: the next `count` events of `key` applied here lose their
-    /// content. `false` when the hook is off.
-    pub fn drop_events(&self, key: WorkerKey, count: u64) -> bool {
-        if self.enabled {
-            *self.drops.lock().unwrap().entry(key).or_default() += count;
+    /// content (ids kept), or with `whole`, are not applied at all (a gap,
+    /// which only the worker's holder can ask to fill). `false` when the hook is off.
+    pub fn drop_events(&self, key: WorkerKey, count: u64, whole: bool) -> bool {
+        if self.enabled && count > 0 {
+            self.drops.lock().unwrap().insert(key, (count, whole));
         }
         self.enabled
     }
 
-    /// `event`, or while a drop is armed for `key`, an empty removal under the
-    /// same id (so no gap tells).
-    pub(crate) fn pass(&self, key: WorkerKey, event: KvEvent) -> KvEvent {
+    /// `event`; while a drop is armed for `key`, an empty removal under the
+    /// same id (so no gap tells), or nothing.
+    pub(crate) fn pass(&self, key: WorkerKey, event: KvEvent) -> Option<KvEvent> {
         if !self.enabled {
-            return event;
+            return Some(event);
         }
         let mut drops = self.drops.lock().unwrap();
-        let Some(left) = drops.get_mut(&key) else {
-            return event;
+        let Some((left, whole)) = drops.get_mut(&key) else {
+            return Some(event);
         };
+        let whole = *whole;
         *left -= 1;
         if *left == 0 {
             drops.remove(&key);
         }
-        KvEvent {
+        (!whole).then(|| KvEvent {
             event_id: event.event_id,
             kind: EventKind::Removed {
                 block_hashes: Vec::new(),
             },
-        }
+        })
     }
 }
 
@@ -76,24 +78,30 @@ mod tests {
     }
 
     #[test]
-    fn an_armed_drop_empties_that_many_events_of_that_rank_only_and_only_when_enabled() {
+    fn an_armed_drop_takes_that_many_events_of_that_rank_only_and_only_when_enabled() {
         let key = WorkerKey::new(1, 0);
         let off = Faults::new(false);
-        assert!(!off.drop_events(key, 2));
-        assert_eq!(off.pass(key, cleared(1)), cleared(1));
+        assert!(!off.drop_events(key, 2, false));
+        assert_eq!(off.pass(key, cleared(1)), Some(cleared(1)));
 
         let on = Faults::new(true);
-        assert!(on.drop_events(key, 2));
+        assert!(on.drop_events(key, 2, false));
         let other = WorkerKey::new(2, 0);
-        assert_eq!(on.pass(other, cleared(1)), cleared(1));
-        let empty = |event_id| KvEvent {
-            event_id,
-            kind: EventKind::Removed {
-                block_hashes: Vec::new(),
-            },
+        assert_eq!(on.pass(other, cleared(1)), Some(cleared(1)));
+        let empty = |event_id| {
+            Some(KvEvent {
+                event_id,
+                kind: EventKind::Removed {
+                    block_hashes: Vec::new(),
+                },
+            })
         };
         assert_eq!(on.pass(key, cleared(1)), empty(1));
         assert_eq!(on.pass(key, cleared(2)), empty(2));
-        assert_eq!(on.pass(key, cleared(3)), cleared(3));
+        assert_eq!(on.pass(key, cleared(3)), Some(cleared(3)));
+        // Whole: not even the id is applied.
+        assert!(on.drop_events(key, 1, true));
+        assert_eq!(on.pass(key, cleared(4)), None);
+        assert_eq!(on.pass(key, cleared(5)), Some(cleared(5)));
     }
 }

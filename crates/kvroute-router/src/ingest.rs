@@ -742,7 +742,9 @@ impl Stream {
                     .await;
                 continue;
             };
-            let event = self.state.faults.pass(key, event);
+            let Some(event) = self.state.faults.pass(key, event) else {
+                continue;
+            };
             let outcome = index.apply(key, &event);
             count_outcome(&label, &event, outcome);
             match outcome {
