@@ -21,6 +21,12 @@
 //! Event ids make a resent event stale, so a worker that moves to another
 //! replica and resends has nothing applied twice.
 //!
+//! Workers' digests are records too ([`Record::Digest`]): every replica checks
+//! one against its own index at the same point of the log, and publishes its
+//! own digest of that point for its peers ([`PeerDigest`]). A replica that
+//! finds its view wrong cannot ask the worker itself: it appends a
+//! [`Record::Diverged`], and the holder asks for the dump that heals everyone.
+//!
 //! This module knows nothing of NATS: without `[cluster]` none of it runs.
 
 use std::any::Any;
