@@ -619,6 +619,185 @@ async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
     );
 }
 
+/// The sum over `routers` of `name{labels}`.
+async fn total(routers: &[RouterProcess], name: &str, labels: Labels<'_>) -> f64 {
+    let mut sum = 0.0;
+    for router in routers {
+        sum += metric(&metrics(router).await, name, labels);
+    }
+    sum
+}
+
+async fn dumps_applied(router: &RouterProcess, id: u64) -> f64 {
+    let label = id.to_string();
+    metric(
+        &metrics(router).await,
+        "kvroute_dumps_applied_total",
+        &[("worker", &label)],
+    )
+}
+
+/// The worker's cache as it tells it: (blocks cached, last event id).
+async fn sim_cache(url: &str) -> (u64, u64) {
+    let text = Http::default().get(&format!("{url}/metrics")).await.text();
+    (
+        metric(&text, "kvroute_sim_kv_blocks_cached", &[]) as u64,
+        metric(&text, "kvroute_sim_last_event_id", &[]) as u64,
+    )
+}
+
+/// Digests travel the log, so every replica checks the worker's digest at the
+/// same point and compares its own digest with its peers'. One replica's view
+/// of the worker is corrupted on purpose (`index.test_faults`: the content of
+/// its next events dropped, ids kept, so no gap tells); the digest catches it
+/// there, it is counted, and the dump the holder asks for heals it. Then the
+/// holder's own view is corrupted: the same. Last, a replica misses an event
+/// whole: only the replicas' comparison of their own digests can tell.
+#[tokio::test]
+async fn a_replicas_corrupted_view_of_a_worker_is_caught_by_the_digest_counted_and_healed() {
+    let nats = NatsServer::start();
+    let routers: Vec<_> = (0..3)
+        .map(|i| {
+            let cluster = nats.cluster_config(&format!("r{i}"));
+            RouterProcess::start(&format!("{cluster}[index]\ntest_faults = true\n"))
+        })
+        .collect();
+    let sim = SimFleet::start_with(
+        Some(&routers[0].grpc),
+        1,
+        &["--digest-interval-ms", "50"],
+        &[],
+    );
+    let (id, sim_url) = sim.workers[0].clone();
+    for router in &routers {
+        wait_registered(router, 1).await;
+    }
+    let http = Http::default();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| tokens(i * 10_000, 64)).collect();
+    let fill = |range: std::ops::Range<usize>| {
+        let http = &http;
+        let prompts = &prompts;
+        let url = format!("{}/v1/completions", routers[0].http);
+        async move {
+            for prompt in &prompts[range] {
+                let reply = http.post(&url, &completion("sim-model", prompt)).await;
+                assert_eq!(reply.status, 200, "{}", reply.text());
+            }
+        }
+    };
+    let converged = || async {
+        let cache = sim_cache(&sim_url).await;
+        for router in &routers {
+            if indexed(router, id).await != cache {
+                return false;
+            }
+        }
+        true
+    };
+    fill(0..2).await;
+    eventually("every replica to index the worker's cache", converged).await;
+    // The replicas compare their own digests with each other's, and agree.
+    eventually("the replicas' digests to be compared", || async {
+        total(
+            &routers,
+            "kvroute_cluster_peer_digests_total",
+            &[("outcome", "matched")],
+        )
+        .await
+            >= 6.0
+    })
+    .await;
+    let label = id.to_string();
+    let divergence = [("worker", label.as_str())];
+    assert_eq!(
+        total(&routers, "kvroute_index_divergence_total", &divergence).await,
+        0.0
+    );
+    let differed = [("outcome", "differed")];
+    assert_eq!(
+        total(&routers, "kvroute_cluster_peer_digests_total", &differed).await,
+        0.0
+    );
+
+    let mut diverged = [0.0; 3];
+    for (corrupted, range) in [(1, 2..4), (0, 4..6)] {
+        let router = &routers[corrupted];
+        let dumps_before = dumps_applied(router, id).await;
+        let drop = http
+            .post(
+                &format!("{}/workers/{id}/drop-events", router.http),
+                &json!({"dp_rank": 0, "events": 1}),
+            )
+            .await;
+        assert_eq!(drop.status, 200, "{}", drop.text());
+        fill(range).await;
+
+        eventually("the divergence to be counted there", || async {
+            metric(
+                &metrics(router).await,
+                "kvroute_index_divergence_total",
+                &divergence,
+            ) > diverged[corrupted]
+        })
+        .await;
+        diverged[corrupted] += 1.0;
+        eventually("the dump to heal every replica", converged).await;
+        // By one dump, however many replicas asked for it.
+        assert_eq!(dumps_applied(router, id).await, dumps_before + 1.0);
+        // Counted once, and only where the view was wrong.
+        for (i, other) in routers.iter().enumerate() {
+            let text = metrics(other).await;
+            let counted = metric(&text, "kvroute_index_divergence_total", &divergence);
+            assert_eq!(counted, diverged[i], "r{i}");
+        }
+        for prompt in &prompts {
+            let first = overlaps(&routers[0], prompt).await;
+            for other in &routers[1..] {
+                assert_eq!(overlaps(other, prompt).await, first);
+            }
+        }
+    }
+    // The peers saw the difference too, at the same point of the log.
+    let peers_differed = total(&routers, "kvroute_cluster_peer_digests_total", &differed).await;
+    assert!(peers_differed >= 1.0);
+
+    // A replica that does not hold the worker's stream misses an event whole:
+    // a gap that only the holder could ask the worker to fill, and the holder
+    // has none. The worker's digests are then "not current" there, never
+    // diverged; the replicas' own digests differ, and that heals it.
+    let router = &routers[2];
+    let dumps_before = dumps_applied(router, id).await;
+    let drop = http
+        .post(
+            &format!("{}/workers/{id}/drop-events", router.http),
+            &json!({"dp_rank": 0, "events": 1, "whole": true}),
+        )
+        .await;
+    assert_eq!(drop.status, 200, "{}", drop.text());
+    fill(6..8).await;
+    eventually("the dump to heal the replica behind", converged).await;
+    assert_eq!(dumps_applied(router, id).await, dumps_before + 1.0);
+    assert!(
+        total(&routers, "kvroute_cluster_peer_digests_total", &differed).await > peers_differed
+    );
+    for (i, other) in routers.iter().enumerate() {
+        let text = metrics(other).await;
+        let counted = metric(&text, "kvroute_index_divergence_total", &divergence);
+        assert_eq!(counted, diverged[i], "r{i}");
+    }
+
+    // Off by default: the hook is refused.
+    let plain = RouterProcess::start(&nats.cluster_config("plain"));
+    let refused = http
+        .post(
+            &format!("{}/workers/{id}/drop-events", plain.http),
+            &json!({"dp_rank": 0, "events": 1}),
+        )
+        .await;
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    assert!(refused.text().contains("test_faults"), "{}", refused.text());
+}
+
 /// A replica's bookings are dropped on the others this long after it was last
 /// heard from (the tests' `load_expiry_ms`).
 const LOAD_EXPIRY: std::time::Duration = std::time::Duration::from_millis(1_500);

@@ -8,7 +8,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Stdio;
 
-use common::{Http, Process, SimFleet, eventually, free_ports};
+use common::{Http, Process, SimFleet, completion, eventually, free_ports, metric, tokens};
 use serde_json::Value;
 
 fn repo_file(path: &str) -> String {
@@ -18,7 +18,12 @@ fn repo_file(path: &str) -> String {
 
 /// The documents of deploy/kubernetes/kvroute.yaml.
 fn manifests() -> Vec<Value> {
-    let text = repo_file("deploy/kubernetes/kvroute.yaml");
+    manifests_of("deploy/kubernetes/kvroute.yaml")
+}
+
+/// The documents of a YAML file of the repository.
+fn manifests_of(path: &str) -> Vec<Value> {
+    let text = repo_file(path);
     serde_norway::Deserializer::from_str(&text)
         .map(|doc| serde::Deserialize::deserialize(doc).expect("valid YAML"))
         .collect()
@@ -74,6 +79,12 @@ fn service_links(docs: &[Value]) -> Vec<(String, String)> {
 
 /// The container's `env`, values from Secrets resolved.
 fn container_env(docs: &[Value], container: &Value) -> Vec<(String, String)> {
+    pod_env(docs, container, "")
+}
+
+/// The container's `env` in the pod named `pod_name`: values from Secrets and
+/// from the downward API's `metadata.name` resolved.
+fn pod_env(docs: &[Value], container: &Value, pod_name: &str) -> Vec<(String, String)> {
     container["env"]
         .as_array()
         .unwrap()
@@ -82,6 +93,14 @@ fn container_env(docs: &[Value], container: &Value) -> Vec<(String, String)> {
             let name = var["name"].as_str().unwrap().to_string();
             let value = match var["value"].as_str() {
                 Some(value) => value.to_string(),
+                None if var["valueFrom"]["fieldRef"].is_object() => {
+                    let field = &var["valueFrom"]["fieldRef"]["fieldPath"];
+                    assert_eq!(
+                        field, "metadata.name",
+                        "{name}: only the pod's name is resolved"
+                    );
+                    pod_name.to_string()
+                }
                 None => {
                     let secret = &var["valueFrom"]["secretKeyRef"];
                     let secret_doc = named(docs, "Secret", secret["name"].as_str().unwrap());
@@ -320,4 +339,268 @@ fn dashboard_queries_name_exported_series() {
     // And the dashboard shows every family.
     let unused: Vec<_> = families.iter().filter(|f| !used.contains(**f)).collect();
     assert!(unused.is_empty(), "families without a panel: {unused:?}");
+}
+
+/// The status of `GET url` (plain HTTP/1.0), or None while nothing answers.
+async fn probe_status(url: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://")?;
+    let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.ok()?;
+    String::from_utf8_lossy(&answer)
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// deploy/kubernetes/kvroute-replicas.yaml as the kubelet runs it: the NATS
+/// StatefulSet's nats-server with its ConfigMap (store on a directory of our
+/// own, as the PVC; ready by its own readiness probe), then the Deployment's 3
+/// pods, each with the image's entrypoint and the container's args, the router
+/// ConfigMap mounted, the container's env with its Secrets and its pod name
+/// (downward API), and every service-link variable. Only ports are remapped,
+/// and `kvroute-nats` resolves to loopback. Simulated workers stream to one
+/// replica with the Secret's worker token; every replica gets ready and
+/// indexes the workers' caches alike.
+#[tokio::test]
+async fn three_replicas_and_jetstream_nats_start_from_the_manifests_converge_and_get_ready() {
+    let docs = manifests_of("deploy/kubernetes/kvroute-replicas.yaml");
+    let dir = std::env::temp_dir().join(format!("kvroute-deploy-replicas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // NATS, as its StatefulSet runs it.
+    let nats_set = named(&docs, "StatefulSet", "kvroute-nats");
+    assert_eq!(
+        nats_set["spec"]["volumeClaimTemplates"][0]["metadata"]["name"], "data",
+        "JetStream's store is on a PVC"
+    );
+    let nats_pod = &nats_set["spec"]["template"]["spec"];
+    let nats = &nats_pod["containers"][0];
+    let mount = |container: &Value, volume: &str| {
+        container["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == volume)
+            .unwrap_or_else(|| panic!("no mount of {volume}"))["mountPath"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (client_port, monitor_port) = (free_ports(1), free_ports(1));
+    let nats_dir = dir.join("nats");
+    let data_dir = dir.join("nats-data");
+    std::fs::create_dir_all(&nats_dir).unwrap();
+    let nats_conf = named(&docs, "ConfigMap", "kvroute-nats-config")["data"]["nats.conf"]
+        .as_str()
+        .unwrap()
+        .replace("0.0.0.0:4222", &format!("127.0.0.1:{client_port}"))
+        .replace("0.0.0.0:8222", &format!("127.0.0.1:{monitor_port}"))
+        .replace(&mount(nats, "data"), data_dir.to_str().unwrap());
+    assert!(nats_conf.contains("jetstream"), "{nats_conf}");
+    std::fs::write(nats_dir.join("nats.conf"), nats_conf).unwrap();
+    let nats_args: Vec<String> = nats["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            a.as_str()
+                .unwrap()
+                .replace(&mount(nats, "config"), nats_dir.to_str().unwrap())
+        })
+        .collect();
+    let mut nats_child = std::process::Command::new(common::nats_server_binary())
+        .args(&nats_args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("nats-server starts");
+    let http = Http::default();
+    let probe = &nats["readinessProbe"]["httpGet"];
+    assert_eq!(probe["port"], "monitor");
+    let nats_ready = format!(
+        "http://127.0.0.1:{monitor_port}{}",
+        probe["path"].as_str().unwrap()
+    );
+    eventually("NATS with JetStream to be ready", || async {
+        probe_status(&nats_ready).await == Some(200)
+    })
+    .await;
+
+    // Three router pods.
+    let pod = &named(&docs, "Deployment", "kvroute")["spec"]["template"]["spec"];
+    assert_eq!(named(&docs, "Deployment", "kvroute")["spec"]["replicas"], 3);
+    let container = &pod["containers"][0];
+    let config_mount = mount(container, "config");
+    let router_toml = named(&docs, "ConfigMap", "kvroute-config")["data"]["router.toml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let links = service_links(&docs);
+    let nats_service = named(&docs, "Service", "kvroute-nats");
+    let nats_port = nats_service["spec"]["ports"][0]["port"].as_u64().unwrap();
+    let mut routers = Vec::new();
+    for i in 0..3 {
+        let (http_port, grpc_port) = (free_ports(1), free_ports(1));
+        let pod_dir = dir.join(format!("pod-{i}"));
+        std::fs::create_dir_all(&pod_dir).unwrap();
+        let text = router_toml
+            .replace(":8000\"", &format!(":{http_port}\""))
+            .replace(":50051\"", &format!(":{grpc_port}\""));
+        std::fs::write(pod_dir.join("router.toml"), text).unwrap();
+        let args: Vec<String> = entrypoint_args()
+            .into_iter()
+            .chain(container["args"].as_array().unwrap().iter().map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace(&config_mount, pod_dir.to_str().unwrap())
+            }))
+            .collect();
+        let pod_name = format!("kvroute-5d8f9c7b6-x{i}");
+        let env: Vec<(String, String)> = pod_env(&docs, container, &pod_name)
+            .into_iter()
+            .map(|(k, v)| {
+                // The Service's DNS name, as cluster DNS would resolve it.
+                let v = v.replace(
+                    &format!("kvroute-nats:{nats_port}"),
+                    &format!("127.0.0.1:{client_port}"),
+                );
+                (k, v)
+            })
+            .collect();
+        assert!(
+            env.iter()
+                .any(|(k, v)| k == "KVROUTE_CLUSTER__NATS_URL" && v.starts_with("nats://")),
+            "{env:?}"
+        );
+        let mut command = common::kvroute();
+        command
+            .args(&args)
+            .env_clear()
+            .envs(env.iter().chain(&links).map(|(k, v)| (k, v)))
+            .stderr(Stdio::inherit());
+        let process = Process::start(command, |lines| {
+            lines.iter().any(|l| l.starts_with("listening "))
+        });
+        routers.push((process, http_port, grpc_port, env));
+    }
+
+    let secret = |key: &str| {
+        routers[0]
+            .3
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("the manifest gives the router {key}"))
+    };
+    let worker_token = secret("KVROUTE_AUTH__WORKER_TOKEN");
+    let admin = format!("Bearer {}", secret("KVROUTE_AUTH__ADMIN_TOKEN"));
+    let sim = SimFleet::start_with_env(
+        Some(&format!("http://127.0.0.1:{}", routers[0].2)),
+        2,
+        &[("KVROUTE_ROUTER_TOKEN", worker_token.as_str())],
+    );
+    for (_, http_port, ..) in &routers {
+        let readyz = format!("http://127.0.0.1:{http_port}/readyz");
+        eventually("every replica to be ready", || async {
+            http.get(&readyz).await.status == 200
+        })
+        .await;
+    }
+    // Requests through every replica; each indexes every worker's cache.
+    for i in 0..6u32 {
+        let url = format!(
+            "http://127.0.0.1:{}/v1/completions",
+            routers[i as usize % 3].1
+        );
+        let reply = http
+            .post(&url, &completion("sim-model", &tokens(i * 10_000, 64)))
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    for (id, url) in &sim.workers {
+        let text = http.get(&format!("{url}/metrics")).await.text();
+        let cache = (
+            metric(&text, "kvroute_sim_kv_blocks_cached", &[]) as u64,
+            metric(&text, "kvroute_sim_last_event_id", &[]) as u64,
+        );
+        for (_, http_port, ..) in &routers {
+            let worker = format!("http://127.0.0.1:{http_port}/workers/{id}");
+            eventually("every replica to index the worker's cache", || async {
+                let info = http
+                    .call("GET", &worker, &[("authorization", &admin)], "")
+                    .await
+                    .json();
+                let rank = &info["index"][0];
+                (
+                    rank["indexed_blocks"].as_u64(),
+                    rank["last_event_id"].as_u64(),
+                ) == (Some(cache.0), Some(cache.1))
+            })
+            .await;
+        }
+    }
+    drop(sim);
+    drop(routers);
+    let _ = nats_child.kill();
+    let _ = nats_child.wait();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_replicas_manifests_hold_budgets_a_jetstream_store_and_the_pod_name_as_replica_id() {
+    let docs = manifests_of("deploy/kubernetes/kvroute-replicas.yaml");
+    let deployment = named(&docs, "Deployment", "kvroute");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let replica_id = container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "KVROUTE_CLUSTER__REPLICA_ID")
+        .expect("replica_id from the environment");
+    assert_eq!(
+        replica_id["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    // Each budget selects the pods it protects.
+    for (budget, set) in [
+        ("kvroute", named(&docs, "Deployment", "kvroute")),
+        ("kvroute-nats", named(&docs, "StatefulSet", "kvroute-nats")),
+    ] {
+        let pdb = named(&docs, "PodDisruptionBudget", budget);
+        assert_eq!(
+            pdb["spec"]["selector"]["matchLabels"], set["spec"]["template"]["metadata"]["labels"],
+            "{budget}"
+        );
+    }
+    let routers = &named(&docs, "PodDisruptionBudget", "kvroute")["spec"];
+    assert_eq!(routers["minAvailable"], 2, "two of three replicas route");
+    let nats = named(&docs, "StatefulSet", "kvroute-nats");
+    let claim = &nats["spec"]["volumeClaimTemplates"][0];
+    let mounted = nats["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == claim["metadata"]["name"])
+        .expect("the PVC is mounted")["mountPath"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let conf = named(&docs, "ConfigMap", "kvroute-nats-config")["data"]["nats.conf"]
+        .as_str()
+        .unwrap();
+    let store = conf
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("store_dir:"))
+        .expect("JetStream has a store_dir");
+    assert!(
+        store.trim().trim_matches('"').starts_with(&mounted),
+        "JetStream stores on the PVC: {store} under {mounted}"
+    );
 }

@@ -1060,7 +1060,7 @@ pub struct NatsServer {
 }
 
 /// The nats-server binary, installing it on first use.
-fn nats_server_binary() -> PathBuf {
+pub fn nats_server_binary() -> PathBuf {
     static BINARY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BINARY
         .get_or_init(|| {

@@ -11,7 +11,7 @@ use async_nats::connection::State;
 use async_nats::jetstream::{self, consumer};
 use futures_util::StreamExt;
 use kvroute_router::metrics;
-use kvroute_router::replica::{Record, Replica, ReplicaApplier};
+use kvroute_router::replica::{PeerDigest, Record, Replica, ReplicaApplier};
 use kvroute_router::state::AppState;
 use tokio::sync::{mpsc, watch};
 
@@ -130,6 +130,7 @@ async fn read(
             Err(e) => tracing::warn!(seq, "unreadable record skipped: {e}"),
         }
         *applied = seq;
+        replica.set_behind(pending);
         if seq >= target || pending == 0 {
             replica.set_caught_up();
         }
@@ -149,6 +150,33 @@ pub async fn watch_connection(
             .await;
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            _ = stopped.wait_for(|&s| s) => return,
+        }
+    }
+}
+
+/// Hands the other replicas' digests to this one for comparison.
+pub async fn watch_peer_digests(
+    client: async_nats::Client,
+    replica: Arc<Replica>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut digests = match client.subscribe(record::PEER_DIGESTS).await {
+        Ok(digests) => digests,
+        Err(e) => {
+            tracing::warn!("not comparing digests with the other replicas: {e}");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            message = digests.next() => {
+                let Some(message) = message else { return };
+                match serde_json::from_slice::<PeerDigest>(&message.payload) {
+                    Ok(digest) => replica.peer_digest(digest),
+                    Err(e) => tracing::debug!("unreadable peer digest: {e}"),
+                }
+            }
             _ = stopped.wait_for(|&s| s) => return,
         }
     }

@@ -104,6 +104,11 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
         replica_id,
         stopped.clone(),
     )));
+    running.add_task(tokio::spawn(follow::watch_peer_digests(
+        client.clone(),
+        Arc::clone(&replica),
+        stopped.clone(),
+    )));
     if cluster.share_load {
         for task in load::share(client.clone(), Arc::clone(&state), stopped.clone()).await? {
             running.add_task(task);

@@ -9,7 +9,7 @@ use async_nats::connection::State;
 use async_nats::jetstream::{self, kv};
 use futures_util::future::BoxFuture;
 use kvroute_router::registry::Registration;
-use kvroute_router::replica::{EventLog, Record, Unlogged};
+use kvroute_router::replica::{EventLog, PeerDigest, Record, Unlogged};
 
 use crate::record;
 use crate::registrations::Held;
@@ -98,6 +98,17 @@ impl EventLog for NatsLog {
             }
             Ok(sequence)
         })
+    }
+
+    fn publish_digest(&self, digest: PeerDigest) {
+        let payload = serde_json::to_vec(&digest).expect("a digest serializes");
+        let client = self.client.clone();
+        // Core NATS: a digest matters now or never, so it is not stored.
+        tokio::spawn(async move {
+            if let Err(e) = client.publish(record::PEER_DIGESTS, payload.into()).await {
+                tracing::debug!("peer digest not published: {e}");
+            }
+        });
     }
 
     fn hold(&self, registration: Registration) -> Box<dyn Any + Send> {

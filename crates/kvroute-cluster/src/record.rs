@@ -1,24 +1,28 @@
 //! Records as NATS messages: a subject per worker and rank, the record's kind
 //! and claim in headers, the batch or dump as its protobuf in the payload.
 //!
-//! Subjects: `kvroute.events.<worker>.<rank>` for batches, dumps and clears,
+//! Subjects: `kvroute.events.<worker>.<rank>` for batches, dumps, clears,
+//! digests and divergences,
 //! `kvroute.claims.<worker>` for claims. All are in one stream, so one
 //! consumer sees every record in the one order all replicas apply.
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use kvroute_proto::{Dump, EventBatch};
+use kvroute_proto::{Digest, Dump, EventBatch};
 use kvroute_router::replica::Record;
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
 
 pub const STREAM: &str = "KVROUTE_EVENTS";
 pub const SUBJECTS: [&str; 2] = ["kvroute.events.>", "kvroute.claims.>"];
+/// Replicas' own digests for each other (core NATS, outside the stream).
+pub const PEER_DIGESTS: &str = "kvroute.peer-digests";
 
 const KIND: &str = "Kvroute-Kind";
 const WORKER: &str = "Kvroute-Worker";
 const CLAIM: &str = "Kvroute-Claim";
 const RANK: &str = "Kvroute-Rank";
+const SEQ: &str = "Kvroute-Seq";
 /// When the holder took the record from its worker's queue, in microseconds
 /// since the Unix epoch: every replica measures its apply lag from it.
 const SENT: &str = "Kvroute-Sent";
@@ -94,6 +98,28 @@ pub fn encode(record: &Record) -> (String, HeaderMap, Bytes) {
             headers.insert(RANK, dp_rank.to_string().as_str());
             (format!("kvroute.events.{worker_id}.{dp_rank}"), Vec::new())
         }
+        Record::Digest {
+            worker_id,
+            claim,
+            digest,
+        } => {
+            headers.insert(CLAIM, claim.to_string().as_str());
+            let subject = format!("kvroute.events.{worker_id}.{}", digest.dp_rank);
+            (subject, digest.encode_to_vec())
+        }
+        Record::Diverged {
+            worker_id,
+            claim,
+            dp_rank,
+            seq,
+            replica_id,
+        } => {
+            headers.insert(CLAIM, claim.to_string().as_str());
+            headers.insert(RANK, dp_rank.to_string().as_str());
+            headers.insert(SEQ, seq.to_string().as_str());
+            let subject = format!("kvroute.events.{worker_id}.{dp_rank}");
+            (subject, replica_id.as_bytes().to_vec())
+        }
     };
     (subject, headers, Bytes::from(payload))
 }
@@ -154,7 +180,10 @@ pub fn fits(record: &Record, max_bytes: usize) -> bool {
     match record {
         Record::Events { batch, .. } => batch.encoded_len() <= budget,
         Record::Dump { dump, .. } => dump.encoded_len() <= budget,
-        Record::Claim { .. } | Record::Clear { .. } => true,
+        Record::Claim { .. }
+        | Record::Clear { .. }
+        | Record::Digest { .. }
+        | Record::Diverged { .. } => true,
     }
 }
 
@@ -223,6 +252,19 @@ pub fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<Record, Str
             claim: number(CLAIM)?,
             dp_rank: u32::try_from(number(RANK)?).map_err(|e| format!("{RANK}: {e}"))?,
         },
+        "digest" => Record::Digest {
+            worker_id,
+            claim: number(CLAIM)?,
+            digest: Digest::decode(payload).map_err(|e| format!("digest: {e}"))?,
+        },
+        "diverged" => Record::Diverged {
+            worker_id,
+            claim: number(CLAIM)?,
+            dp_rank: u32::try_from(number(RANK)?).map_err(|e| format!("{RANK}: {e}"))?,
+            seq: number(SEQ)?,
+            replica_id: String::from_utf8(payload.to_vec())
+                .map_err(|e| format!("diverged: {e}"))?,
+        },
         other => return Err(format!("unknown kind {other:?}")),
     };
     Ok(record)
@@ -274,6 +316,23 @@ mod tests {
                 worker_id: 3,
                 claim: 12,
                 dp_rank: 1,
+            },
+            Record::Digest {
+                worker_id: 3,
+                claim: 12,
+                digest: Digest {
+                    dp_rank: 1,
+                    last_event_id: 5,
+                    block_count: 1,
+                    block_set_hash: 0xfeed,
+                },
+            },
+            Record::Diverged {
+                worker_id: 3,
+                claim: 12,
+                dp_rank: 1,
+                seq: 40,
+                replica_id: "b".into(),
             },
         ];
         for record in records {

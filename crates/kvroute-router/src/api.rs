@@ -35,6 +35,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers", get(list_workers))
         .route("/workers/{id}", get(get_worker).delete(delete_worker))
         .route("/workers/{id}/drain", post(drain_worker))
+        .route("/workers/{id}/drop-events", post(drop_events))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_admin,
@@ -542,6 +543,43 @@ async fn delete_worker(
     }
     tracing::info!(worker = id, "removed by an operator");
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The test-only hook of [`crate::faults`]: `{"dp_rank": R, "events": N,
+/// "whole": false}`.
+async fn drop_events(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<axum::Json<Value>, RouterError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct DropEvents {
+        dp_rank: u32,
+        events: u64,
+        /// Not applied at all, ids included (a gap), instead of applied empty.
+        #[serde(default)]
+        whole: bool,
+    }
+    if !state.faults.enabled() {
+        return Err(RouterError::Forbidden(
+            "drop-events is a test hook, off unless index.test_faults = true".into(),
+        ));
+    }
+    let id = worker_id(&id)?;
+    let request: DropEvents = serde_json::from_slice(&body)
+        .map_err(|e| RouterError::BadRequest(format!("drop-events body: {e}")))?;
+    let key = kvroute_index::WorkerKey::new(id, request.dp_rank);
+    state.faults.drop_events(key, request.events, request.whole);
+    tracing::warn!(
+        worker = id,
+        dp_rank = request.dp_rank,
+        events = request.events,
+        "test hook: the next events of this rank will be applied empty here"
+    );
+    Ok(axum::Json(
+        json!({"id": id, "dp_rank": request.dp_rank, "events": request.events}),
+    ))
 }
 
 #[cfg(test)]

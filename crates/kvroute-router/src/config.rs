@@ -236,6 +236,9 @@ pub struct IndexConfig {
     /// Most (worker, block) entries kept; beyond it the least recently used
     /// unpinned leaves go first.
     pub max_blocks: usize,
+    /// Enables `POST /workers/{id}/drop-events`, which corrupts this replica's
+    /// index on purpose (see `crate::faults`). For tests only.
+    pub test_faults: bool,
 }
 
 /// Caps on what clients and workers can make the router hold or do. Each
@@ -450,6 +453,7 @@ impl Default for IndexConfig {
         // 200k blocks each.
         Self {
             max_blocks: 32 << 20,
+            test_faults: false,
         }
     }
 }

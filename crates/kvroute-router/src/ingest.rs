@@ -63,6 +63,7 @@ use crate::metrics;
 use crate::registry::{Registration, ReportedLoad, Source, worker_label};
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Agreement;
+use crate::verify::Verdict;
 use crate::writers::{ApplierAlive, Fence, Fenced, fenced};
 
 pub struct Ingest {
@@ -605,23 +606,60 @@ impl Stream {
                 drop(permit);
                 self.apply_dump_part(dump, dumps).await;
             }
-            Work::Digest(digest, _permit) => self.check_digest(digest).await,
+            Work::Digest(digest, _permit) => {
+                self.check_digest(digest, false).await;
+            }
         }
     }
 
-    /// Asks for a full dump when the worker's digest shows the index diverged.
-    async fn check_digest(&self, digest: Digest) {
+    /// Checks the worker's digest (`asked`: a dump is on its way already), and
+    /// on the holder asks for a full dump when the index diverged; the caller
+    /// gets the verdict (`None`: not a registered rank).
+    pub(crate) async fn check_digest(&self, digest: Digest, asked: bool) -> Option<Verdict> {
         let Some(key) = self.key(digest.dp_rank) else {
             self.send_error(format!("dp rank {} was not registered", digest.dp_rank))
                 .await;
-            return;
+            return None;
         };
-        let resyncing = self.pending.lock().unwrap().contains_key(&key.dp_rank);
-        if crate::verify::check(&self.state, key, &digest, resyncing)
-            == crate::verify::Verdict::Diverged
-        {
+        let resyncing = asked || self.pending.lock().unwrap().contains_key(&key.dp_rank);
+        let verdict = crate::verify::check(&self.state, key, &digest, resyncing);
+        if verdict == Verdict::Diverged {
             self.request_dump(key.dp_rank).await;
         }
+        Some(verdict)
+    }
+
+    /// Another replica found its view of `dp_rank` wrong: the holder asks the
+    /// worker for a full dump, unless one is asked for already. Elsewhere, nothing.
+    pub(crate) async fn dump_for_replica(&self, dp_rank: u32, replica_id: &str) {
+        if !self.holds || self.key(dp_rank).is_none() {
+            return;
+        }
+        let asked = self
+            .pending
+            .lock()
+            .unwrap()
+            .get(&dp_rank)
+            .is_some_and(|r| r.dump);
+        if !asked {
+            tracing::info!(
+                worker = self.worker_id,
+                dp_rank,
+                replica = replica_id,
+                "another replica's index differs from the worker's digest: asking for a full dump"
+            );
+            self.request_dump(dp_rank).await;
+        }
+    }
+
+    /// Whether a resync of `dp_rank` is awaited (only the holder awaits any).
+    pub(crate) fn resyncing(&self, dp_rank: u32) -> bool {
+        self.pending.lock().unwrap().contains_key(&dp_rank)
+    }
+
+    /// Whether this replica holds the worker's stream.
+    pub(crate) fn holds(&self) -> bool {
+        self.holds
     }
 
     fn next_resync_deadline(&self) -> Option<Instant> {
@@ -709,6 +747,9 @@ impl Stream {
             let Some(event) = convert_event(event) else {
                 self.send_error("an event without a kind was skipped".into())
                     .await;
+                continue;
+            };
+            let Some(event) = self.state.faults.pass(key, event) else {
                 continue;
             };
             let outcome = index.apply(key, &event);

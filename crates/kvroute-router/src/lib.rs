@@ -8,7 +8,7 @@
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
-//! the digests workers send; [`server`] starts the listeners,
+//! the digests workers send ([`faults`] corrupts it on purpose, for tests); [`server`] starts the listeners,
 //! background tasks and the graceful shutdown. With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
@@ -22,6 +22,7 @@ pub mod breaker;
 pub mod cached_tokens;
 pub mod config;
 pub mod error;
+pub mod faults;
 pub mod ingest;
 pub mod limits;
 pub mod metrics;

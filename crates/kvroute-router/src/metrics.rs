@@ -58,6 +58,8 @@ pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
 pub const CLUSTER_SNAPSHOT_AGE: &str = "kvroute_cluster_snapshot_age_seconds";
 pub const CLUSTER_SNAPSHOTS: &str = "kvroute_cluster_snapshots_total";
+pub const CLUSTER_PEER_DIGESTS: &str = "kvroute_cluster_peer_digests_total";
+pub const CLUSTER_RECORDS_BEHIND: &str = "kvroute_cluster_records_behind";
 pub const CLUSTER_APPLY_LAG: &str = "kvroute_cluster_apply_lag_seconds";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
@@ -206,7 +208,15 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ),
     (
         CLUSTER_APPEND_FAILURES,
-        "Replicas: batches and dumps the event log did not take, applied here only",
+        "Replicas: records the event log did not take (batches, dumps and digests: applied or checked here only; requests for a dump)",
+    ),
+    (
+        CLUSTER_PEER_DIGESTS,
+        "Replicas: this replica's digest of a worker rank compared with another replica's at the same point of the event log, by outcome (matched, differed: a full dump was asked for)",
+    ),
+    (
+        CLUSTER_RECORDS_BEHIND,
+        "Replicas: records of the event log not yet applied here (replication lag, in records)",
     ),
     (
         CLUSTER_SNAPSHOT_AGE,
@@ -331,6 +341,9 @@ fn install() -> Renderer {
         QUEUED,
         CLUSTER_CONNECTED,
         CLUSTER_CAUGHT_UP,
+        CLUSTER_RECORDS_BEHIND,
+        CLUSTER_APPLY_LAG,
+        CLUSTER_SNAPSHOT_AGE,
     ] {
         if is_histogram(name) {
             let _ = metrics::histogram!(name);

@@ -26,16 +26,23 @@
 //! indexed rank's blocks), taken between two records, so that restoring it
 //! and applying the records after it gives what applying them all gives.
 //!
+//! Workers' digests are records too ([`Record::Digest`]): every replica checks
+//! one against its own index at the same point of the log, and publishes its
+//! own digest of that point for its peers ([`PeerDigest`]). A replica that
+//! finds its view wrong cannot ask the worker itself: it appends a
+//! [`Record::Diverged`], and the holder asks for the dump that heals everyone.
+//!
 //! This module knows nothing of NATS: without `[cluster]` none of it runs.
 
 use std::any::Any;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use kvroute_index::{EventKind, WorkerKey};
-use kvroute_proto::{Dump, EventBatch, Stored};
+use kvroute_proto::{Digest, Dump, EventBatch, Stored};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -43,6 +50,7 @@ use crate::ingest::{DumpState, Stream, Work, convert_stored};
 use crate::metrics;
 use crate::registry::Registration;
 use crate::state::AppState;
+use crate::verify::Verdict;
 
 /// One entry of the shared log.
 #[derive(Clone, Debug, PartialEq)]
@@ -72,6 +80,23 @@ pub enum Record {
         claim: u64,
         dp_rank: u32,
     },
+    /// The worker's digest of a rank, checked by every replica at this point
+    /// of the log: after exactly the events the holder appended before it.
+    Digest {
+        worker_id: u64,
+        claim: u64,
+        digest: Digest,
+    },
+    /// Replica `replica_id` found its view of a rank wrong at the log's record
+    /// `seq` (a worker's digest): the holder asks the worker for a full dump,
+    /// which heals every replica, unless one was applied since.
+    Diverged {
+        worker_id: u64,
+        claim: u64,
+        dp_rank: u32,
+        seq: u64,
+        replica_id: String,
+    },
 }
 
 impl Record {
@@ -80,7 +105,9 @@ impl Record {
             Record::Claim { worker_id, .. }
             | Record::Events { worker_id, .. }
             | Record::Dump { worker_id, .. }
-            | Record::Clear { worker_id, .. } => *worker_id,
+            | Record::Clear { worker_id, .. }
+            | Record::Digest { worker_id, .. }
+            | Record::Diverged { worker_id, .. } => *worker_id,
         }
     }
 
@@ -91,6 +118,8 @@ impl Record {
             Record::Events { .. } => "events",
             Record::Dump { .. } => "dump",
             Record::Clear { .. } => "clear",
+            Record::Digest { .. } => "digest",
+            Record::Diverged { .. } => "diverged",
         }
     }
 }
@@ -111,7 +140,47 @@ pub trait EventLog: Send + Sync {
     /// Publishes the registration of a worker whose stream this replica holds,
     /// and keeps it alive until the returned guard is dropped.
     fn hold(&self, registration: Registration) -> Box<dyn Any + Send>;
+    /// Tells the other replicas this replica's digest of a rank at a point of
+    /// the log; best effort (a lost one is one comparison missed).
+    fn publish_digest(&self, digest: PeerDigest);
 }
+
+/// A replica's own digest of a worker's rank just after applying the log's
+/// record `seq` (a worker's digest): every replica computes one at the same
+/// point, so any two of them must be equal.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PeerDigest {
+    pub replica_id: String,
+    pub seq: u64,
+    pub worker_id: u64,
+    pub claim: u64,
+    pub dp_rank: u32,
+    pub last_event_id: Option<u64>,
+    pub block_count: u64,
+    pub block_set_hash: u64,
+}
+
+impl PeerDigest {
+    fn key(&self) -> (u64, u64, u32) {
+        (self.seq, self.worker_id, self.dp_rank)
+    }
+
+    fn agrees(&self, other: &PeerDigest) -> bool {
+        (self.last_event_id, self.block_count, self.block_set_hash)
+            == (other.last_event_id, other.block_count, other.block_set_hash)
+    }
+}
+
+/// Digests kept for comparison, this replica's and its peers', by (seq,
+/// worker, rank); the oldest go past [`PEER_DIGESTS_KEPT`] each.
+#[derive(Default)]
+struct PeerDigests {
+    own: BTreeMap<(u64, u64, u32), PeerDigest>,
+    theirs: BTreeMap<(u64, u64, u32), Vec<PeerDigest>>,
+}
+
+/// Enough for peers a few seconds apart at one digest per worker rank and second.
+const PEER_DIGESTS_KEPT: usize = 4_096;
 
 /// A replica's side of the cluster, in [`AppState::replica`].
 pub struct Replica {
@@ -122,8 +191,11 @@ pub struct Replica {
     held: Mutex<HashMap<u64, (u64, Stream)>>,
     connected: AtomicBool,
     caught_up: AtomicBool,
+    /// Records of the log not applied here yet, as the last one read said.
+    behind: AtomicU64,
     /// (worker, rank) → the claim and the first event id applied here only.
     unlogged: Mutex<HashMap<(u64, u32), (u64, u64)>>,
+    peer_digests: Mutex<PeerDigests>,
 }
 
 impl Replica {
@@ -134,7 +206,9 @@ impl Replica {
             held: Mutex::default(),
             connected: AtomicBool::new(true),
             caught_up: AtomicBool::new(false),
+            behind: AtomicU64::new(0),
             unlogged: Mutex::default(),
+            peer_digests: Mutex::default(),
         }
     }
 
@@ -185,10 +259,108 @@ impl Replica {
         self.caught_up.load(Ordering::Acquire)
     }
 
+    /// Records of the log not applied here yet (the replication lag).
+    pub fn behind(&self) -> u64 {
+        self.behind.load(Ordering::Relaxed)
+    }
+
+    pub fn set_behind(&self, records: u64) {
+        self.behind.store(records, Ordering::Relaxed);
+    }
+
     pub fn set_caught_up(&self) {
         if !self.caught_up.swap(true, Ordering::AcqRel) {
             tracing::info!("caught up with the cluster's event log");
         }
+    }
+
+    /// Records this replica's digest at a point of the log, publishes it, and
+    /// compares it with the peers' digests of the same point that came first.
+    pub(crate) fn own_digest(&self, digest: PeerDigest) {
+        self.log.publish_digest(digest.clone());
+        let theirs = {
+            let mut book = self.peer_digests.lock().unwrap();
+            let theirs = book.theirs.remove(&digest.key()).unwrap_or_default();
+            book.own.insert(digest.key(), digest.clone());
+            if book.own.len() > PEER_DIGESTS_KEPT {
+                book.own.pop_first();
+            }
+            theirs
+        };
+        for peer in theirs {
+            self.compare(&digest, &peer);
+        }
+    }
+
+    /// A peer's digest at a point of the log: compared with this replica's
+    /// there, now or once this replica has applied that far.
+    pub fn peer_digest(&self, peer: PeerDigest) {
+        if peer.replica_id == self.replica_id {
+            return;
+        }
+        let own = {
+            let mut book = self.peer_digests.lock().unwrap();
+            let own = book.own.get(&peer.key()).cloned();
+            if own.is_none() {
+                book.theirs
+                    .entry(peer.key())
+                    .or_default()
+                    .push(peer.clone());
+                if book.theirs.len() > PEER_DIGESTS_KEPT {
+                    book.theirs.pop_first();
+                }
+            }
+            own
+        };
+        if let Some(own) = own {
+            self.compare(&own, &peer);
+        }
+    }
+
+    /// Counts the comparison; a difference asks the worker's holder, through
+    /// the log, for a dump (the holder asks once however many replicas do).
+    fn compare(&self, own: &PeerDigest, peer: &PeerDigest) {
+        if own.claim != peer.claim {
+            return;
+        }
+        let agrees = own.agrees(peer);
+        let outcome = if agrees { "matched" } else { "differed" };
+        ::metrics::counter!(metrics::CLUSTER_PEER_DIGESTS, "outcome" => outcome).increment(1);
+        if agrees {
+            return;
+        }
+        tracing::warn!(
+            worker = own.worker_id,
+            dp_rank = own.dp_rank,
+            seq = own.seq,
+            peer = %peer.replica_id,
+            own_blocks = own.block_count,
+            peer_blocks = peer.block_count,
+            own_event_id = ?own.last_event_id,
+            peer_event_id = ?peer.last_event_id,
+            "another replica's index differs from this one's at the same point of the log: asking for a full dump"
+        );
+        self.ask_for_dump(own.worker_id, own.claim, own.dp_rank, own.seq);
+    }
+
+    /// Asks the worker's holder, through the log, for a dump of `dp_rank`, as
+    /// the rank stood wrong at record `seq`: only the holder can ask the
+    /// worker. Not awaited: the log goes on meanwhile.
+    fn ask_for_dump(&self, worker_id: u64, claim: u64, dp_rank: u32, seq: u64) {
+        let record = Record::Diverged {
+            worker_id,
+            claim,
+            dp_rank,
+            seq,
+            replica_id: self.replica_id.clone(),
+        };
+        let log = Arc::clone(&self.log);
+        tokio::spawn(async move {
+            if let Err(e) = log.append(record).await {
+                ::metrics::counter!(metrics::CLUSTER_APPEND_FAILURES).increment(1);
+                tracing::warn!(worker = worker_id, dp_rank, error = %e.error, "could not ask the worker's holder for a dump");
+            }
+        });
     }
 
     /// Opens a stream in the log; the claim's sequence names it.
@@ -251,9 +423,16 @@ impl Replica {
                 },
                 permit,
             ),
-            // Not checked yet with replicas: here it would be compared with
-            // an index still behind the log, and ask for needless dumps.
-            Work::Digest(..) => return None,
+            // Checked in the log's order, on every replica, like the events
+            // it covers: here the index may still be behind the log.
+            Work::Digest(digest, permit) => (
+                Record::Digest {
+                    worker_id,
+                    claim,
+                    digest,
+                },
+                permit,
+            ),
         };
         match self.log.append(record).await {
             Ok(_) => {
@@ -277,6 +456,8 @@ impl Replica {
                     ),
                     // Nobody else has it: the whole rank is to be resent.
                     Record::Dump { dump, .. } => (dump.dp_rank, 0, Work::Dump(dump, permit)),
+                    // Checked here alone, against what was applied here alone.
+                    Record::Digest { digest, .. } => return Some(Work::Digest(digest, permit)),
                     _ => return None,
                 };
                 if refused {
@@ -379,6 +560,10 @@ struct Follower {
     /// None when the claim itself was never seen (see [`ReplicaApplier::current`]).
     instance_id: Option<u64>,
     dumps: DumpState,
+    /// Ranks this replica asked the holder to have dumped, until when.
+    dump_asked: HashMap<u32, Instant>,
+    /// Per rank, the record that last replaced it whole (a dump's last part, a clear).
+    replaced: HashMap<u32, u64>,
     /// Its records' context here when this replica does not hold the stream.
     context: Stream,
 }
@@ -462,6 +647,8 @@ impl ReplicaApplier {
                     claim: worker.claim,
                     instance_id: worker.instance_id,
                     dumps,
+                    dump_asked: HashMap::new(),
+                    replaced: HashMap::new(),
                     context,
                 },
             );
@@ -510,7 +697,12 @@ impl ReplicaApplier {
                 dump,
             } => match self.current(worker_id, claim, dump.dp_rank) {
                 Some((follower, context)) => {
+                    let (rank, last) = (dump.dp_rank, !dump.more);
                     context.apply_dump_part(dump, &mut follower.dumps).await;
+                    if last {
+                        follower.dump_asked.remove(&rank);
+                        follower.replaced.insert(rank, seq);
+                    }
                     true
                 }
                 None => false,
@@ -520,8 +712,61 @@ impl ReplicaApplier {
                 claim,
                 dp_rank,
             } => match self.current(worker_id, claim, dp_rank) {
-                Some((_, context)) => {
+                Some((follower, context)) => {
+                    follower.dump_asked.remove(&dp_rank);
+                    follower.replaced.insert(dp_rank, seq);
                     context.clear_rank(WorkerKey::new(worker_id, dp_rank));
+                    true
+                }
+                None => false,
+            },
+            Record::Digest {
+                worker_id,
+                claim,
+                digest,
+            } => {
+                let asked_for = self.dump_wait();
+                match self.current(worker_id, claim, digest.dp_rank) {
+                    Some((follower, context)) => {
+                        let rank = digest.dp_rank;
+                        let now = Instant::now();
+                        // A dump asked for by this replica is on its way: until it
+                        // is applied, nothing is proved (the holder knows the same
+                        // of its own requests).
+                        let asked = follower.dump_asked.get(&rank).is_some_and(|&t| t > now);
+                        let verdict = context.check_digest(digest, asked).await;
+                        if verdict == Some(Verdict::Diverged) && !context.holds() {
+                            follower.dump_asked.insert(rank, now + asked_for);
+                            if let Some(replica) = self.state.replica.get() {
+                                replica.ask_for_dump(worker_id, claim, rank, seq);
+                            }
+                        }
+                        // Mid-resync or trimmed, this view proves nothing to peers.
+                        if !asked && !context.resyncing(rank) {
+                            self.publish_own(seq, worker_id, claim, rank);
+                        }
+                        true
+                    }
+                    None => false,
+                }
+            }
+            Record::Diverged {
+                worker_id,
+                claim,
+                dp_rank,
+                seq: wrong_at,
+                replica_id,
+            } => match self.current(worker_id, claim, dp_rank) {
+                Some((follower, context)) => {
+                    // Several replicas may ask about one difference; a dump
+                    // applied since answers all of them.
+                    if follower
+                        .replaced
+                        .get(&dp_rank)
+                        .is_none_or(|&at| at < wrong_at)
+                    {
+                        context.dump_for_replica(dp_rank, &replica_id).await;
+                    }
                     true
                 }
                 None => false,
@@ -532,6 +777,36 @@ impl ReplicaApplier {
         } else {
             ::metrics::counter!(metrics::CLUSTER_SKIPPED).increment(1);
         }
+    }
+
+    /// How long a dump asked for from the holder is awaited before this
+    /// replica's digests count again: as long as the holder awaits it.
+    fn dump_wait(&self) -> Duration {
+        let ingest = &self.state.config.ingest;
+        Duration::from_millis(ingest.resync_timeout_ms * u64::from(ingest.resync_attempts.max(1)))
+    }
+
+    /// This replica's digest of the rank now, for its peers to compare.
+    fn publish_own(&self, seq: u64, worker_id: u64, claim: u64, dp_rank: u32) {
+        let (Some(replica), Some(indexed)) = (
+            self.state.replica.get(),
+            self.state.index.digest(WorkerKey::new(worker_id, dp_rank)),
+        ) else {
+            return;
+        };
+        if indexed.trimmed {
+            return;
+        }
+        replica.own_digest(PeerDigest {
+            replica_id: replica.replica_id.clone(),
+            seq,
+            worker_id,
+            claim,
+            dp_rank,
+            last_event_id: indexed.last_event_id,
+            block_count: indexed.digest.block_count,
+            block_set_hash: indexed.digest.block_set_hash,
+        });
     }
 
     fn claim(
@@ -575,6 +850,8 @@ impl ReplicaApplier {
                 claim: seq,
                 instance_id: Some(instance_id),
                 dumps: DumpState::default(),
+                dump_asked: HashMap::new(),
+                replaced: HashMap::new(),
                 context,
             },
         );
@@ -598,6 +875,8 @@ impl ReplicaApplier {
             claim,
             instance_id: None,
             dumps: DumpState::default(),
+            dump_asked: HashMap::new(),
+            replaced: HashMap::new(),
             context: Stream::follower(Arc::clone(state), worker_id, Vec::new()),
         });
         if follower.claim != claim {
@@ -940,5 +1219,81 @@ mod tests {
         // A late answer to an earlier resync would roll the rank back.
         applier.apply(4, dump(3, &[31])).await;
         assert_eq!(rank(&state), (4, Some(5)));
+    }
+
+    /// A log that keeps what is appended or published.
+    #[derive(Default)]
+    struct Kept {
+        appended: Mutex<Vec<Record>>,
+        published: Mutex<Vec<PeerDigest>>,
+    }
+
+    impl EventLog for Kept {
+        fn append(&self, record: Record) -> BoxFuture<'static, Result<u64, Unlogged>> {
+            let mut appended = self.appended.lock().unwrap();
+            appended.push(record);
+            let seq = appended.len() as u64;
+            Box::pin(async move { Ok(seq) })
+        }
+
+        fn hold(&self, _: Registration) -> Box<dyn Any + Send> {
+            Box::new(())
+        }
+
+        fn publish_digest(&self, digest: PeerDigest) {
+            self.published.lock().unwrap().push(digest);
+        }
+    }
+
+    fn peer(replica_id: &str, seq: u64, block_count: u64) -> PeerDigest {
+        PeerDigest {
+            replica_id: replica_id.into(),
+            seq,
+            worker_id: 1,
+            claim: 3,
+            dp_rank: 0,
+            last_event_id: Some(9),
+            block_count,
+            block_set_hash: block_count * 7,
+        }
+    }
+
+    #[tokio::test]
+    async fn digests_of_the_same_point_of_the_log_are_compared_whichever_comes_first() {
+        let log = Arc::new(Kept::default());
+        let replica = Replica::new(Arc::clone(&log) as Arc<dyn EventLog>, "a".into());
+        // Own first, then agreeing peers: nothing asked; own digests are published.
+        replica.own_digest(peer("a", 10, 4));
+        replica.peer_digest(peer("b", 10, 4));
+        // A peer's digest of a point not applied here yet waits for ours.
+        replica.peer_digest(peer("b", 11, 4));
+        replica.own_digest(peer("a", 11, 4));
+        // Another point, another worker's claim: not comparable.
+        replica.peer_digest(PeerDigest {
+            claim: 4,
+            ..peer("b", 12, 5)
+        });
+        replica.own_digest(peer("a", 12, 4));
+        // Our own echo is not a peer.
+        replica.peer_digest(peer("a", 10, 5));
+        tokio::task::yield_now().await;
+        assert!(log.appended.lock().unwrap().is_empty());
+        assert_eq!(log.published.lock().unwrap().len(), 3);
+
+        // A difference, either way round, asks the holder for a dump.
+        replica.peer_digest(peer("c", 13, 5));
+        replica.own_digest(peer("a", 13, 4));
+        replica.peer_digest(peer("b", 10, 3));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let wanted = |seq| Record::Diverged {
+            worker_id: 1,
+            claim: 3,
+            dp_rank: 0,
+            seq,
+            replica_id: "a".into(),
+        };
+        assert_eq!(*log.appended.lock().unwrap(), vec![wanted(13), wanted(10)]);
     }
 }

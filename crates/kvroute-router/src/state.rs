@@ -47,6 +47,8 @@ pub struct AppState {
     /// wait in their queues instead of being applied, so that a full queue
     /// is reached without racing the index. Nothing else takes it for writing.
     pub ingest_gate: tokio::sync::RwLock<()>,
+    /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
+    pub faults: crate::faults::Faults,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -110,6 +112,7 @@ impl AppState {
             temperature: config.scheduler.temperature,
         };
         let upstream = Upstream::new(&config.upstream)?;
+        let faults = crate::faults::Faults::new(config.index.test_faults);
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -125,6 +128,7 @@ impl AppState {
             shared_predictions: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
             ingest_gate: tokio::sync::RwLock::new(()),
+            faults,
         }))
     }
 
@@ -312,6 +316,7 @@ impl AppState {
             let flag = |on: bool| f64::from(u8::from(on));
             ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(flag(replica.connected()));
             ::metrics::gauge!(metrics::CLUSTER_CAUGHT_UP).set(flag(replica.caught_up()));
+            ::metrics::gauge!(metrics::CLUSTER_RECORDS_BEHIND).set(replica.behind() as f64);
         }
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);

@@ -16,7 +16,9 @@
 //!
 //! A difference is counted, logged once, and answered by the caller with a
 //! resync request from event 0, which workers can only answer with a full dump:
-//! the dump replaces the rank and heals it.
+//! the dump replaces the rank and heals it. With `[cluster]` the digest is a
+//! record of the shared log, checked by every replica at the same point
+//! (`crate::replica`).
 
 use kvroute_index::{BlockSetDigest, WorkerKey};
 use kvroute_proto::Digest;
