@@ -598,26 +598,27 @@ impl KvIndex {
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
+        let mut matches = Vec::new();
+        self.find_matches_into(local_hashes, &mut matches);
+        matches
+    }
+
+    /// [`Self::find_matches`] into a buffer the caller keeps: at fleet scale a
+    /// lookup returns thousands of workers, and allocating (and faulting in) the
+    /// result each time was a large share of it.
+    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) {
         // Walked again if a dump was swapped in or an index changed hands
         // meanwhile: the walk would otherwise show a dump's hidden bits, read
         // half built, as the worker's, or one worker's depth as another's.
-        let (matches, seqs) = loop {
+        let seqs = loop {
             let Some(epoch) = self.cells.epoch() else {
                 std::thread::yield_now();
                 continue;
             };
-            let (depths, seqs) = self.match_depths(local_hashes);
-            let mut matches = Vec::with_capacity(depths.len());
-            matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
-                let cell = self.cells.get(idx)?;
-                Some(WorkerMatch {
-                    worker: cell.live_worker()?,
-                    depth,
-                    total_blocks: cell.held.load(Ordering::Relaxed),
-                })
-            }));
+            matches.clear();
+            let seqs = self.walk(local_hashes, matches);
             if self.cells.unchanged(epoch) {
-                break (matches, seqs);
+                break seqs;
             }
         };
         if let Some(eviction) = &self.eviction {
@@ -628,7 +629,6 @@ impl KvIndex {
                 .lru
                 .touch(&seqs[..deepest as usize]);
         }
-        matches
     }
 
     /// Protects the blocks of a request's path from eviction until the guard is
@@ -714,18 +714,31 @@ impl KvIndex {
         }
     }
 
-    /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the keys of the path as deep as it was walked. One walk: keys are
-    /// chained lazily, as most long requests match only a short prefix, and
+    /// Pushes a match for every live worker holding at least block 0, and
+    /// returns the keys of the path as deep as it was walked. One walk: keys
+    /// are chained lazily, as most long requests match only a short prefix, and
     /// kept only for the LRU. The workers still matching are a bitset while
-    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list.
-    fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
+    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
+    /// intersected with each block's holders by a merge when both are long.
+    /// A worker's match is written as it drops out, without a list between.
+    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) -> Vec<u64> {
         enum Active {
             Bits(u64),
             Ids(Vec<u32>),
         }
+        let cells = &self.cells;
+        let emit = |matches: &mut Vec<WorkerMatch>, idx: u32, depth: u32| {
+            if let Some(cell) = cells.get(idx)
+                && let Some(worker) = cell.live_worker()
+            {
+                matches.push(WorkerMatch {
+                    worker,
+                    depth,
+                    total_blocks: cell.held.load(Ordering::Relaxed),
+                });
+            }
+        };
         let keep_path = self.eviction.is_some();
-        let mut depths = Vec::new();
         let mut path = Vec::new();
         let mut reader = ShardReader::new(&self.table);
         let mut parent = None;
@@ -741,51 +754,71 @@ impl KvIndex {
             if depth == 0 {
                 // The result is sized once, from the holders of block 0.
                 active = match holders {
-                    HolderSet::Bits(b) => {
-                        depths.reserve(b.count_ones() as usize);
-                        Active::Bits(b)
-                    }
-                    other => {
-                        let ids = other.ids();
-                        depths.reserve(ids.len());
-                        Active::Ids(ids)
-                    }
+                    HolderSet::Bits(b) => Active::Bits(b),
+                    other => Active::Ids(other.ids()),
                 };
+                let holding = match &active {
+                    Active::Bits(b) => b.count_ones() as usize,
+                    Active::Ids(ids) => ids.len(),
+                };
+                matches.reserve(holding);
                 if matches!(&active, Active::Bits(0))
                     || matches!(&active, Active::Ids(ids) if ids.is_empty())
                 {
-                    return (depths, path);
+                    return path;
                 }
                 continue;
             }
             let left = match &mut active {
                 Active::Bits(set) => {
                     let still = holders.mask(*set);
-                    depths.extend(bits(*set & !still, 0).map(|i| (i, depth)));
+                    bits(*set & !still, 0).for_each(|i| emit(matches, i, depth));
                     *set = still;
                     still != 0
                 }
                 Active::Ids(ids) => {
-                    ids.retain(|&i| {
-                        let keep = holders.contains(i);
-                        if !keep {
-                            depths.push((i, depth));
+                    match holders {
+                        HolderSet::Spilled(held) => {
+                            // Both sorted: a merge, or a search in what is left of
+                            // the holders per id when those are far more.
+                            let search = ids.len() * 8 < held.len();
+                            let mut at = 0;
+                            ids.retain(|&i| {
+                                if search {
+                                    at += held[at..].partition_point(|&h| h < i);
+                                } else {
+                                    while held.get(at).is_some_and(|&h| h < i) {
+                                        at += 1;
+                                    }
+                                }
+                                let keep = held.get(at) == Some(&i);
+                                if !keep {
+                                    emit(matches, i, depth);
+                                }
+                                keep
+                            });
                         }
-                        keep
-                    });
+                        other => ids.retain(|&i| {
+                            let keep = other.contains(i);
+                            if !keep {
+                                emit(matches, i, depth);
+                            }
+                            keep
+                        }),
+                    }
                     !ids.is_empty()
                 }
             };
             if !left {
-                return (depths, path);
+                return path;
             }
         }
         let full = local_hashes.len() as u32;
         match active {
-            Active::Bits(set) => depths.extend(bits(set, 0).map(|i| (i, full))),
-            Active::Ids(ids) => depths.extend(ids.into_iter().map(|i| (i, full))),
+            Active::Bits(set) => bits(set, 0).for_each(|i| emit(matches, i, full)),
+            Active::Ids(ids) => ids.into_iter().for_each(|i| emit(matches, i, full)),
         }
-        (depths, path)
+        path
     }
 
     /// The workers now, for walks that lock each in turn.
