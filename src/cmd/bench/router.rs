@@ -53,6 +53,9 @@ pub struct BenchRouterArgs {
     /// Tokenized requests for the throughput measurement.
     #[arg(long, default_value_t = 300)]
     throughput_requests: usize,
+    /// Fleet sizes the decision latency is measured at, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [64, 4000])]
+    workers: Vec<u64>,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -96,13 +99,10 @@ fn summary(name: &str, h: &Histogram<u64>) -> String {
 }
 
 pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
-    for (workers, prompt_tokens) in [
-        (64, 8 * 1024),
-        (64, 128 * 1024),
-        (4000, 8 * 1024),
-        (4000, 128 * 1024),
-    ] {
-        decision_latency(&args, workers, prompt_tokens)?;
+    for &workers in &args.workers {
+        for prompt_tokens in [8 * 1024, 128 * 1024] {
+            decision_latency(&args, workers, prompt_tokens)?;
+        }
     }
     // A Hugging Face tokenizer of real size, written for this run.
     let hf_dir = std::env::temp_dir().join(format!("kvroute-bench-cl100k-{}", std::process::id()));
