@@ -21,6 +21,7 @@ pub mod hash;
 pub mod index;
 mod lru;
 pub mod predicted;
+mod slots;
 mod table;
 pub mod timeline;
 
