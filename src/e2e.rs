@@ -9,6 +9,8 @@
 //! prediction from its `kvroute_predicted_cached_tokens_total` counter, both as
 //! cached over prompt tokens, so the two compare like for like.
 
+pub mod replicas;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -211,6 +213,27 @@ pub async fn run(
     trace: &[TraceRequest],
     replay: Replay,
 ) -> anyhow::Result<PolicyReport> {
+    let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
+    let predicted_before = token_sums(&fleet.router.state.render_metrics());
+    let (outcomes, duration_s) = replay_through(&[url], trace, replay).await;
+    let predicted_after = token_sums(&fleet.router.state.render_metrics());
+    Ok(report(
+        policy,
+        &fleet.workers,
+        &outcomes,
+        duration_s,
+        predicted_before,
+        predicted_after,
+    ))
+}
+
+/// Replays `trace` at its timestamps, request `i` to `urls[i % urls.len()]`;
+/// returns what the client saw of each request and how long it took.
+pub(crate) async fn replay_through(
+    urls: &[hyper::Uri],
+    trace: &[TraceRequest],
+    replay: Replay,
+) -> (Vec<Outcome>, f64) {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(1024)
         .build({
@@ -218,8 +241,6 @@ pub async fn run(
             connector.set_nodelay(true);
             connector
         });
-    let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
-    let predicted_before = predicted_token_sums(&fleet.router);
     let first_ts = trace.first().map_or(0, |r| r.timestamp_ms);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
@@ -236,7 +257,7 @@ pub async fn run(
         let hash_ids = request.hash_ids.clone();
         let input_length = request.input_length as usize;
         let client = client.clone();
-        let url = url.clone();
+        let url = urls[index % urls.len()].clone();
         tasks.push(tokio::spawn(async move {
             let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens, class);
             let mut outcome = send(&client, url, body).await.unwrap_or_default();
@@ -248,16 +269,7 @@ pub async fn run(
     for task in tasks {
         outcomes.push(task.await.unwrap_or_default());
     }
-    let duration_s = start.elapsed().as_secs_f64();
-    let predicted_after = predicted_token_sums(&fleet.router);
-    Ok(report(
-        policy,
-        fleet,
-        &outcomes,
-        duration_s,
-        predicted_before,
-        predicted_after,
-    ))
+    (outcomes, start.elapsed().as_secs_f64())
 }
 
 /// The streaming request body, written directly: a `serde_json::Value` of
@@ -335,9 +347,9 @@ pub(crate) async fn send(
     None
 }
 
-/// (predicted cached tokens, routed prompt tokens) so far, from the router's counters.
-fn predicted_token_sums(router: &Running) -> (f64, f64) {
-    let text = router.state.render_metrics();
+/// (predicted cached tokens, routed prompt tokens) so far, from a router's
+/// metrics text.
+pub(crate) fn token_sums(text: &str) -> (f64, f64) {
     let value = |name: &str| {
         text.lines()
             .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
@@ -376,9 +388,9 @@ pub fn jain(values: &[f64]) -> f64 {
     }
 }
 
-fn report(
+pub(crate) fn report(
     policy: Policy,
-    fleet: &Fleet,
+    fleet: &[Worker],
     outcomes: &[Outcome],
     duration_s: f64,
     predicted_before: (f64, f64),
@@ -392,7 +404,6 @@ fn report(
             .collect(),
     );
     let workers: Vec<WorkerLoad> = fleet
-        .workers
         .iter()
         .map(|w| {
             let (stats, _) = w.stats();
@@ -409,7 +420,7 @@ fn report(
     let prompt: u64 = workers.iter().map(|w| w.prompt_tokens).sum();
     let cached: u64 = workers.iter().map(|w| w.cached_tokens).sum();
     let routed_tokens = predicted_after.1 - predicted_before.1;
-    let pacing: Vec<_> = fleet.workers.iter().map(|w| w.pacing()).collect();
+    let pacing: Vec<_> = fleet.iter().map(|w| w.pacing()).collect();
     let steps: u64 = pacing.iter().map(|p| p.steps).sum();
     let total_lag: f64 = pacing.iter().map(|p| p.total_lag.as_secs_f64()).sum();
     let output: u64 = ok.iter().map(|o| o.output_tokens).sum();
@@ -431,11 +442,9 @@ fn report(
         })
         .collect();
     let eviction = fleet
-        .workers
         .first()
         .map_or_else(String::new, |w| w.eviction_policy().to_string());
     let figures: Vec<PolicyFigures> = fleet
-        .workers
         .iter()
         .flat_map(|w| w.eviction_figures())
         .filter(|f| f.policy == eviction)

@@ -282,3 +282,153 @@ async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_retu
         assert_eq!(applied, 3.0, "each event applied once:\n{text}");
     }
 }
+
+/// A replica's bookings are dropped on the others this long after it was last
+/// heard from (the tests' `load_expiry_ms`).
+const LOAD_EXPIRY: std::time::Duration = std::time::Duration::from_millis(1_500);
+
+/// The `[cluster]` section of replica `id`, sharing load with short periods.
+fn sharing_config(nats: &NatsServer, id: &str) -> String {
+    format!(
+        "{}load_full_state_ms = 200\nload_expiry_ms = {}\n",
+        nats.cluster_config(id),
+        LOAD_EXPIRY.as_millis()
+    )
+}
+
+/// (requests in flight, active blocks) of worker `id`'s rank 0 as `router` scores it.
+async fn load(router: &RouterProcess, id: u64) -> (u64, u64) {
+    let info = Http::default()
+        .get(&format!("{}/workers/{id}", router.http))
+        .await
+        .json();
+    let rank = &info["worker"]["ranks"][0];
+    (
+        rank["inflight_requests"].as_u64().unwrap_or(0),
+        rank["active_blocks"].as_u64().unwrap_or(0),
+    )
+}
+
+#[tokio::test]
+async fn bookings_on_one_replica_count_on_the_others_and_vanish_when_it_is_killed() {
+    let nats = NatsServer::start();
+    let mut routers: Vec<_> = (0..2)
+        .map(|i| RouterProcess::start(&sharing_config(&nats, &format!("r{i}"))))
+        .collect();
+    // The worker streams to replica 1, which outlives replica 0.
+    let http_worker = TestWorker::start(7).await;
+    http_worker.set_mode(Mode::Hold);
+    let _worker = GrpcWorker::connect(
+        &routers[1].grpc,
+        None,
+        register(7, &http_worker.url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    for router in &routers {
+        eventually("both replicas to route to the worker", || async {
+            worker_state(router, 7).await == "connected"
+        })
+        .await;
+    }
+
+    // A request through replica 0 is held by the worker: booked on replica 0
+    // (one request, 4 blocks of 16 tokens), and so on replica 1.
+    let url = format!("{}/v1/completions", routers[0].http);
+    let held = tokio::spawn(async move {
+        Http::default()
+            .post(&url, &completion("m", &tokens(0, 64)))
+            .await
+    });
+    eventually("the worker to hold the request", || async {
+        http_worker.inflight() == 1
+    })
+    .await;
+    assert_eq!(load(&routers[0], 7).await, (1, 4));
+    eventually("replica 1 to count replica 0's booking", || async {
+        load(&routers[1], 7).await == (1, 4)
+    })
+    .await;
+    // Replica 0's full states keep its booking alive past the expiry.
+    tokio::time::sleep(LOAD_EXPIRY + std::time::Duration::from_millis(500)).await;
+    assert_eq!(load(&routers[1], 7).await, (1, 4));
+
+    // Replica 0 dies (SIGKILL) with its booking: gone on replica 1 within the
+    // expiry (plus one sweep of a quarter of it, and slack for a busy machine).
+    routers.remove(0);
+    let killed = std::time::Instant::now();
+    let bound = LOAD_EXPIRY * 2 + std::time::Duration::from_secs(1);
+    while load(&routers[0], 7).await != (0, 0) {
+        assert!(
+            killed.elapsed() < bound,
+            "replica 0's booking still counted {:?} after it was killed",
+            killed.elapsed()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    http_worker.release();
+    let _ = held.await;
+}
+
+#[tokio::test]
+async fn sibling_requests_at_different_replicas_land_on_the_same_worker() {
+    let nats = NatsServer::start();
+    let routers: Vec<_> = (0..3)
+        .map(|i| RouterProcess::start(&sharing_config(&nats, &format!("r{i}"))))
+        .collect();
+    // Four idle workers that publish no events: only predictions tell where a
+    // prompt went.
+    let mut fleet = Vec::new();
+    for id in 1..=4 {
+        let http_worker = TestWorker::start(id).await;
+        let stream = GrpcWorker::connect(
+            &routers[(id % 3) as usize].grpc,
+            None,
+            register(id, &http_worker.url, &["m"], BLOCK_SIZE as u32),
+        )
+        .await
+        .unwrap();
+        fleet.push((http_worker, stream));
+    }
+    for router in &routers {
+        wait_registered(router, 4).await;
+    }
+    let http = Http::default();
+    for i in 0..4 {
+        let prompt = tokens(i * 1_000, 64);
+        let first = http
+            .post(
+                &format!("{}/v1/completions", routers[0].http),
+                &completion("m", &prompt),
+            )
+            .await;
+        assert_eq!(first.status, 200, "{}", first.text());
+        let worker = first.worker();
+        for router in &routers[1..] {
+            // The first request's prediction reaches the other replicas...
+            eventually(
+                "the other replicas to predict the first one's worker",
+                || async {
+                    let answer = http
+                        .post(
+                            &format!("{}/v1/route", router.http),
+                            &json!({"model": "m", "prompt": prompt}),
+                        )
+                        .await
+                        .json();
+                    answer["worker_id"] == worker && answer["overlap_blocks"] == 4
+                },
+            )
+            .await;
+            // ... and its siblings there land with it.
+            let sibling = http
+                .post(
+                    &format!("{}/v1/completions", router.http),
+                    &completion("m", &prompt),
+                )
+                .await;
+            assert_eq!(sibling.status, 200, "{}", sibling.text());
+            assert_eq!(sibling.worker(), worker, "prompt {i}");
+        }
+    }
+}

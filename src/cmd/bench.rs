@@ -5,6 +5,7 @@ mod e2e;
 mod index;
 mod router;
 mod saturation;
+mod service;
 mod soak;
 mod tokenize;
 
@@ -28,6 +29,10 @@ enum BenchTarget {
     /// (restarts, leaves, joins): the router's memory, descriptors and tasks at
     /// start and end, and failed requests.
     Soak(soak::SoakArgs),
+    /// One router process at fleet scale: thousands of streamed workers, about
+    /// a million indexed blocks, requests routed at a fixed rate; its memory,
+    /// CPU per request and event-apply lag.
+    Service(service::ServiceArgs),
     /// The router process of `bench router`'s separated proxy measurement.
     #[command(hide = true)]
     RouterProxy(router::RouterProxyArgs),
@@ -39,6 +44,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchTarget::Router(args) => router::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
         BenchTarget::Soak(args) => soak::run(args),
+        BenchTarget::Service(args) => service::run(args),
         BenchTarget::RouterProxy(args) => router::router_proxy(args),
     }
 }

@@ -8,7 +8,8 @@ use std::time::Duration;
 use async_nats::connection::State;
 use async_nats::jetstream::{self, consumer};
 use futures_util::StreamExt;
-use kvroute_router::replica::{Replica, ReplicaApplier};
+use kvroute_router::metrics;
+use kvroute_router::replica::{Record, Replica, ReplicaApplier};
 use kvroute_router::state::AppState;
 use tokio::sync::watch;
 
@@ -84,7 +85,18 @@ async fn read(
         let seq = info.stream_sequence;
         let pending = info.pending;
         match record::decode(message.headers.as_ref(), &message.payload) {
-            Ok(record) => applier.apply(seq, record).await,
+            Ok(record) => {
+                let events = matches!(record, Record::Events { .. });
+                applier.apply(seq, record).await;
+                // Batches only, and only live ones: a replay from the start
+                // is not lag.
+                if events
+                    && *caught_up_at <= Some(seq)
+                    && let Some(lag) = record::since_sent(message.headers.as_ref())
+                {
+                    ::metrics::histogram!(metrics::CLUSTER_APPLY_LAG).record(lag.as_secs_f64());
+                }
+            }
             Err(e) => tracing::warn!(seq, "unreadable record skipped: {e}"),
         }
         *applied = seq;

@@ -5,12 +5,14 @@
 //! The router's side is the seam in `kvroute_router::replica`: a held stream
 //! appends its records to the [`log`] instead of applying them, and every
 //! replica applies the one stream of records in order ([`follow`]).
-//! Registrations live in a KV bucket with a TTL ([`registrations`]). Without
+//! Registrations live in a KV bucket with a TTL ([`registrations`]). Replicas'
+//! bookings and predictions go over core NATS ([`load`]). Without
 //! `[cluster]` in the config nothing here runs. DESIGN.md beside this crate
 //! says what is ordered, acked and de-duplicated, and what can race.
 
 pub mod error;
 pub mod follow;
+pub mod load;
 pub mod log;
 pub mod record;
 pub mod registrations;
@@ -82,6 +84,11 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
         replica_id,
         stopped.clone(),
     )));
+    if cluster.share_load {
+        for task in load::share(client.clone(), Arc::clone(&state), stopped.clone()).await? {
+            running.add_task(task);
+        }
+    }
     running.add_task(tokio::spawn(follow::watch_connection(
         client, replica, stopped,
     )));

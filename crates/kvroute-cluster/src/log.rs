@@ -74,7 +74,8 @@ impl EventLog for NatsLog {
             let pieces = split.as_deref().unwrap_or(std::slice::from_ref(&record));
             let mut sequence = 0;
             for piece in pieces {
-                let (subject, headers, payload) = record::encode(piece);
+                let (subject, mut headers, payload) = record::encode(piece);
+                record::stamp_sent(&mut headers);
                 let stored = async {
                     js.publish_with_headers(subject, headers, payload)
                         .await?

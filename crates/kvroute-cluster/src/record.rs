@@ -19,6 +19,26 @@ const KIND: &str = "Kvroute-Kind";
 const WORKER: &str = "Kvroute-Worker";
 const CLAIM: &str = "Kvroute-Claim";
 const RANK: &str = "Kvroute-Rank";
+/// When the holder took the record from its worker's queue, in microseconds
+/// since the Unix epoch: every replica measures its apply lag from it.
+const SENT: &str = "Kvroute-Sent";
+
+/// Stamps `headers` with the time now (see [`SENT`]).
+pub fn stamp_sent(headers: &mut HeaderMap) {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros();
+    headers.insert(SENT, micros.to_string().as_str());
+}
+
+/// How long ago the record was stamped; `None` without a stamp (or with a
+/// clock that went back).
+pub fn since_sent(headers: Option<&HeaderMap>) -> Option<std::time::Duration> {
+    let micros: u64 = headers?.get(SENT)?.as_str().parse().ok()?;
+    let sent = std::time::UNIX_EPOCH + std::time::Duration::from_micros(micros);
+    std::time::SystemTime::now().duration_since(sent).ok()
+}
 
 #[derive(Serialize, Deserialize)]
 struct ClaimBody {

@@ -66,6 +66,7 @@ impl Registry {
                 .prefill_seconds_per_token
                 .map(|rate| Duration::from_secs_f64(rate * prefill_tokens as f64));
             fleet.rekey(key, &self.limits);
+            self.note_booking(fleet, key);
         }
         let ticket = fleet.workers.get_mut(&key.worker_id).map(|worker| {
             worker.last_request = std::time::Instant::now();
@@ -100,6 +101,7 @@ impl Registry {
                 rank.booked_requests = rank.booked_requests.saturating_sub(1);
             }
             fleet.rekey(key, &self.limits);
+            self.note_booking(fleet, key);
         }
     }
 }

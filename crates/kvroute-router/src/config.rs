@@ -283,6 +283,12 @@ pub struct ClusterConfig {
     pub stream_max_bytes: i64,
     /// A worker's registration lives this long unless its replica refreshes it.
     pub registration_ttl_ms: u64,
+    /// Share bookings and predictions with the other replicas (core NATS).
+    pub share_load: bool,
+    /// Each replica sends all its bookings this often, besides every change.
+    pub load_full_state_ms: u64,
+    /// A replica not heard from for this long: its bookings are dropped.
+    pub load_expiry_ms: u64,
 }
 
 impl ClusterConfig {
@@ -299,6 +305,9 @@ impl Default for ClusterConfig {
             stream_max_age_s: 3_600,
             stream_max_bytes: 1 << 30,
             registration_ttl_ms: 10_000,
+            share_load: true,
+            load_full_state_ms: 500,
+            load_expiry_ms: 3_000,
         }
     }
 }
@@ -577,6 +586,17 @@ impl Config {
                 "cluster.registration_ttl_ms must be at least 1000 and cluster.stream_max_age_s at least 1".into(),
             );
         }
+        // An expiry within two full states would drop a live replica's load
+        // whenever one of its messages is late.
+        if c.enabled()
+            && c.share_load
+            && (c.load_full_state_ms < 10 || c.load_expiry_ms < 2 * c.load_full_state_ms)
+        {
+            return fail(format!(
+                "cluster.load_full_state_ms must be at least 10 and cluster.load_expiry_ms ({}) at least twice it ({})",
+                c.load_expiry_ms, c.load_full_state_ms
+            ));
+        }
         self.validate_durations()?;
         if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.resync_timeout_ms) {
             return fail(format!(
@@ -662,6 +682,11 @@ impl Config {
                 "cluster.registration_ttl_ms",
                 self.cluster.registration_ttl_ms,
             ),
+            (
+                "cluster.load_full_state_ms",
+                self.cluster.load_full_state_ms,
+            ),
+            ("cluster.load_expiry_ms", self.cluster.load_expiry_ms),
         ] {
             if ms > MAX_DURATION_MS {
                 return Err(RouterError::Config(format!(

@@ -10,8 +10,9 @@
 //! worker stream may write the index, and [`verify`] checks the index against
 //! the digests workers send; [`server`] starts the listeners,
 //! background tasks and the graceful shutdown. With `[cluster]`, [`replica`] is
-//! the seam through which replicas share their workers' events (the NATS side
-//! lives in `kvroute-cluster`). [`config`], [`error`],
+//! the seam through which replicas share their workers' events, and
+//! [`shared_load`] the one through which they share bookings and predictions
+//! (the NATS side lives in `kvroute-cluster`). [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
@@ -30,6 +31,7 @@ pub mod replica;
 pub mod scheduler;
 pub mod series;
 pub mod server;
+pub mod shared_load;
 pub mod state;
 pub mod tokenize;
 pub mod upstream;

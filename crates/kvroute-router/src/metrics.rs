@@ -56,6 +56,7 @@ pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
 pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
 pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
+pub const CLUSTER_APPLY_LAG: &str = "kvroute_cluster_apply_lag_seconds";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
@@ -206,6 +207,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Replicas: batches and dumps the event log did not take, applied here only",
     ),
     (
+        CLUSTER_APPLY_LAG,
+        "Replicas: from the holder taking a worker's batch to this replica applying it from the log",
+    ),
+    (
         TOKENIZER_CACHE_TOKENS,
         "Token ids of recent prompt text the tokenizer's cache holds (bounded by tokenizer_cache_tokens)",
     ),
@@ -219,6 +224,11 @@ pub const FAMILIES: &[(&str, &str)] = &[
 const SECONDS_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Finer below 10 ms: the apply lag's goal is a p99 of 5 ms on loopback.
+const APPLY_LAG_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.000_75, 0.001, 0.001_5, 0.002, 0.003, 0.004, 0.005, 0.007_5,
+    0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0,
 ];
 const RATIO_BUCKETS: &[f64] = &[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
 /// Signed token differences: 0 is exact, a block or two either way is rounding.
@@ -250,6 +260,9 @@ fn install() -> Renderer {
     let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
+        .and_then(|b| {
+            b.set_buckets_for_metric(Matcher::Full(CLUSTER_APPLY_LAG.into()), APPLY_LAG_BUCKETS)
+        })
         .and_then(|b| {
             b.set_buckets_for_metric(
                 Matcher::Full(CACHED_TOKENS_ERROR.into()),

@@ -26,12 +26,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvroute_index::WorkerKey;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use crate::breaker::Breaker;
 use crate::config::{Config, Policy};
 use crate::metrics;
+use crate::shared_load::RankLoad;
 
 /// What a worker tells about itself, over gRPC or in the config file (or, from
 /// another replica, in the cluster's registrations).
@@ -111,6 +112,8 @@ pub struct Rank {
     pub booked_requests: u32,
     pub booked_prefill_tokens: u64,
     pub booked_blocks: u64,
+    /// Other router replicas' bookings here, summed ([`crate::shared_load`]).
+    pub remote: RankLoad,
     pub reported: ReportedLoad,
     /// The rank's position in its groups' load order.
     pub load_key: u64,
@@ -123,19 +126,19 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Requests in flight: the router's bookings, or the worker's own count if higher
-    /// (other router replicas send it requests too).
+    /// Requests in flight: every replica's bookings, or the worker's own count
+    /// if higher (its report may count requests no booking knows of).
     pub fn inflight(&self) -> u64 {
         let reported = self.reported.running_requests as u64 + self.reported.queued_requests as u64;
-        (self.booked_requests as u64).max(reported)
+        (self.booked_requests as u64 + self.remote.requests).max(reported)
     }
 
     pub fn prefill_tokens(&self) -> u64 {
-        self.booked_prefill_tokens.max(self.reported.prefill_tokens)
+        (self.booked_prefill_tokens + self.remote.prefill_tokens).max(self.reported.prefill_tokens)
     }
 
     pub fn active_blocks(&self) -> u64 {
-        self.booked_blocks.max(self.reported.kv_blocks_used)
+        (self.booked_blocks + self.remote.blocks).max(self.reported.kv_blocks_used)
     }
 }
 
@@ -166,6 +169,9 @@ pub struct Fleet {
     names: FxHashMap<String, NameUse>,
     /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
     pub(crate) tripped: BTreeSet<u64>,
+    /// Ranks whose bookings changed since other replicas were last told;
+    /// `None` unless bookings are shared ([`crate::shared_load`]).
+    pub(crate) changed_bookings: Option<FxHashSet<WorkerKey>>,
 }
 
 /// Tunables the registry needs from the config.
@@ -203,6 +209,8 @@ pub struct Registry {
     pub released: tokio::sync::Notify,
     /// The last registration's generation.
     generations: AtomicU64,
+    /// Signalled when a booking changes while bookings are shared.
+    pub bookings_changed: tokio::sync::Notify,
 }
 
 /// A worker as `/workers` shows it.
@@ -246,9 +254,11 @@ impl Registry {
                 groups: FxHashMap::default(),
                 names: FxHashMap::default(),
                 tripped: BTreeSet::new(),
+                changed_bookings: None,
             }),
             released: tokio::sync::Notify::new(),
             generations: AtomicU64::new(0),
+            bookings_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -496,6 +506,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         booked_requests: 0,
         booked_prefill_tokens: 0,
         booked_blocks: 0,
+        remote: RankLoad::default(),
         reported: ReportedLoad::default(),
         load_key: 0,
         prefill_seconds_per_token: None,

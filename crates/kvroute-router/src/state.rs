@@ -19,6 +19,7 @@ use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
+use crate::shared_load::SharedPrediction;
 use crate::tokenize::RouterTokenizer;
 use crate::upstream::Upstream;
 use crate::writers::Writers;
@@ -37,6 +38,9 @@ pub struct AppState {
     pub writers: Writers,
     /// Set once at start with `[cluster]`: this replica's side of the shared log.
     pub replica: std::sync::OnceLock<Arc<Replica>>,
+    /// Set once at start with `[cluster]` sharing load: where this replica's
+    /// predictions go for the others ([`crate::shared_load`]).
+    pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
     /// Requests currently waiting for a non-busy worker.
     queued: AtomicUsize,
     /// A test hook: while a test holds it for writing, event batches and dumps
@@ -118,6 +122,7 @@ impl AppState {
             metrics,
             writers: Writers::default(),
             replica: std::sync::OnceLock::new(),
+            shared_predictions: std::sync::OnceLock::new(),
             queued: AtomicUsize::new(0),
             ingest_gate: tokio::sync::RwLock::new(()),
         }))
@@ -148,6 +153,15 @@ impl AppState {
             Instant::now(),
             std::time::Duration::from_millis(ttl_ms),
         );
+        if let Some(share) = self.shared_predictions.get() {
+            // Full: the transport is behind; a lost prediction costs a hit at worst.
+            let _ = share.try_send(SharedPrediction {
+                worker_id: routed.decision.worker.worker_id,
+                dp_rank: routed.decision.worker.dp_rank,
+                ttl_ms,
+                local_hashes: hashes.to_vec(),
+            });
+        }
     }
 
     /// Chooses a worker for `name` without waiting or booking: 404 for a name

@@ -30,13 +30,12 @@ type Ids = Arc<[u32]>;
 /// entries.
 #[derive(Clone, Copy)]
 pub(crate) enum Kind {
-    /// A completions prompt, with the special tokens the engine adds by default
-    /// (Hugging Face).
+    /// A whole completions prompt, with the special tokens the engine adds
+    /// by default (Hugging Face, when its prompts cannot be cut).
     Prompt,
-    /// A chunk of a rendered chat template, without added special tokens
-    /// (Hugging Face).
-    Chat,
-    /// A chunk of ordinary text: a completions prompt or a message (tiktoken).
+    /// A chunk of text encoded without added special tokens: tiktoken's
+    /// prompts and messages, a Hugging Face tokenizer's rendered chats and
+    /// (before its BOS, say, is added) prompts.
     Text,
 }
 
@@ -151,7 +150,7 @@ mod tests {
         let again = cache.get_or_tokenize(Kind::Prompt, "abc", counted).unwrap();
         assert_eq!(first, again);
         assert_eq!(calls.get(), 1);
-        cache.get_or_tokenize(Kind::Chat, "abc", counted).unwrap();
+        cache.get_or_tokenize(Kind::Text, "abc", counted).unwrap();
         assert_eq!(calls.get(), 2);
         let stats = cache.stats();
         assert_eq!((stats.hit_tokens, stats.tokenized_tokens), (3, 6));

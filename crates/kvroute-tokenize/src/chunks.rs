@@ -20,16 +20,21 @@
 //! tests check against tokenizing it whole.
 //!
 //! Which cuts are safe depends on the tokenizer ([`Cuts`]):
-//! - tiktoken (cl100k_base, o200k_base): just after a line feed that is followed
-//!   by an ASCII letter or digit. Both split patterns put a piece boundary
-//!   there and nowhere inside a piece can a line feed be followed by a letter or
-//!   a digit (pieces holding a line feed are whitespace runs, which stop at the
-//!   letter, or symbol runs ending in line feeds, which o200k_base lets continue
-//!   only with `/`); the pieces before it end the same way whatever letter or
-//!   digit follows, and no alternative looks behind. BPE runs within pieces.
-//! - Hugging Face: just after an added token such as `<|eot_id|>`, which the
-//!   `tokenizers` crate splits out before anything else and encodes each part
-//!   between such tokens on its own (see [`crate::hf`] for when that holds).
+//! - line starts (tiktoken's cl100k_base and o200k_base, and Hugging Face
+//!   tokenizers that split as cl100k_base does, see [`crate::hf`]): just after
+//!   a line feed that is followed by an ASCII letter or digit. Both split
+//!   patterns put a piece boundary there and nowhere inside a piece can a line
+//!   feed be followed by a letter or a digit (pieces holding a line feed are
+//!   whitespace runs, which stop at the letter, or symbol runs ending in line
+//!   feeds, which o200k_base lets continue only with `/`); the pieces before
+//!   it end the same way whatever letter or digit follows, and no alternative
+//!   looks behind. BPE runs within pieces.
+//! - added tokens (Hugging Face): just after an added token such as
+//!   `<|eot_id|>`, which the `tokenizers` crate splits out before anything
+//!   else and encodes each part between such tokens on its own (see
+//!   [`crate::hf`] for when that holds).
+//!
+//! A tokenizer may allow both; the text is then cut at whichever comes first.
 
 use aho_corasick::AhoCorasick;
 
@@ -41,44 +46,47 @@ use crate::cache::{Kind, TokenCache};
 pub(crate) const MIN_CHUNK_BYTES: usize = 1024;
 
 /// Where a tokenizer's text may be cut safely.
-pub(crate) enum Cuts {
-    /// After `\n` followed by an ASCII letter or digit (tiktoken encodings).
-    LineStart,
-    /// After a match of `added` (leftmost-longest, as `tokenizers` finds added
-    /// tokens) whose pattern index `safe_after` marks (Hugging Face).
-    AddedTokens {
-        added: AhoCorasick,
-        safe_after: Vec<bool>,
-    },
+pub(crate) struct Cuts {
+    /// After `\n` followed by an ASCII letter or digit.
+    line_starts: bool,
+    /// After an added token.
+    added_tokens: Option<AddedTokenCuts>,
+}
+
+/// After a match of `matcher` (leftmost-longest, as `tokenizers` finds added
+/// tokens) whose pattern index `safe_after` marks.
+pub(crate) struct AddedTokenCuts {
+    pub(crate) matcher: AhoCorasick,
+    pub(crate) safe_after: Vec<bool>,
 }
 
 impl Cuts {
+    /// Cuts at line starts only (tiktoken).
+    pub(crate) const LINE_STARTS: Cuts = Cuts {
+        line_starts: true,
+        added_tokens: None,
+    };
+
+    pub(crate) fn new(line_starts: bool, added_tokens: Option<AddedTokenCuts>) -> Option<Self> {
+        (line_starts || added_tokens.is_some()).then_some(Cuts {
+            line_starts,
+            added_tokens,
+        })
+    }
+
     /// The first safe cut at or after `from`, or `None` if there is none before
     /// the end of `text`.
+    #[cfg(test)]
     pub(crate) fn next(&self, text: &str, from: usize) -> Option<usize> {
-        let bytes = text.as_bytes();
-        match self {
-            Cuts::LineStart => {
-                let mut at = from.checked_sub(1)?;
-                while at + 1 < bytes.len() {
-                    let newline = at + memchr::memchr(b'\n', &bytes[at..bytes.len() - 1])?;
-                    if bytes[newline + 1].is_ascii_alphanumeric() {
-                        return Some(newline + 1);
-                    }
-                    at = newline + 1;
-                }
-                None
-            }
-            Cuts::AddedTokens { added, safe_after } => {
-                // Matches must be found from the start, as `tokenizers` finds
-                // them: one that started before `from` may end after it.
-                added
-                    .find_iter(bytes)
-                    .find(|m| m.end() >= from && safe_after[m.pattern().as_usize()])
-                    .map(|m| m.end())
-                    .filter(|&end| end < bytes.len())
-            }
-        }
+        let line = self
+            .line_starts
+            .then(|| next_line_start(text, from))
+            .flatten();
+        let added = self
+            .added_tokens
+            .as_ref()
+            .and_then(|added| added.safe_ends(text).find(|&end| end >= from));
+        earliest(line, added)
     }
 
     /// The ids of `text`: chunk by chunk, each from `cache` or `encode`d and
@@ -92,30 +100,75 @@ impl Cuts {
     ) -> Result<Vec<u32>, TokenizeError> {
         // About 4 bytes of English per token.
         let mut ids = Vec::with_capacity(text.len() / 4 + 16);
+        self.encode_into(cache, kind, text, encode, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// [`Self::encode`], appending to `ids`.
+    pub(crate) fn encode_into(
+        &self,
+        cache: &TokenCache,
+        kind: Kind,
+        text: &str,
+        encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
         let mut start = 0;
         // Added-token matches are found once, then consumed in order.
-        let mut matches = match self {
-            Cuts::LineStart => None,
-            Cuts::AddedTokens { added, safe_after } => Some(
-                added
-                    .find_iter(text.as_bytes())
-                    .filter(|m| safe_after[m.pattern().as_usize()])
-                    .map(|m| m.end())
-                    .filter(|&end| end < text.len()),
-            ),
-        };
+        let mut added_ends = self.added_tokens.as_ref().map(|a| a.safe_ends(text));
+        let mut next_added = None;
         while start < text.len() {
             let from = start + MIN_CHUNK_BYTES;
-            let cut = match &mut matches {
-                None => self.next(text, from),
-                Some(ends) => ends.find(|&end| end >= from),
-            };
-            let end = cut.unwrap_or(text.len());
+            let line = self
+                .line_starts
+                .then(|| next_line_start(text, from))
+                .flatten();
+            if let Some(ends) = &mut added_ends
+                && next_added.is_none_or(|end| end < from)
+            {
+                next_added = ends.find(|&end| end >= from);
+            }
+            let end = earliest(line, next_added).unwrap_or(text.len());
             let chunk = cache.get_or_tokenize(kind, &text[start..end], &encode)?;
             ids.extend_from_slice(&chunk);
             start = end;
         }
-        Ok(ids)
+        Ok(())
+    }
+}
+
+impl AddedTokenCuts {
+    /// The ends of the safe added tokens in `text`, in order, except at its
+    /// end. Matches must be found from the start, as `tokenizers` finds them:
+    /// one that starts before a position may end after it.
+    fn safe_ends<'a>(&'a self, text: &'a str) -> impl Iterator<Item = usize> + 'a {
+        self.matcher
+            .find_iter(text.as_bytes())
+            .filter(|m| self.safe_after[m.pattern().as_usize()])
+            .map(|m| m.end())
+            .filter(move |&end| end < text.len())
+    }
+}
+
+/// The first position at or after `from` just after a `\n` that is followed
+/// by an ASCII letter or digit.
+fn next_line_start(text: &str, from: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let mut at = from.checked_sub(1)?;
+    while at + 1 < bytes.len() {
+        let newline = at + memchr::memchr(b'\n', &bytes[at..bytes.len() - 1])?;
+        if bytes[newline + 1].is_ascii_alphanumeric() {
+            return Some(newline + 1);
+        }
+        at = newline + 1;
+    }
+    None
+}
+
+fn earliest(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -165,7 +218,7 @@ mod tests {
             for bpe in [tiktoken_rs::cl100k_base_singleton(), tiktoken_rs::o200k_base_singleton()] {
                 let Some(whole) = reference(bpe, &text) else { continue };
                 let mut at = 1;
-                while let Some(cut) = Cuts::LineStart.next(&text, at) {
+                while let Some(cut) = Cuts::LINE_STARTS.next(&text, at) {
                     let (Some(mut joined), Some(rest)) =
                         (reference(bpe, &text[..cut]), reference(bpe, &text[cut..]))
                     else {
@@ -182,7 +235,7 @@ mod tests {
     fn cuts(text: &str, from: usize) -> Vec<usize> {
         let mut found = Vec::new();
         let mut at = from;
-        while let Some(cut) = Cuts::LineStart.next(text, at) {
+        while let Some(cut) = Cuts::LINE_STARTS.next(text, at) {
             found.push(cut);
             at = cut + 1;
         }
@@ -195,7 +248,7 @@ mod tests {
         assert_eq!(cuts(text, 1), [3, 7, 17]);
         assert_eq!(cuts(text, 4), [7, 17]);
         assert_eq!(cuts(text, 0), Vec::<usize>::new(), "0 is never a cut");
-        assert_eq!(Cuts::LineStart.next("ab\n", 1), None, "not at the end");
+        assert_eq!(Cuts::LINE_STARTS.next("ab\n", 1), None, "not at the end");
     }
 
     #[test]
@@ -204,10 +257,14 @@ mod tests {
             .match_kind(aho_corasick::MatchKind::LeftmostLongest)
             .build(["<a>", "<b>", "<a>x"])
             .unwrap();
-        let cuts = Cuts::AddedTokens {
-            added,
-            safe_after: vec![true, false, true],
-        };
+        let cuts = Cuts::new(
+            false,
+            Some(AddedTokenCuts {
+                matcher: added,
+                safe_after: vec![true, false, true],
+            }),
+        )
+        .unwrap();
         let text = "0<a>12<b>3<a>x4<a>";
         assert_eq!(cuts.next(text, 0), Some(4));
         assert_eq!(
@@ -219,6 +276,28 @@ mod tests {
     }
 
     #[test]
+    fn with_both_kinds_the_earliest_cut_wins() {
+        let added = AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(["<a>"])
+            .unwrap();
+        let cuts = Cuts::new(
+            true,
+            Some(AddedTokenCuts {
+                matcher: added,
+                safe_after: vec![true],
+            }),
+        )
+        .unwrap();
+        let text = "x\ny<a>z\nw<a>";
+        assert_eq!(cuts.next(text, 1), Some(2));
+        assert_eq!(cuts.next(text, 3), Some(6));
+        assert_eq!(cuts.next(text, 7), Some(8));
+        assert_eq!(cuts.next(text, 9), None, "not at the end");
+        assert!(Cuts::new(false, None).is_none());
+    }
+
+    #[test]
     fn chunks_are_cached_and_joined_in_order() {
         let cache = TokenCache::new(1 << 20);
         let line = "x".repeat(MIN_CHUNK_BYTES);
@@ -226,13 +305,13 @@ mod tests {
         let bytes = |text: &str| -> Result<Vec<u32>, TokenizeError> {
             Ok(text.bytes().map(u32::from).collect())
         };
-        let ids = Cuts::LineStart
+        let ids = Cuts::LINE_STARTS
             .encode(&cache, Kind::Prompt, &text, bytes)
             .unwrap();
         assert_eq!(ids, bytes(&text).unwrap());
         let longer = format!("{text}\nc");
         let calls = std::cell::Cell::new(0);
-        let ids = Cuts::LineStart
+        let ids = Cuts::LINE_STARTS
             .encode(&cache, Kind::Prompt, &longer, |chunk| {
                 calls.set(calls.get() + 1);
                 bytes(chunk)

@@ -6,25 +6,52 @@
 //! encoded with the tokenizer's added special tokens (a Llama BOS, say), a
 //! rendered chat template without them, because the template writes its own.
 //!
-//! A rendered chat is cached in chunks cut just after added tokens (the
-//! `chunks` module), which `tokenizers` splits out first, encoding the text
-//! between them part by part. That makes the cut exact unless the tokenizer
-//! relates parts to each other, which [`chat_cuts`] checks: an added token that
-//! swallows the spaces after it (`rstrip`) is no cut; a `single_word` added
-//! token (matched by what is around it), a Metaspace pre-tokenizer prepending
-//! `▁` to the first part only (`prepend_scheme: first`), and truncation or
-//! padding turn chunking off (the whole text is cached as one entry).
+//! Rendered chats and completions prompts are cached in chunks (the `chunks`
+//! module), cut where [`cuts`] finds that `tokenizers` cannot join what is on
+//! either side:
+//! - just after an added token, which `tokenizers` splits out first, encoding
+//!   the text between them part by part. That makes the cut exact unless the
+//!   tokenizer relates parts to each other: an added token that swallows the
+//!   spaces after it (`rstrip`) is no cut; a `single_word` added token
+//!   (matched by what is around it), a Metaspace pre-tokenizer prepending `▁`
+//!   to the first part only (`prepend_scheme: first`), and truncation or
+//!   padding turn chunking off (the whole text is cached as one entry).
+//! - at line starts (see `chunks`), when the tokenizer splits as cl100k_base
+//!   does: no normalizer, and a pre-tokenizer that is cl100k_base's split
+//!   pattern (Llama 3's too) then a byte-level mapping without a prefix space
+//!   ([`splits_as_cl100k`]). The model then sees the same pieces either way,
+//!   and encodes each on its own. No added token may hold a line feed (it
+//!   could span the cut) or strip the spaces before it (it could swallow the
+//!   line feed).
+//!
+//! Such a tokenizer is also run faster: the pieces are found by this crate's
+//! cl100k_base splitter (`split` module; the property tests check it against
+//! `tokenizers`' own split), and each thread remembers recent pieces' ids
+//! (`pieces` module), so the model runs only on pieces not seen lately and
+//! none of `tokenizers`' per-piece bookkeeping (normalized strings, offsets,
+//! the encoding's other vectors) is done. Text holding an added token goes
+//! through `tokenizers` as it is.
+//!
+//! A completions prompt is cut like a chat and encoded without special
+//! tokens; the post-processor's BOS (or other fixed tokens around the
+//! sequence, [`special_affixes`]) is then put around the ids. A post-processor
+//! that does anything else keeps prompts whole.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value;
+use thread_local::ThreadLocal;
+use tokenizers::Model;
 
 use crate::TokenizeError;
 use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
-use crate::chunks::Cuts;
+use crate::chunks::{AddedTokenCuts, Cuts};
+use crate::pieces::PieceCache;
+use crate::split::piece_end;
 
 /// The special tokens transformers hands to chat templates by name.
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -41,8 +68,23 @@ pub(crate) struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The chat template, or why there is none.
     chat: Result<ChatTemplate, String>,
-    /// Where a rendered chat may be cut; `None`: nowhere.
+    /// Where a rendered chat or a prompt may be cut; `None`: nowhere.
     cuts: Option<Cuts>,
+    /// The ids the post-processor puts before and after a prompt's, when it
+    /// does nothing else; `None`: prompts are encoded whole.
+    affixes: Option<(Vec<u32>, Vec<u32>)>,
+    /// The fast path, for a tokenizer that [`splits_as_cl100k`].
+    pieces: Option<Pieces>,
+}
+
+/// What encoding by pieces needs (see the module's doc).
+struct Pieces {
+    /// Every added token: text holding one goes through `tokenizers`.
+    added: Option<AhoCorasick>,
+    /// The byte-level alphabet the model's vocabulary is written in.
+    byte_chars: [char; 256],
+    /// Each thread's cache of recent pieces' ids.
+    cache: ThreadLocal<RefCell<PieceCache>>,
 }
 
 impl HfTokenizer {
@@ -75,12 +117,16 @@ impl HfTokenizer {
                 identity.extend_from_slice(&read(&path)?);
             }
         }
-        let cuts = chat_cuts(&tokenizer);
+        let cuts = cuts(&tokenizer);
+        let affixes = special_affixes(&tokenizer);
+        let pieces = splits_as_cl100k(&tokenizer).then(|| Pieces::new(&tokenizer));
         Ok((
             HfTokenizer {
                 tokenizer,
                 chat,
                 cuts,
+                affixes,
+                pieces,
             },
             identity,
         ))
@@ -92,12 +138,46 @@ impl HfTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(pieces) = &self.pieces
+            && !add_special_tokens
+            && !pieces
+                .added
+                .as_ref()
+                .is_some_and(|added| added.is_match(text))
+        {
+            return pieces.encode(self.tokenizer.get_model(), text);
+        }
         self.tokenizer
             .encode_fast(text, add_special_tokens)
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|error| TokenizeError::Encode {
                 message: error.to_string(),
             })
+    }
+
+    /// The ids of a completions prompt, with the special tokens the engine
+    /// adds by default, through `cache`: chunk by chunk where it can be cut
+    /// and the special tokens are fixed affixes, else whole.
+    pub(crate) fn encode_prompt(
+        &self,
+        text: &str,
+        cache: &TokenCache,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let (Some(cuts), Some((prefix, suffix))) = (&self.cuts, &self.affixes) else {
+            let ids = cache.get_or_tokenize(Kind::Prompt, text, |text| self.encode(text, true))?;
+            return Ok(ids.to_vec());
+        };
+        let mut ids = Vec::with_capacity(text.len() / 4 + 16);
+        ids.extend_from_slice(prefix);
+        cuts.encode_into(
+            cache,
+            Kind::Text,
+            text,
+            |text| self.encode(text, false),
+            &mut ids,
+        )?;
+        ids.extend_from_slice(suffix);
+        Ok(ids)
     }
 
     /// The ids of a rendered chat, without added special tokens, through
@@ -109,8 +189,8 @@ impl HfTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let encode = |text: &str| self.encode(text, false);
         match &self.cuts {
-            Some(cuts) => cuts.encode(cache, Kind::Chat, text, encode),
-            None => Ok(cache.get_or_tokenize(Kind::Chat, text, encode)?.to_vec()),
+            Some(cuts) => cuts.encode(cache, Kind::Text, text, encode),
+            None => Ok(cache.get_or_tokenize(Kind::Text, text, encode)?.to_vec()),
         }
     }
 
@@ -123,11 +203,75 @@ impl HfTokenizer {
     }
 }
 
-/// Where a rendered chat can be cut exactly: after an added token that
-/// `tokenizers` splits out of the raw text (not `normalized`) and that keeps
-/// the spaces after it (not `rstrip`). The matcher holds every non-normalized
-/// added token, as `tokenizers`' own does, so that it finds the same matches.
-fn chat_cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
+impl Pieces {
+    fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
+        let added: Vec<String> = tokenizer
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|token| token.content)
+            .collect();
+        Pieces {
+            added: (!added.is_empty())
+                .then(|| AhoCorasick::new(&added).ok())
+                .flatten(),
+            byte_chars: byte_chars(),
+            cache: ThreadLocal::new(),
+        }
+    }
+
+    /// The ids of `text`, which holds no added token, without special tokens:
+    /// cl100k_base's pieces, each from this thread's cache or `model`'s.
+    fn encode(
+        &self,
+        model: &tokenizers::ModelWrapper,
+        text: &str,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let mut cache = self.cache.get_or_default().borrow_mut();
+        let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let mut spelled = String::new();
+        let mut start = 0;
+        while start < text.len() {
+            let end = piece_end(bpe_openai::cl100k_base(), true, text, start);
+            cache.encode_into(&text.as_bytes()[start..end], &mut ids, |piece| {
+                spelled.clear();
+                spelled.extend(piece.iter().map(|&byte| self.byte_chars[byte as usize]));
+                let tokens = model
+                    .tokenize(&spelled)
+                    .map_err(|error| TokenizeError::Encode {
+                        message: error.to_string(),
+                    })?;
+                Ok(tokens.into_iter().map(|token| token.id).collect())
+            })?;
+            start = end;
+        }
+        Ok(ids)
+    }
+}
+
+/// GPT-2's byte-to-character map, which byte-level BPE vocabularies are
+/// written in: printable bytes stand for themselves, the others for 256 + n.
+fn byte_chars() -> [char; 256] {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut chars = ['\0'; 256];
+    let mut next = 256;
+    for byte in 0..=255u8 {
+        chars[byte as usize] = if printable(byte) {
+            char::from(byte)
+        } else {
+            next += 1;
+            char::from_u32(next - 1).unwrap_or('\0')
+        };
+    }
+    chars
+}
+
+/// Where a rendered chat or a prompt can be cut exactly (see the module's
+/// doc): after an added token that `tokenizers` splits out of the raw text (not
+/// `normalized`) and that keeps the spaces after it (not `rstrip`), and at line
+/// starts when the tokenizer [`splits_as_cl100k`]. The added-token matcher
+/// holds every non-normalized added token, as `tokenizers`' own does, so that
+/// it finds the same matches.
+fn cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
     if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
         return None;
     }
@@ -138,23 +282,102 @@ fn chat_cuts(tokenizer: &tokenizers::Tokenizer) -> Option<Cuts> {
     if prepends_first_only {
         return None;
     }
-    let mut added: Vec<_> = tokenizer
-        .get_added_tokens_decoder()
-        .into_values()
-        .filter(|token| !token.normalized)
-        .collect();
-    if added.is_empty() || added.iter().any(|token| token.single_word) {
+    let mut added: Vec<_> = tokenizer.get_added_tokens_decoder().into_values().collect();
+    if added.iter().any(|token| token.single_word) {
         return None;
     }
+    let line_starts = splits_as_cl100k(tokenizer)
+        && added
+            .iter()
+            .all(|token| !token.lstrip && !token.content.contains('\n'));
+    added.retain(|token| !token.normalized);
     added.sort_by(|a, b| a.content.cmp(&b.content));
-    let matcher = AhoCorasick::builder()
-        .match_kind(MatchKind::LeftmostLongest)
-        .build(added.iter().map(|token| &token.content))
-        .ok()?;
-    Some(Cuts::AddedTokens {
-        added: matcher,
-        safe_after: added.iter().map(|token| !token.rstrip).collect(),
-    })
+    let added_tokens = if added.is_empty() {
+        None
+    } else {
+        let matcher = AhoCorasick::builder()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(added.iter().map(|token| &token.content))
+            .ok()?;
+        Some(AddedTokenCuts {
+            matcher,
+            safe_after: added.iter().map(|token| !token.rstrip).collect(),
+        })
+    };
+    Cuts::new(line_starts, added_tokens)
+}
+
+/// cl100k_base's split pattern, as tiktoken and Llama 3's `tokenizer.json`
+/// write it.
+pub(crate) const CL100K_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Whether `tokenizer` cuts text into the pieces cl100k_base's pattern does,
+/// and only then maps them to byte-level characters: no normalizer, and the
+/// pre-tokenizer is a `Split` by [`CL100K_PATTERN`] (isolating each match)
+/// followed by a `ByteLevel` that neither splits again nor adds a space.
+fn splits_as_cl100k(tokenizer: &tokenizers::Tokenizer) -> bool {
+    if tokenizer.get_normalizer().is_some() {
+        return false;
+    }
+    let Some(pre) = tokenizer
+        .get_pre_tokenizer()
+        .and_then(|pre| serde_json::to_value(pre).ok())
+    else {
+        return false;
+    };
+    let field = |value: &Value, key: &str| value.get(key).cloned().unwrap_or(Value::Null);
+    let [split, byte_level] = match pre.get("pretokenizers").and_then(Value::as_array) {
+        Some(steps) if field(&pre, "type") == "Sequence" && steps.len() == 2 => {
+            [&steps[0], &steps[1]]
+        }
+        _ => return false,
+    };
+    field(split, "type") == "Split"
+        && field(&field(split, "pattern"), "Regex") == CL100K_PATTERN
+        && field(split, "behavior") == "Isolated"
+        && field(split, "invert") == false
+        && field(byte_level, "type") == "ByteLevel"
+        && field(byte_level, "add_prefix_space") == false
+        && field(byte_level, "use_regex") == false
+}
+
+/// The ids `tokenizer`'s post-processor puts before and after a sequence's
+/// (a BOS, say), if that is all it does: found by post-processing sequences
+/// of one and of two made-up ids, and checked on a real encoding.
+fn special_affixes(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let post_process = |ids: &[u32]| {
+        let n = ids.len();
+        let encoding = tokenizers::Encoding::new(
+            ids.to_vec(),
+            vec![0; n],
+            vec![String::new(); n],
+            vec![None; n],
+            vec![(0, 0); n],
+            vec![0; n],
+            vec![1; n],
+            Vec::new(),
+            Default::default(),
+        );
+        tokenizer
+            .post_process(encoding, None, true)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let around = |prefix: &[u32], ids: &[u32], suffix: &[u32]| [prefix, ids, suffix].concat();
+    let probe = [u32::MAX, u32::MAX - 1];
+    let one = post_process(&probe[..1])?;
+    let at = one.iter().position(|&id| id == probe[0])?;
+    let (prefix, suffix) = (&one[..at], &one[at + 1..]);
+    let fixed = post_process(&probe)? == around(prefix, &probe, suffix);
+    let encode = |add_special_tokens| {
+        tokenizer
+            .encode_fast("a", add_special_tokens)
+            .ok()
+            .map(|encoding| encoding.get_ids().to_vec())
+    };
+    let plain = encode(false)?;
+    let real = encode(true)? == around(prefix, &plain, suffix);
+    (fixed && real).then(|| (prefix.to_vec(), suffix.to_vec()))
 }
 
 /// Whether `key` is `value` anywhere in a serialized pre-tokenizer.

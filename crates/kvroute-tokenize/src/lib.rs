@@ -41,7 +41,7 @@ pub use spec::TokenizerSpec;
 
 use std::fmt;
 
-use cache::{Kind, TokenCache};
+use cache::TokenCache;
 use hf::HfTokenizer;
 use kvroute_index::{MultimodalItem, multimodal_identifier_hash};
 use tiktoken::TiktokenTokenizer;
@@ -121,12 +121,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         match &self.backend {
             Backend::Tiktoken(tiktoken) => tiktoken.encode_cached(text, &self.cache),
-            Backend::HuggingFace(hf) => {
-                let ids = self
-                    .cache
-                    .get_or_tokenize(Kind::Prompt, text, |text| hf.encode(text, true))?;
-                Ok(ids.to_vec())
-            }
+            Backend::HuggingFace(hf) => hf.encode_prompt(text, &self.cache),
         }
     }
 

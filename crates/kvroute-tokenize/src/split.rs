@@ -18,6 +18,30 @@
 //! caller asks the regex for that one piece; the property tests compare the
 //! result with tiktoken-rs on text that mixes both.
 
+/// Where the piece of `text` starting at `start` ends, as `bpe`'s split
+/// pattern cuts it: by [`ascii_piece_end`] where that decides and `by_hand`
+/// (cl100k_base only), else by `bpe`'s regex. `start` must be on a char
+/// boundary and less than `text.len()`. (The patterns look at nothing before
+/// a piece, so the first piece of `text[start..]` is the piece at `start`.)
+pub(crate) fn piece_end(
+    bpe: &bpe_openai::Tokenizer,
+    by_hand: bool,
+    text: &str,
+    start: usize,
+) -> usize {
+    let by_hand = by_hand
+        .then(|| ascii_piece_end(text.as_bytes(), start))
+        .flatten();
+    match by_hand {
+        Some(end) => end,
+        // A non-empty text has a first piece; the fallback only guards the loop.
+        None => bpe
+            .split(&text[start..])
+            .next()
+            .map_or(text.len(), |piece| start + piece.len()),
+    }
+}
+
 /// Where the cl100k_base piece starting at `start` ends, or `None` if that
 /// depends on a non-ASCII byte. `start` must be less than `text.len()`.
 pub(crate) fn ascii_piece_end(text: &[u8], start: usize) -> Option<usize> {

@@ -33,13 +33,14 @@
 //! and a growing prompt's head are not tokenized again.
 
 use std::cell::RefCell;
+use std::convert::Infallible;
 
 use thread_local::ThreadLocal;
 
 use crate::cache::{Kind, TokenCache};
 use crate::chunks::Cuts;
 use crate::pieces::PieceCache;
-use crate::split::ascii_piece_end;
+use crate::split::piece_end;
 use crate::{ChatMessage, TokenizeError};
 
 const IM_START: &str = "<|im_start|>";
@@ -103,24 +104,14 @@ impl TiktokenTokenizer {
     /// but only for encodings that ask for it, and neither of ours does.)
     pub(crate) fn encode(&self, text: &str) -> Vec<u32> {
         let mut pieces = self.pieces.get_or_default().borrow_mut();
-        let bytes = text.as_bytes();
         // About 4 bytes of English per token.
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
         let mut start = 0;
-        while start < bytes.len() {
-            let by_hand = self
-                .ascii_split
-                .then(|| ascii_piece_end(bytes, start))
-                .flatten();
-            let end = match by_hand {
-                Some(end) => end,
-                // Pieces are `str`s, so `start` is on a char boundary.
-                None => match self.bpe.split(&text[start..]).next() {
-                    Some(piece) => start + piece.len(),
-                    None => break,
-                },
-            };
-            pieces.encode_into(&self.bpe.bpe, &bytes[start..end], &mut ids);
+        while start < text.len() {
+            let end = piece_end(self.bpe, self.ascii_split, text, start);
+            let bpe = |piece: &[u8]| Ok(self.bpe.bpe.encode_via_backtracking(piece));
+            let Ok(()) =
+                pieces.encode_into::<Infallible>(&text.as_bytes()[start..end], &mut ids, bpe);
             start = end;
         }
         ids
@@ -132,7 +123,7 @@ impl TiktokenTokenizer {
         text: &str,
         cache: &TokenCache,
     ) -> Result<Vec<u32>, TokenizeError> {
-        Cuts::LineStart.encode(cache, Kind::Text, text, |chunk| Ok(self.encode(chunk)))
+        Cuts::LINE_STARTS.encode(cache, Kind::Text, text, |chunk| Ok(self.encode(chunk)))
     }
 
     pub(crate) fn apply_chat_template(

@@ -5,7 +5,9 @@
 //! of the workers' load. With `--eviction a,b,...` every routing policy runs
 //! once per eviction policy, and the table adds each eviction policy's goals
 //! (see `kvroute_sim::eviction`) and hit rate and TTFT per priority class
-//! (requests take classes 0, 1, 2 in turn). Writes JSON, and a chart with `--plot`.
+//! (requests take classes 0, 1, 2 in turn). With `--replicas N` the routers
+//! are replicas on NATS JetStream instead (see `crate::e2e::replicas`). Writes
+//! JSON, and a chart with `--plot`.
 
 use std::path::PathBuf;
 
@@ -17,7 +19,7 @@ use serde_json::json;
 use kvroute_sim::EngineConfig;
 
 use crate::cmd::sim::EngineArgs;
-use crate::e2e::{self, Fleet, PolicyReport, Replay};
+use crate::e2e::{self, Fleet, PolicyReport, Replay, replicas};
 use crate::plot::{LineChart, Series, write_line_chart};
 
 #[derive(Args)]
@@ -55,6 +57,11 @@ pub struct E2eArgs {
     /// Draw TTFT distributions and hit rates per policy to FILE.png or FILE.svg.
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
+    /// Route through router replicas on NATS JetStream instead: one replica,
+    /// N sharing load and N not sharing it, side by side (each a fresh
+    /// nats-server and `kvroute serve` processes; clients round-robin).
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
     /// Engines (the trace needs `--block-size 512` for its blocks to be engine blocks).
     #[command(flatten)]
     engine: EngineArgs,
@@ -73,6 +80,9 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         max_output_tokens: args.max_output_tokens,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    if let Some(replicas) = args.replicas {
+        return run_replicas(&args, replicas, &trace, &router, replay, &runtime);
+    }
     let reports = runtime.block_on(async {
         let mut reports = Vec::new();
         for &eviction in &evictions {
@@ -128,6 +138,98 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.plot {
         plot(path, &reports)?;
+    }
+    Ok(())
+}
+
+/// `--replicas N`: per eviction and routing policy, one replica, N sharing
+/// load, N not sharing it.
+fn run_replicas(
+    args: &E2eArgs,
+    replicas: usize,
+    trace: &[kvroute_trace::TraceRequest],
+    router: &kvroute_router::Config,
+    replay: Replay,
+    runtime: &tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        replicas >= 2,
+        "--replicas must be at least 2 (it is compared with 1)"
+    );
+    let engine = args.engine.engine_config();
+    let routers = replicas::Routers {
+        config: args.config.as_deref(),
+        block_size: engine.block_size,
+        speedup: engine.cost.speedup,
+        router,
+    };
+    let setups = [
+        replicas::Setup {
+            replicas: 1,
+            share_load: true,
+        },
+        replicas::Setup {
+            replicas,
+            share_load: true,
+        },
+        replicas::Setup {
+            replicas,
+            share_load: false,
+        },
+    ];
+    let mut tables = String::new();
+    let mut runs = Vec::new();
+    for &eviction in &args.engine.eviction {
+        let engine = EngineConfig {
+            eviction,
+            ..engine.clone()
+        };
+        for &policy in &args.policies {
+            let mut reports = Vec::new();
+            for setup in setups {
+                eprintln!(
+                    "bench e2e: {} requests under {} through {}, evicting with {eviction} ...",
+                    trace.len(),
+                    policy.as_str(),
+                    setup.label()
+                );
+                reports.push(runtime.block_on(replicas::run(
+                    setup,
+                    args.workers,
+                    &engine,
+                    &routers,
+                    policy,
+                    trace,
+                    replay,
+                ))?);
+            }
+            tables.push_str(&format!(
+                "
+{} routing, {eviction} eviction, {} engines:
+{}",
+                policy.as_str(),
+                engine.kind,
+                replicas::table(&reports)
+            ));
+            runs.extend(reports);
+        }
+    }
+    eprintln!("{tables}");
+    let report = json!({
+        "trace": args.trace,
+        "requests": trace.len(),
+        "workers": args.workers,
+        "replicas": replicas,
+        "engine": engine.kind.name(),
+        "speedup": args.engine.speedup,
+        "rate": args.rate,
+        "runs": runs,
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    match &args.json {
+        Some(path) => std::fs::write(path, text)
+            .with_context(|| format!("cannot write {}", path.display()))?,
+        None => println!("{text}"),
     }
     Ok(())
 }

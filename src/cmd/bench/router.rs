@@ -56,6 +56,9 @@ pub struct BenchRouterArgs {
     /// Fleet sizes the decision latency is measured at, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [64, 4000])]
     workers: Vec<u64>,
+    /// Only the tokenization parts: throughput and multi-turn (for profiling).
+    #[arg(long)]
+    tokenize_only: bool,
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -73,7 +76,7 @@ impl Lcg {
         self.0 >> 33
     }
 
-    fn tokens(&mut self, n: usize) -> Vec<u32> {
+    pub(super) fn tokens(&mut self, n: usize) -> Vec<u32> {
         (0..n).map(|_| (self.next() % 100_000) as u32).collect()
     }
 }
@@ -99,7 +102,12 @@ fn summary(name: &str, h: &Histogram<u64>) -> String {
 }
 
 pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
-    for &workers in &args.workers {
+    let workers = if args.tokenize_only {
+        &[][..]
+    } else {
+        &args.workers[..]
+    };
+    for &workers in workers {
         for prompt_tokens in [8 * 1024, 128 * 1024] {
             decision_latency(&args, workers, prompt_tokens)?;
         }
@@ -125,6 +133,9 @@ pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
     super::tokenize::multi_turn(&tiktoken, "tiktoken completions prompt", false)?;
     super::tokenize::multi_turn(&hf, "Hugging Face completions prompt", false)?;
     let _ = std::fs::remove_dir_all(&hf_dir);
+    if args.tokenize_only {
+        return Ok(());
+    }
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(super::saturation::sse_while_tokenizing(text_prompts(32), 4))?;
     runtime.block_on(proxy_same_process(&args))?;
@@ -472,7 +483,7 @@ fn throughput(args: &BenchRouterArgs, spec: &TokenizerSpec, label: &str) -> anyh
 }
 
 /// A stub worker answering every POST with a small completion.
-async fn stub_worker() -> anyhow::Result<std::net::SocketAddr> {
+pub(super) async fn stub_worker() -> anyhow::Result<std::net::SocketAddr> {
     let body: &'static str = r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
     let app = axum::Router::new()
         .route(
@@ -493,7 +504,7 @@ async fn stub_worker() -> anyhow::Result<std::net::SocketAddr> {
 
 pub(super) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-async fn post(client: &HttpClient, url: &str, body: &Bytes) -> anyhow::Result<()> {
+pub(super) async fn post(client: &HttpClient, url: &str, body: &Bytes) -> anyhow::Result<()> {
     let request = http::Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(body.clone()))?;
@@ -668,7 +679,7 @@ fn schedstat_ns(path: &std::path::Path) -> anyhow::Result<u64> {
 
 /// CPU time used so far by all threads of process `pid`, from the scheduler's
 /// per-thread statistics (nanoseconds, unlike the tick-counted /proc/PID/stat).
-fn process_cpu_ns(pid: u32) -> anyhow::Result<u64> {
+pub(super) fn process_cpu_ns(pid: u32) -> anyhow::Result<u64> {
     let mut total = 0;
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         total += schedstat_ns(&task?.path().join("schedstat"))?;

@@ -127,19 +127,25 @@ struct SoakReport {
 }
 
 /// `kvroute serve` on loopback ports, killed on drop.
-struct RouterProcess {
+pub(super) struct RouterProcess {
     child: Child,
-    http: String,
-    grpc: String,
+    pub(super) http: String,
+    pub(super) grpc: String,
 }
 
 impl RouterProcess {
     fn start(block_size: usize) -> anyhow::Result<Self> {
+        Self::start_with(block_size, "")
+    }
+
+    /// With `config` added to its configuration file.
+    pub(super) fn start_with(block_size: usize, config: &str) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("cannot find the kvroute binary")?;
         let block_size = block_size.to_string();
         // Warnings only: churn would log every registration.
+        let config_text = format!("[log]\nlevel = \"warn\"\n{config}");
         let config = std::env::temp_dir().join(format!("kvroute-soak-{}.toml", std::process::id()));
-        std::fs::write(&config, "[log]\nlevel = \"warn\"\n")?;
+        std::fs::write(&config, config_text)?;
         let mut child = Command::new(exe)
             .args(["serve", "--http-addr", "127.0.0.1:0", "--grpc-addr"])
             .args(["127.0.0.1:0", "--block-size", &block_size, "--config"])
@@ -165,7 +171,7 @@ impl RouterProcess {
         Ok(RouterProcess { child, http, grpc })
     }
 
-    fn pid(&self) -> u32 {
+    pub(super) fn pid(&self) -> u32 {
         self.child.id()
     }
 }

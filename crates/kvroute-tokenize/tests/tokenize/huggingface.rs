@@ -361,3 +361,98 @@ fn fingerprint_follows_the_files_not_their_path() {
     let tiktoken = Tokenizer::load(&"tiktoken:cl100k_base".parse().unwrap()).unwrap();
     assert_ne!(tiktoken.fingerprint(), a.fingerprint());
 }
+
+/// A prompt of `lines` lines of prose, each starting with a letter.
+fn prose_lines(lines: usize) -> String {
+    (0..lines)
+        .map(|i| {
+            format!(
+                "Line {i} says hello world to the router, {} times.\n",
+                i * 7
+            )
+        })
+        .collect()
+}
+
+/// The ids of `prompt` after `head` was encoded, and how many tokens that
+/// tokenized (the cache's misses).
+fn follow_up(tokenizer: &Tokenizer, head: &str, prompt: &str) -> (Vec<u32>, u64) {
+    tokenizer.encode(head).unwrap();
+    let before = tokenizer.cache_stats().tokenized_tokens;
+    let ids = tokenizer.encode(prompt).unwrap();
+    (ids, tokenizer.cache_stats().tokenized_tokens - before)
+}
+
+fn reference_ids(dir: &Path, prompt: &str) -> Vec<u32> {
+    tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+        .unwrap()
+        .encode_fast(prompt, true)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+#[test]
+fn a_grown_prompt_is_tokenized_only_in_its_new_part() {
+    let dir = llama3_dir("grown_prompt");
+    let tokenizer = load(&dir).unwrap();
+    let head = prose_lines(300);
+    let prompt = format!("{head}And one more line.\n");
+    let (ids, tokenized) = follow_up(&tokenizer, &head, &prompt);
+    assert_eq!(ids, reference_ids(&dir, &prompt));
+    assert_eq!(ids[0], BEGIN_OF_TEXT);
+    assert!(
+        tokenized * 10 < ids.len() as u64,
+        "{tokenized} of {} tokens tokenized again",
+        ids.len()
+    );
+}
+
+#[test]
+fn prompts_stay_whole_where_a_cut_could_change_the_ids() {
+    // Stripping the spaces after it too, so that it is no cut itself.
+    fn special(id: u32, content: &str, lstrip: bool) -> Value {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": lstrip,
+               "rstrip": true, "normalized": false, "special": true})
+    }
+    /// A name, and how that variant changes the test tokenizer.
+    type Variant = (&'static str, fn(&mut Value));
+    let variants: [Variant; 5] = [
+        ("normalizer", |json| {
+            json["normalizer"] = json!({"type": "Lowercase"})
+        }),
+        ("prefix_space", |json| {
+            json["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = json!(true)
+        }),
+        ("gpt2_split", |json| {
+            json["pre_tokenizer"] = json!({"type": "ByteLevel", "add_prefix_space": false,
+                                           "trim_offsets": true, "use_regex": true})
+        }),
+        ("line_feed_token", |json| {
+            json["added_tokens"]
+                .as_array_mut()
+                .unwrap()
+                .push(special(300, ".\nL", false))
+        }),
+        ("lstrip_token", |json| {
+            json["added_tokens"]
+                .as_array_mut()
+                .unwrap()
+                .push(special(300, "Line", true))
+        }),
+    ];
+    let head = prose_lines(300);
+    let prompt = format!("{head}And one more line.\n");
+    for (name, change) in variants {
+        let mut tokenizer_json = tokenizer_json();
+        change(&mut tokenizer_json);
+        let dir = model_dir(
+            &format!("whole_{name}"),
+            &[("tokenizer.json", tokenizer_json.to_string())],
+        );
+        let tokenizer = load(&dir).unwrap();
+        let (ids, tokenized) = follow_up(&tokenizer, &head, &prompt);
+        assert_eq!(ids, reference_ids(&dir, &prompt), "{name}");
+        assert!(tokenized + 1 >= ids.len() as u64, "{name}: {tokenized}");
+    }
+}

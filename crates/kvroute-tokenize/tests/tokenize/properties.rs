@@ -4,7 +4,8 @@
 //! per-thread piece cache; and the prompt cache never changes a result (the
 //! reference is the same tokenizer without a prompt cache, or tokenizing the
 //! whole text at once: a prompt or a conversation that grows is tokenized only
-//! in its new part, and must give the ids of the whole).
+//! in its new part, and must give the ids of the whole). Hugging Face
+//! tokenizers are checked against `tokenizers` encoding the whole text.
 
 use std::collections::HashSet;
 use std::sync::LazyLock;
@@ -21,6 +22,11 @@ static O200K: LazyLock<Tokenizer> = LazyLock::new(|| {
 /// The Llama-3-style Hugging Face tokenizer of the `huggingface` tests.
 static HUGGING_FACE: LazyLock<Tokenizer> = LazyLock::new(|| {
     crate::huggingface::load(&crate::huggingface::llama3_dir("properties")).unwrap()
+});
+/// The same tokenizer with no prompt cache.
+static HUGGING_FACE_UNCACHED: LazyLock<Tokenizer> = LazyLock::new(|| {
+    let dir = crate::huggingface::llama3_dir("properties_uncached");
+    Tokenizer::load_with_cache(&TokenizerSpec::HuggingFace { dir_or_file: dir }, 0).unwrap()
 });
 /// The same tokenizer, straight from `tokenizers`: whole texts, no cache.
 static HUGGING_FACE_WHOLE: LazyLock<tokenizers::Tokenizer> = LazyLock::new(|| {
@@ -92,6 +98,41 @@ fn long_text() -> impl Strategy<Value = String> {
     prop::collection::vec(line, 8..30).prop_map(|lines| lines.concat())
 }
 
+/// [`long_text`] with the test Hugging Face tokenizer's added tokens spelled
+/// out here and there, at line starts too.
+fn long_text_with_added_tokens() -> impl Strategy<Value = String> {
+    let token = prop_oneof![
+        Just("<|eot_id|>"),
+        Just("<|start_header_id|>"),
+        Just("<|begin_of_text|>"),
+        Just("<|end_header_id|>\n"),
+        Just("\n<|eot_id|>"),
+    ];
+    prop::collection::vec((long_text(), prop::option::of(token)), 1..4).prop_map(|parts| {
+        parts
+            .into_iter()
+            .map(|(text, token)| format!("{text}{}", token.unwrap_or_default()))
+            .collect()
+    })
+}
+
+/// The positions just after a line feed followed by an ASCII letter or digit:
+/// where the line-start rule says a text can be cut.
+fn line_starts(text: &str) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    (1..bytes.len())
+        .filter(|&i| bytes[i - 1] == b'\n' && bytes[i].is_ascii_alphanumeric())
+        .collect()
+}
+
+fn hugging_face_ids(text: &str, add_special_tokens: bool) -> Vec<u32> {
+    HUGGING_FACE_WHOLE
+        .encode_fast(text, add_special_tokens)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
 /// tiktoken-rs's ids for `text` as ordinary text, or `None` where its
 /// backtracking regex gives up.
 fn reference(bpe: &tiktoken_rs::CoreBPE, text: &str) -> Option<Vec<u32>> {
@@ -130,10 +171,20 @@ proptest! {
         prop_assert_eq!(CACHED.encode(&text).ok(), expected.ok());
     }
 
+    /// Prompts are split by this crate and encoded piece by piece (the
+    /// second time from the piece cache), and must give `tokenizers`' ids.
     #[test]
-    fn hugging_face_encode_never_panics_and_starts_with_bos(text in text()) {
-        let ids = HUGGING_FACE.encode(&text).unwrap();
-        prop_assert_eq!(ids.first(), Some(&265));
+    fn hugging_face_prompts_give_the_ids_of_tokenizers(
+        parts in prop::collection::vec(
+            prop_oneof![4 => text(), 1 => Just("<|eot_id|>".to_string())],
+            0..4,
+        ),
+    ) {
+        let text = parts.concat();
+        let expected = hugging_face_ids(&text, true);
+        prop_assert_eq!(expected.first(), Some(&265));
+        prop_assert_eq!(HUGGING_FACE_UNCACHED.encode(&text).unwrap(), expected.clone());
+        prop_assert_eq!(HUGGING_FACE_UNCACHED.encode(&text).unwrap(), expected);
     }
 
     #[test]
@@ -202,6 +253,36 @@ proptest! {
             CACHED.encode_chat(&messages, true).unwrap(),
             UNCACHED.encode_chat(&messages, true).unwrap()
         );
+    }
+
+    /// The claim Hugging Face prompts are cut on, checked against
+    /// `tokenizers` for every line start of the text.
+    #[test]
+    fn every_line_start_is_an_exact_cut_for_a_cl100k_style_hugging_face_tokenizer(
+        text in long_text_with_added_tokens(),
+    ) {
+        let whole = hugging_face_ids(&text, false);
+        for cut in line_starts(&text) {
+            let mut joined = hugging_face_ids(&text[..cut], false);
+            joined.extend(hugging_face_ids(&text[cut..], false));
+            prop_assert_eq!(&joined, &whole, "cut at {}", cut);
+        }
+    }
+
+    #[test]
+    fn a_grown_hugging_face_prompt_gives_the_ids_of_the_whole(
+        text in long_text_with_added_tokens(),
+        head in 0.0..1.0f64,
+    ) {
+        let mut split = (text.len() as f64 * head) as usize;
+        while !text.is_char_boundary(split) {
+            split -= 1;
+        }
+        // The head first, as an earlier turn; then the whole, twice.
+        prop_assert_eq!(HUGGING_FACE.encode(&text[..split]).unwrap(), hugging_face_ids(&text[..split], true));
+        let expected = hugging_face_ids(&text, true);
+        prop_assert_eq!(HUGGING_FACE.encode(&text).unwrap(), expected.clone());
+        prop_assert_eq!(HUGGING_FACE.encode(&text).unwrap(), expected);
     }
 
     #[test]
