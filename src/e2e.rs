@@ -9,6 +9,7 @@
 //! prediction from its `kvroute_predicted_cached_tokens_total` counter, both as
 //! cached over prompt tokens, so the two compare like for like.
 
+pub mod goals;
 pub mod replicas;
 
 use std::time::{Duration, Instant};
@@ -59,6 +60,7 @@ impl Fleet {
         let scaled = |ms: u64| ((ms as f64 / speedup) as u64).max(1);
         config.scheduler.predicted_ttl_ms = scaled(config.scheduler.predicted_ttl_ms);
         config.scheduler.predicted_bridge_ms = scaled(config.scheduler.predicted_bridge_ms);
+        scale_cost_seconds(&mut config.scheduler, speedup);
         config.upstream.shutdown_grace_ms = 1_000;
         let router = server::start(config)
             .await
@@ -105,6 +107,16 @@ impl Fleet {
             worker.shutdown().await;
         }
         self.router.shutdown().await;
+    }
+}
+
+/// The `seconds` cost's knobs are engine seconds too: they shrink with the
+/// speedup like the prediction windows.
+fn scale_cost_seconds(scheduler: &mut kvroute_router::config::SchedulerConfig, speedup: f64) {
+    scheduler.prefill_seconds_per_token /= speedup;
+    scheduler.decode_seconds_per_block /= speedup;
+    if scheduler.cost == kvroute_router::config::Cost::Seconds {
+        scheduler.overlap_slack /= speedup;
     }
 }
 

@@ -37,6 +37,17 @@ async fn metrics(router: &RouterProcess) -> String {
 /// Worker → overlap blocks in `router`'s dry run of `prompt` (costs differ per
 /// replica with their own requests in flight; overlaps must not).
 async fn overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
+    scores(router, prompt, "overlap_blocks").await
+}
+
+/// The same, of the index alone: a replica's route-time predictions are its
+/// own (not shared yet), a restarted one has none.
+async fn event_overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
+    scores(router, prompt, "event_overlap_blocks").await
+}
+
+/// Worker → `field` of its score in `router`'s dry run of `prompt`.
+async fn scores(router: &RouterProcess, prompt: &[u32], field: &str) -> Vec<(u64, u64)> {
     let answer = Http::default()
         .post(
             &format!("{}/v1/route", router.http),
@@ -48,12 +59,7 @@ async fn overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64)> {
         .as_array()
         .unwrap_or_else(|| panic!("no scores in {answer}"))
         .iter()
-        .map(|s: &Value| {
-            (
-                s["worker_id"].as_u64().unwrap(),
-                s["overlap_blocks"].as_u64().unwrap(),
-            )
-        })
+        .map(|s: &Value| (s["worker_id"].as_u64().unwrap(), s[field].as_u64().unwrap()))
         .collect();
     overlaps.sort_unstable();
     overlaps
@@ -281,6 +287,336 @@ async fn with_nats_away_ingest_goes_on_and_every_replica_catches_up_when_it_retu
         );
         assert_eq!(applied, 3.0, "each event applied once:\n{text}");
     }
+}
+
+/// The `[cluster]` section of replica `replica_id`, with snapshots every second.
+fn snapshotting(nats: &NatsServer, replica_id: &str, extra: &str) -> String {
+    format!(
+        "{}snapshot_interval_s = 1\n{extra}",
+        nats.cluster_config(replica_id)
+    )
+}
+
+/// Stores the full blocks of `tokens` below the engine block `parent`, and
+/// waits for the ack; returns their engine hashes.
+async fn store_below(worker: &mut GrpcWorker, parent: Option<u64>, tokens: &[u32]) -> Vec<u64> {
+    let (mut stored, hashes) = worker.chain(tokens);
+    stored.parent_hash = parent;
+    let id = worker
+        .event(None, kvroute_proto::kv_event::Kind::Stored(stored))
+        .await;
+    worker.wait_ack(id).await;
+    hashes
+}
+
+/// (first, last) sequence the event stream holds.
+async fn stream_bounds(nats: &NatsServer) -> (u64, u64) {
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js
+        .get_stream(kvroute_cluster::record::STREAM)
+        .await
+        .unwrap();
+    let state = &stream.info().await.unwrap().state;
+    (state.first_sequence, state.last_sequence)
+}
+
+#[tokio::test]
+async fn a_replica_started_after_the_stream_forgot_its_head_converges_from_a_snapshot() {
+    let nats = NatsServer::start();
+    let config = |id: &str| snapshotting(&nats, id, "stream_max_age_s = 3\n");
+    let first = RouterProcess::start(&config("r0"));
+    let http_worker = TestWorker::start(7).await;
+    let mut worker = GrpcWorker::connect(
+        &first.grpc,
+        None,
+        register(7, &http_worker.url, &["sim-model"], BLOCK_SIZE as u32),
+    )
+    .await
+    .unwrap();
+    // One chain of 4 × 4 blocks, each store below the one before.
+    let prompt = tokens(0, 512);
+    let mut parent = None;
+    for part in prompt[..256].chunks(64) {
+        parent = store_below(&mut worker, parent, part).await.last().copied();
+    }
+    assert_eq!(indexed(&first, 7).await, (16, 3));
+    let (_, head) = stream_bounds(&nats).await;
+    // The stream forgets the claim and those events (older than 3 s);
+    // snapshots written meanwhile cover them.
+    eventually("the stream to forget its head", || async {
+        stream_bounds(&nats).await.0 > head
+    })
+    .await;
+    // The tail: blocks whose parent only a snapshot still knows, and more.
+    store_below(&mut worker, parent, &prompt[256..320]).await;
+    let other = store_below(&mut worker, None, &tokens(5_000, 64)).await;
+    worker.remove(vec![other[3]]).await;
+    assert_eq!(indexed(&first, 7).await, (23, 6));
+
+    let late = RouterProcess::start(&config("late"));
+    let http = Http::default();
+    eventually("the late replica to be ready", || async {
+        http.get(&format!("{}/readyz", late.http)).await.status == 200
+    })
+    .await;
+    assert_eq!(indexed(&late, 7).await, (23, 6));
+    assert_eq!(event_overlaps(&late, &prompt[..320]).await, vec![(7, 20)]);
+    let text = metrics(&late).await;
+    let loaded = &[("outcome", "loaded")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_snapshots_total", loaded),
+        1.0
+    );
+    // It never saw the claim: the stream had forgotten it.
+    let claims = &[("kind", "claim")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_records_applied_total", claims),
+        0.0
+    );
+    assert_eq!(metric(&text, "kvroute_rejected_blocks_total", &[]), 0.0);
+}
+
+/// The first `n` requests of the conversation trace, each cut to its first
+/// 1,024 tokens (64 blocks), so that the simulated caches keep several.
+fn trace_prompts(n: usize) -> Vec<Vec<u32>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/traces/conversation_trace.jsonl"
+    );
+    kvroute_trace::read_trace(path.as_ref(), Some(n))
+        .unwrap()
+        .iter()
+        .map(|r| kvroute_sim::trace::trace_tokens(&r.hash_ids, 1_024))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with_the_others() {
+    let nats = NatsServer::start();
+    let config = |id: &str| snapshotting(&nats, id, "");
+    let mut routers: Vec<RouterProcess> = (0..3)
+        .map(|i| RouterProcess::start(&config(&format!("r{i}"))))
+        .collect();
+    let sim = SimFleet::start(Some(&routers[0].grpc), 3);
+    for router in &routers {
+        wait_registered(router, 3).await;
+    }
+    let prompts = trace_prompts(150);
+    let http = Http::default();
+    for (i, prompt) in prompts[..50].iter().enumerate() {
+        let url = format!("{}/v1/completions", routers[i % 3].http);
+        let reply = http.post(&url, &completion("sim-model", prompt)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    eventually("a snapshot to be written", || async {
+        let text = metrics(&routers[2]).await;
+        metric(&text, "kvroute_cluster_snapshot_age_seconds", &[]) > 0.0
+    })
+    .await;
+
+    // The rest of the replay goes to the first two replicas, while the third
+    // is killed and started again.
+    let live: Vec<String> = routers[..2].iter().map(|r| r.http.clone()).collect();
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let replay = tokio::spawn({
+        let prompts = prompts[50..].to_vec();
+        let sent = std::sync::Arc::clone(&sent);
+        async move {
+            let http = Http::default();
+            let mut failed = Vec::new();
+            for (i, prompt) in prompts.iter().enumerate() {
+                let url = format!("{}/v1/completions", live[i % 2]);
+                let reply = http.post(&url, &completion("sim-model", prompt)).await;
+                if reply.status != 200 {
+                    failed.push((i, reply.status, reply.text()));
+                }
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            failed
+        }
+    });
+    let progress = |n: usize| {
+        let sent = std::sync::Arc::clone(&sent);
+        move || {
+            let sent = std::sync::Arc::clone(&sent);
+            async move { sent.load(std::sync::atomic::Ordering::Relaxed) >= n }
+        }
+    };
+    eventually("the replay to go on", progress(20)).await;
+    drop(routers.pop()); // SIGKILL
+    eventually("the replay to go on without it", progress(50)).await;
+    let config_r2 = config("r2");
+    let restarted = tokio::task::spawn_blocking(move || RouterProcess::start(&config_r2))
+        .await
+        .unwrap();
+    eventually("the restarted replica to be ready", || async {
+        http.get(&format!("{}/readyz", restarted.http)).await.status == 200
+    })
+    .await;
+    let text = metrics(&restarted).await;
+    let loaded = &[("outcome", "loaded")];
+    assert_eq!(
+        metric(&text, "kvroute_cluster_snapshots_total", loaded),
+        1.0
+    );
+    let failed = replay.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "requests to live replicas failed: {failed:?}"
+    );
+    routers.push(restarted);
+
+    // Every replica's index is every worker's cache ...
+    for (id, url) in &sim.workers {
+        let sim_metrics = http.get(&format!("{url}/metrics")).await.text();
+        let last_id = metric(&sim_metrics, "kvroute_sim_last_event_id", &[]) as u64;
+        let cached = metric(&sim_metrics, "kvroute_sim_kv_blocks_cached", &[]) as u64;
+        for router in &routers {
+            eventually("every replica to index the worker's cache", || async {
+                indexed(router, *id).await == (cached, last_id)
+            })
+            .await;
+        }
+    }
+    // ... and they route with the same overlaps.
+    let mut matched = 0;
+    for prompt in prompts.iter().step_by(10) {
+        let first = event_overlaps(&routers[0], prompt).await;
+        matched += first.iter().filter(|&&(_, o)| o > 0).count();
+        for router in &routers[1..] {
+            assert_eq!(event_overlaps(router, prompt).await, first);
+        }
+    }
+    assert!(matched > 0, "no prompt overlaps any cache");
+}
+
+/// Benchmark, not in CI (`#[ignore]`): a replica joining a fleet with 1M
+/// indexed blocks (8 workers × 131,072, in chains of 64) is ready in ≤ 5 s.
+/// Prints the time from the process's start to `/readyz` 200 and the
+/// snapshot's size. Run in release:
+/// `cargo test --release --test cluster -- --ignored --nocapture a_replica_joining`
+/// (`KVROUTE_BENCH_BLOCKS` sets another total).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
+    use futures_util::StreamExt;
+    use kvroute_proto::{Dump, Stored, StoredBlock, worker_message};
+
+    let total: u64 = std::env::var("KVROUTE_BENCH_BLOCKS")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1 << 20);
+    let (workers, chain) = (8u64, 64u64);
+    let nats = NatsServer::start();
+    let config = |id: &str| {
+        format!(
+            "{}snapshot_interval_s = 10\n[index]\nmax_blocks = {}\n",
+            nats.cluster_config(id),
+            2 * total
+        )
+    };
+    let fleet = RouterProcess::start(&config("fleet"));
+    let http_worker = TestWorker::start(1).await;
+    let mut streams = Vec::new();
+    for id in 0..workers {
+        let mut register = register(id, &http_worker.url, &["sim-model"], BLOCK_SIZE as u32);
+        register.total_kv_blocks = total / workers;
+        let worker = GrpcWorker::connect(&fleet.grpc, None, register)
+            .await
+            .unwrap();
+        // Distinct chains: every block is its own in the index.
+        let chains = (0..total / workers / chain)
+            .map(|c| Stored {
+                parent_hash: None,
+                blocks: (0..chain)
+                    .map(|b| {
+                        let n = (id << 40) | (c << 16) | b;
+                        StoredBlock {
+                            block_hash: n,
+                            tokens_hash: n.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        worker
+            .send(worker_message::Body::Dump(Dump {
+                dp_rank: 0,
+                last_event_id: 0,
+                chains,
+                more: false,
+            }))
+            .await;
+        streams.push(worker);
+    }
+    for worker in &mut streams {
+        worker.wait_ack(0).await;
+    }
+    let http = Http::default();
+    let indexed_blocks = |text: &str| metric(text, "kvroute_index_memberships", &[]) as u64;
+    assert_eq!(indexed_blocks(&metrics(&fleet).await), total);
+
+    // A snapshot covering the whole stream.
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let (_, last) = stream_bounds(&nats).await;
+    let waiting = std::time::Instant::now();
+    let size = loop {
+        if let Ok(store) = js.get_object_store(kvroute_cluster::snapshot::BUCKET).await {
+            let mut list = store.list().await.unwrap();
+            let mut covering = None;
+            while let Some(Ok(info)) = list.next().await {
+                let seq: u64 = info
+                    .metadata
+                    .get("seq")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                if seq >= last {
+                    covering = Some(info.size);
+                }
+            }
+            if let Some(size) = covering {
+                break size;
+            }
+        }
+        assert!(
+            waiting.elapsed() < DEADLINE,
+            "no snapshot of the whole stream"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+
+    let started = std::time::Instant::now();
+    let joining = config("joining");
+    let joiner = tokio::task::spawn_blocking(move || RouterProcess::start(&joining))
+        .await
+        .unwrap();
+    let readyz = format!("{}/readyz", joiner.http);
+    while http.get(&readyz).await.status != 200 {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the joining replica never got ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let ready = started.elapsed();
+    let text = metrics(&joiner).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_cluster_snapshots_total",
+            &[("outcome", "loaded")]
+        ),
+        1.0
+    );
+    assert_eq!(indexed_blocks(&text), total);
+    println!(
+        "cold start: {total} blocks ({workers} workers), snapshot {:.1} MB ({:.1} B/block) at stream sequence {last}; ready {} ms after the process started (goal ≤ 5000 ms)",
+        size as f64 / 1e6,
+        size as f64 / total as f64,
+        ready.as_millis()
+    );
 }
 
 /// A replica's bookings are dropped on the others this long after it was last

@@ -544,6 +544,113 @@ async fn error_bodies_are_openai_style() {
     assert_eq!(held.await.unwrap().status, 200);
 }
 
+/// The typed body parse: each malformed body gets a 400 whose message names
+/// what is wrong (the field, the element), and none reaches the worker; the
+/// well-formed ones, with fields the router does not read, pass unchanged.
+#[tokio::test]
+async fn malformed_bodies_get_a_400_that_names_the_problem_and_reach_no_worker() {
+    let router = RouterProcess::start("");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let completions = format!("{}/v1/completions", router.http);
+    let chat = format!("{}/v1/chat/completions", router.http);
+    let nested = format!(
+        "{{\"model\":\"m\",\"prompt\":{}1{}}}",
+        "[".repeat(500),
+        "]".repeat(500)
+    );
+    let cases: Vec<(&str, String, &str)> = vec![
+        (&completions, "{\"model\":\"m\",".into(), "not valid JSON"),
+        (
+            &completions,
+            "{\"model\":\"m\",\"prompt\":[1]} x".into(),
+            "not valid JSON",
+        ),
+        (
+            &completions,
+            "[\"m\",[1,2]]".into(),
+            "must be a JSON object",
+        ),
+        (&completions, "\"m\"".into(), "must be a JSON object"),
+        (&completions, nested, "element 0 is an array"),
+        (
+            &completions,
+            json!({"model": 5, "prompt": [1]}).to_string(),
+            "model: invalid type: integer `5`",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": [1, 2, -3]}).to_string(),
+            "element 2 is -3",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": [1, 2.5]}).to_string(),
+            "element 1 is 2.5",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": [[1], [2]]}).to_string(),
+            "batch of 2 prompts",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": {"ids": [1]}}).to_string(),
+            "not an object",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": []}).to_string(),
+            "must not be an empty array",
+        ),
+        (
+            &completions,
+            json!({"model": "m", "prompt": [1], "cache_salt": 7}).to_string(),
+            "cache_salt: invalid type",
+        ),
+        (
+            &completions,
+            r#"{"model":"m","model":"m","prompt":[1]}"#.into(),
+            "duplicate field `model`",
+        ),
+        (
+            &chat,
+            json!({"model": "m", "messages": {"role": "user"}}).to_string(),
+            "`messages` (an array)",
+        ),
+        (
+            &chat,
+            json!({"model": "m", "messages": [], "add_generation_prompt": "yes"}).to_string(),
+            "add_generation_prompt: invalid type",
+        ),
+    ];
+    for (url, body, expected) in cases {
+        let reply = http.call("POST", url, &[], body.clone()).await;
+        reply.assert_error(400, "invalid_request");
+        let message = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(message.contains(expected), "{body:.80}: {message}");
+    }
+    assert_eq!(workers[0].received(), 0);
+
+    // Escaped strings, unknown fields and a long token-id prompt are fine.
+    let long: Vec<u32> = (0..50_000).map(|i| i * 85_899).collect();
+    let body = format!(
+        r#"{{"model":"\u006d","prompt":{},"stream_options":{{"include_usage":true}},"priority_class":1,"cache_salt":"s\"alt"}}"#,
+        json!(long)
+    );
+    let reply = http.call("POST", &completions, &[], body.clone()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(workers[0].received(), 1);
+    let sent: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        workers[0].state.last_body.lock().unwrap().as_ref(),
+        Some(&sent)
+    );
+}
+
 #[tokio::test]
 async fn metrics_list_every_family_and_route_agrees_with_the_proxied_choice() {
     let router = RouterProcess::start("");

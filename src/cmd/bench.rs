@@ -3,6 +3,7 @@
 
 mod e2e;
 mod index;
+mod proxy;
 mod router;
 mod saturation;
 mod service;
@@ -23,6 +24,8 @@ enum BenchTarget {
     Index(index::IndexBenchArgs),
     /// Routing decision latency, routing throughput with tokenization, proxy overhead.
     Router(router::BenchRouterArgs),
+    /// The proxy hop beside nginx's: throughput lost and proxy CPU per request and per streamed chunk.
+    Proxy(proxy::BenchProxyArgs),
     /// Replay a trace through the router and a simulated fleet under several policies.
     E2e(e2e::E2eArgs),
     /// The router process and a simulated fleet under a steady replay with churn
@@ -42,6 +45,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.target {
         BenchTarget::Index(args) => index::run(args),
         BenchTarget::Router(args) => router::run(args),
+        BenchTarget::Proxy(args) => proxy::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
         BenchTarget::Soak(args) => soak::run(args),
         BenchTarget::Service(args) => service::run(args),

@@ -1,6 +1,8 @@
 //! Every replica reads the whole stream in order with an ordered consumer and
 //! applies each record ([`ReplicaApplier`]); it is ready (`/readyz`) once it
-//! has applied the stream as far as it stood when the replica started.
+//! has applied the stream as far as it stood when the replica started. It
+//! starts from the newest snapshot, if any, and takes snapshots between two
+//! records when asked ([`crate::snapshot`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,23 +13,37 @@ use futures_util::StreamExt;
 use kvroute_router::metrics;
 use kvroute_router::replica::{Record, Replica, ReplicaApplier};
 use kvroute_router::state::AppState;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::record;
+use crate::snapshot::{Capture, Snapshots};
 
-/// Applies the stream until shutdown, resuming after the last applied record
-/// whenever the consumer has to be made again.
+/// Restores the newest snapshot, then applies the stream from the record
+/// after it until shutdown, resuming after the last applied record whenever
+/// the consumer has to be made again.
 pub async fn follow(
     js: jetstream::Context,
     state: Arc<AppState>,
+    snapshots: Arc<Snapshots>,
+    mut captures: mpsc::Receiver<Capture>,
     mut stopped: watch::Receiver<bool>,
 ) {
     let replica = Arc::clone(state.replica.get().expect("a replica is set up"));
     let mut applier = ReplicaApplier::new(Arc::clone(&state));
-    let mut applied = 0u64;
+    let mut applied = tokio::select! {
+        seq = snapshots.load(&mut applier) => seq,
+        _ = stopped.wait_for(|&s| s) => return,
+    };
     let mut caught_up_at: Option<u64> = None;
     loop {
-        let run = read(&js, &replica, &mut applier, &mut applied, &mut caught_up_at);
+        let run = read(
+            &js,
+            &replica,
+            &mut applier,
+            &mut captures,
+            &mut applied,
+            &mut caught_up_at,
+        );
         tokio::select! {
             result = run => {
                 if let Err(e) = result {
@@ -47,6 +63,7 @@ async fn read(
     js: &jetstream::Context,
     replica: &Replica,
     applier: &mut ReplicaApplier,
+    captures: &mut mpsc::Receiver<Capture>,
     applied: &mut u64,
     caught_up_at: &mut Option<u64>,
 ) -> Result<(), String> {
@@ -79,7 +96,20 @@ async fn read(
         .await
         .map_err(|e| e.to_string())?;
     let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
-    while let Some(message) = messages.next().await {
+    loop {
+        let message = tokio::select! {
+            message = messages.next() => message,
+            Some(capture) = captures.recv() => {
+                // Between two records: the state after the last one applied.
+                let snapshot = match *applied {
+                    0 => None,
+                    seq => applier.snapshot(seq).await,
+                };
+                let _ = capture.send(snapshot);
+                continue;
+            }
+        };
+        let Some(message) = message else { break };
         let message = message.map_err(|e| e.to_string())?;
         let info = message.info().map_err(|e| e.to_string())?;
         let seq = info.stream_sequence;

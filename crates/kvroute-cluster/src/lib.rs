@@ -6,7 +6,9 @@
 //! appends its records to the [`log`] instead of applying them, and every
 //! replica applies the one stream of records in order ([`follow`]).
 //! Registrations live in a KV bucket with a TTL ([`registrations`]). Replicas'
-//! bookings and predictions go over core NATS ([`load`]). Without
+//! bookings and predictions go over core NATS ([`load`]). Index snapshots in
+//! an object store let a replica start without replaying the whole stream,
+//! and the stream forget what they cover ([`snapshot`]). Without
 //! `[cluster]` in the config nothing here runs. DESIGN.md beside this crate
 //! says what is ordered, acked and de-duplicated, and what can race.
 
@@ -16,6 +18,7 @@ pub mod load;
 pub mod log;
 pub mod record;
 pub mod registrations;
+pub mod snapshot;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,6 +63,15 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
     .map_err(ClusterError::jetstream)?;
     let ttl = Duration::from_millis(cluster.registration_ttl_ms);
     let kv = registrations::bucket(&js, ttl).await?;
+    let snapshots = Arc::new(
+        snapshot::Snapshots::open(
+            &js,
+            &replica_id,
+            Duration::from_secs(cluster.snapshot_interval_s),
+            Duration::from_secs(cluster.stream_max_age_s),
+        )
+        .await?,
+    );
 
     let log = log::NatsLog::new(
         client.clone(),
@@ -73,9 +85,17 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
     let mut running = server::start_replica(config, Arc::clone(&replica)).await?;
     let state = Arc::clone(&running.state);
     let stopped = running.stopped();
+    let (captures, captured) = tokio::sync::mpsc::channel(1);
     running.add_task(tokio::spawn(follow::follow(
         js,
         Arc::clone(&state),
+        Arc::clone(&snapshots),
+        captured,
+        stopped.clone(),
+    )));
+    running.add_task(tokio::spawn(snapshots.run(
+        Arc::clone(&replica),
+        captures,
         stopped.clone(),
     )));
     running.add_task(tokio::spawn(registrations::watch(

@@ -2,6 +2,7 @@
 //! by [`crate::proxy`]), the dry run, admin endpoints over the registry, health
 //! and metrics.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,6 +15,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute_index::ExtraKeys;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
@@ -22,7 +26,7 @@ use crate::limits;
 use crate::metrics;
 use crate::proxy::Forward;
 use crate::state::{AppState, RouteInput};
-use crate::tokenize::{Prompt, completion_prompt};
+use crate::tokenize::Prompt;
 
 pub use crate::proxy::WORKER_HEADER;
 
@@ -74,17 +78,7 @@ impl RouterError {
 
 async fn count_responses(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
-    // The common statuses without formatting a label per request.
-    let status = match response.status().as_u16() {
-        200 => "200".into(),
-        400 => "400".into(),
-        404 => "404".into(),
-        429 => "429".into(),
-        502 => "502".into(),
-        503 => "503".into(),
-        other => std::borrow::Cow::Owned(other.to_string()),
-    };
-    ::metrics::counter!(metrics::HTTP_RESPONSES, "status" => status).increment(1);
+    metrics::count_response(response.status().as_u16());
     response
 }
 
@@ -141,19 +135,18 @@ impl Endpoint {
     }
 }
 
-/// A parsed request: what to route, and the body to forward unchanged.
-struct Parsed {
-    model: String,
+/// A parsed request: what to route; the body is forwarded unchanged.
+struct Parsed<'a> {
+    model: Cow<'a, str>,
     tokens: Vec<u32>,
     /// vLLM's extra keys of the request's blocks (`cache_salt`, images).
     extra: ExtraKeys,
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
     untokenized: Option<String>,
     pin: Option<u64>,
-    body: Bytes,
 }
 
-impl Parsed {
+impl Parsed<'_> {
     fn route_input(&self) -> RouteInput<'_> {
         RouteInput::Prompt {
             tokens: &self.tokens,
@@ -179,27 +172,75 @@ async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Byt
     Ok((parts.headers, bytes))
 }
 
+/// The fields of an OpenAI request body that routing needs, read straight
+/// from the body's bytes and borrowing from them: no `serde_json::Value` tree
+/// (a token-id prompt costs 4 bytes a token), and chat `messages` are only
+/// located here, then parsed on the tokenizing pool if there is a tokenizer.
+/// Every other field is skipped; the worker gets the original bytes.
+#[derive(Deserialize)]
+struct RequestBody<'a> {
+    #[serde(borrow)]
+    model: Option<Text<'a>>,
+    prompt: Option<Prompt>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    add_generation_prompt: Option<bool>,
+    #[serde(borrow)]
+    cache_salt: Option<Text<'a>>,
+}
+
+/// A string of the body, borrowed unless it has escapes. (Serde borrows a
+/// `Cow` only where it is a field's whole type, not inside an `Option`.)
+#[derive(Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+impl<'a> RequestBody<'a> {
+    fn parse(body: &'a [u8]) -> Result<Self, RouterError> {
+        let invalid_json = |e: serde_json::Error| {
+            RouterError::BadRequest(format!("the body is not valid JSON: {e}"))
+        };
+        if body.trim_ascii_start().first() != Some(&b'{') {
+            serde_json::from_slice::<IgnoredAny>(body).map_err(invalid_json)?;
+            return Err(RouterError::BadRequest(
+                "the body must be a JSON object".into(),
+            ));
+        }
+        serde_json::from_slice(body).map_err(|e| {
+            if !e.is_data() {
+                return invalid_json(e);
+            }
+            // A field of the wrong shape: read again (only on this error
+            // path) to name the field.
+            let mut json = serde_json::Deserializer::from_slice(body);
+            match serde_path_to_error::deserialize::<_, RequestBody>(&mut json) {
+                Err(named) => RouterError::BadRequest(format!("invalid request body: {named}")),
+                Ok(_) => RouterError::BadRequest(format!("invalid request body: {e}")),
+            }
+        })
+    }
+}
+
 /// What a request's tokens come from.
 enum PromptSource {
     /// Token ids the client sent.
     Tokens(Vec<u32>),
     /// A completions prompt's text.
     Text(String),
-    /// A chat's `messages`.
+    /// A chat's `messages`: the JSON array's bytes, a slice of the body.
     Chat {
-        messages: Vec<Value>,
+        messages: Bytes,
         add_generation_prompt: bool,
     },
 }
 
 /// Parses the JSON body, then turns its prompt into tokens on the tokenizing
 /// pool (off the async runtime). `endpoint` None: either kind (dry run).
-async fn parse(
+async fn parse<'a>(
     state: &AppState,
     headers: &HeaderMap,
-    body: Bytes,
+    body: &'a Bytes,
     endpoint: Option<Endpoint>,
-) -> Result<Parsed, RouterError> {
+) -> Result<Parsed<'a>, RouterError> {
     let (mut parsed, source) = parse_body(state, headers, body, endpoint)?;
     let started = Instant::now();
     let tokenized = match source {
@@ -216,7 +257,11 @@ async fn parse(
         } => {
             state
                 .tokenizer
-                .run(move |t| t.encode_chat(&messages, add_generation_prompt))
+                .run(move |t| {
+                    let messages: Vec<Value> = serde_json::from_slice(&messages)
+                        .map_err(|e| RouterError::BadRequest(format!("invalid `messages`: {e}")))?;
+                    t.encode_chat(&messages, add_generation_prompt)
+                })
                 .await?
         }
     };
@@ -235,65 +280,39 @@ async fn parse(
 }
 
 /// Everything of a request but its tokens, and what they come from.
-fn parse_body(
+fn parse_body<'a>(
     state: &AppState,
     headers: &HeaderMap,
-    body: Bytes,
+    body: &'a Bytes,
     endpoint: Option<Endpoint>,
-) -> Result<(Parsed, PromptSource), RouterError> {
-    let mut json: Value = serde_json::from_slice(&body)
-        .map_err(|e| RouterError::BadRequest(format!("the body is not valid JSON: {e}")))?;
-    let object = json
-        .as_object_mut()
-        .ok_or_else(|| RouterError::BadRequest("the body must be a JSON object".into()))?;
-    let model = object
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?
-        .to_string();
+) -> Result<(Parsed<'a>, PromptSource), RouterError> {
+    let fields = RequestBody::parse(body)?;
+    let Text(model) = fields
+        .model
+        .ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?;
     let endpoint = match endpoint {
         Some(e) => e,
-        None if object.contains_key("messages") => Endpoint::Chat,
+        None if fields.messages.is_some() => Endpoint::Chat,
         None => Endpoint::Completions,
     };
     let source = match endpoint {
-        Endpoint::Completions => {
-            let prompt = object
-                .get("prompt")
-                .ok_or_else(|| RouterError::BadRequest("missing field `prompt`".into()))?;
-            match completion_prompt(prompt)? {
-                Prompt::Tokens(tokens) => PromptSource::Tokens(tokens),
-                Prompt::Text(text) => PromptSource::Text(text),
+        Endpoint::Completions => match fields.prompt {
+            Some(Prompt::Tokens(tokens)) => PromptSource::Tokens(tokens),
+            Some(Prompt::Text(text)) => PromptSource::Text(text),
+            None => return Err(RouterError::BadRequest("missing field `prompt`".into())),
+        },
+        Endpoint::Chat => match fields.messages {
+            Some(messages) if messages.get().starts_with('[') => PromptSource::Chat {
+                messages: body.slice_ref(messages.get().as_bytes()),
+                // vLLM's default: the prompt ends with the assistant's header.
+                add_generation_prompt: fields.add_generation_prompt.unwrap_or(true),
+            },
+            _ => {
+                return Err(RouterError::BadRequest(
+                    "missing field `messages` (an array)".into(),
+                ));
             }
-        }
-        Endpoint::Chat => {
-            // vLLM's default: the prompt ends with the assistant's header.
-            let add_generation_prompt = object
-                .get("add_generation_prompt")
-                .and_then(Value::as_bool)
-                .unwrap_or(true);
-            match object.remove("messages") {
-                Some(Value::Array(messages)) => PromptSource::Chat {
-                    messages,
-                    add_generation_prompt,
-                },
-                _ => {
-                    return Err(RouterError::BadRequest(
-                        "missing field `messages` (an array)".into(),
-                    ));
-                }
-            }
-        }
-    };
-    // vLLM keys a salted request's first block with its salt.
-    let cache_salt = match object.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) => Some(salt.clone()),
-        Some(_) => {
-            return Err(RouterError::BadRequest(
-                "`cache_salt` must be a string".into(),
-            ));
-        }
+        },
     };
     let pin = match headers.get(WORKER_HEADER) {
         None => None,
@@ -321,12 +340,12 @@ fn parse_body(
         model,
         tokens: Vec::new(),
         extra: ExtraKeys {
-            cache_salt,
+            // vLLM keys a salted request's first block with its salt.
+            cache_salt: fields.cache_salt.map(|Text(salt)| salt.into_owned()),
             multimodal: Vec::new(),
         },
         untokenized: None,
         pin,
-        body,
     };
     Ok((parsed, source))
 }
@@ -351,7 +370,7 @@ async fn proxy(
 ) -> Result<Response, RouterError> {
     let received = Instant::now();
     let (headers, body) = read_body(&state, request).await?;
-    let parsed = parse(&state, &headers, body, Some(endpoint)).await?;
+    let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
     let response = crate::proxy::forward(
         &state,
         Forward {
@@ -361,7 +380,7 @@ async fn proxy(
             pin: parsed.pin,
             path: endpoint.path(),
             headers: &headers,
-            body: parsed.body,
+            body: body.clone(),
             received,
         },
     )
@@ -375,7 +394,7 @@ async fn dry_run(
     request: Request,
 ) -> Result<axum::Json<Value>, RouterError> {
     let (headers, body) = read_body(&state, request).await?;
-    let parsed = parse(&state, &headers, body, None).await?;
+    let parsed = parse(&state, &headers, &body, None).await?;
     let routed = state
         .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
         .map_err(|e| RouterError::Unavailable {
@@ -523,4 +542,26 @@ async fn delete_worker(
     }
     tracing::info!(worker = id, "removed by an operator");
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_is_read_in_place_and_its_other_fields_skipped() {
+        let body = Bytes::from_static(
+            br#"{"model":"m","x":{"y":[1,{"z":null}]},"prompt":[1,2,4294967295],
+                "messages":[{"role":"user","content":"hi"}],"cache_salt":"s\u0041"}"#,
+        );
+        let fields = RequestBody::parse(&body).unwrap();
+        assert!(matches!(fields.model, Some(Text(Cow::Borrowed("m")))));
+        assert_eq!(fields.prompt, Some(Prompt::Tokens(vec![1, 2, u32::MAX])));
+        let messages = fields.messages.unwrap().get();
+        assert_eq!(messages, r#"[{"role":"user","content":"hi"}]"#);
+        assert_eq!(body.slice_ref(messages.as_bytes()), messages.as_bytes());
+        // An escaped string cannot be borrowed: it is unescaped into its own.
+        assert!(matches!(fields.cache_salt, Some(Text(Cow::Owned(salt))) if salt == "sA"));
+        assert_eq!(fields.add_generation_prompt, None);
+    }
 }

@@ -57,7 +57,9 @@ impl Registry {
     ) -> Booking {
         let now = tokio::time::Instant::now();
         let mut first_token_estimate = None;
+        let mut tokens_ahead = 0;
         if let Some(rank) = fleet.ranks.get_mut(&key) {
+            tokens_ahead = rank.prefill_tokens();
             rank.booked_requests += 1;
             rank.booked_prefill_tokens += prefill_tokens;
             rank.booked_blocks += blocks;
@@ -80,6 +82,7 @@ impl Registry {
             registry: Arc::clone(self),
             key,
             prefill_tokens,
+            tokens_ahead,
             blocks,
             ticket,
             first_token_estimate,
@@ -111,6 +114,8 @@ pub struct Booking {
     registry: Arc<Registry>,
     key: WorkerKey,
     prefill_tokens: u64,
+    /// Prompt tokens the rank had waiting for prefill when this one was booked.
+    tokens_ahead: u64,
     blocks: u64,
     /// `None` once the request's outcome went to the breaker (or the worker was gone).
     ticket: Option<Ticket>,
@@ -148,7 +153,8 @@ impl Booking {
     }
 
     /// The first token arrived `ttft` after sending: releases the prefill and
-    /// refines the rank's estimate of time to first token per prefilled token.
+    /// refines the rank's estimates of time to first token per prefilled token,
+    /// its own and those it waited for (its measured rate, for the `seconds` cost).
     pub fn first_token(&mut self, ttft: Duration) {
         let tokens = std::mem::take(&mut self.prefill_tokens);
         if tokens == 0 {
@@ -160,11 +166,16 @@ impl Booking {
         if tokens >= self.registry.limits.block_size as u64
             && let Some(rank) = fleet.ranks.get_mut(&self.key)
         {
-            let sample = ttft.as_secs_f64() / tokens as f64;
-            rank.prefill_seconds_per_token = Some(match rank.prefill_seconds_per_token {
-                Some(rate) => rate + PREFILL_RATE_WEIGHT * (sample - rate),
-                None => sample,
-            });
+            let ttft = ttft.as_secs_f64();
+            let average = |estimate: Option<f64>, sample: f64| {
+                Some(estimate.map_or(sample, |rate| rate + PREFILL_RATE_WEIGHT * (sample - rate)))
+            };
+            rank.prefill_seconds_per_token =
+                average(rank.prefill_seconds_per_token, ttft / tokens as f64);
+            rank.queued_seconds_per_token = average(
+                rank.queued_seconds_per_token,
+                ttft / (tokens + self.tokens_ahead) as f64,
+            );
         }
         drop(fleet);
         self.registry.released.notify_waiters();

@@ -141,14 +141,53 @@ impl std::str::FromStr for Policy {
     }
 }
 
+/// The units of the `kv` policy's cost (see [`crate::scheduler`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Cost {
+    /// Dynamo's: `overlap_weight × prefill blocks + decode blocks`.
+    #[default]
+    Blocks,
+    /// Seconds to the first token: the rank's prefill queue and this request's
+    /// uncached tokens at the rank's measured rate, plus decode pressure.
+    Seconds,
+}
+
+impl Cost {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cost::Blocks => "blocks",
+            Cost::Seconds => "seconds",
+        }
+    }
+}
+
+impl std::str::FromStr for Cost {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Cost::deserialize(serde::de::value::StrDeserializer::<serde::de::value::Error>::new(s))
+            .map_err(|e| e.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
     pub policy: Policy,
-    /// Weight of prefill blocks against decode blocks in the `kv` cost.
+    /// The `kv` cost's units: `blocks` (Dynamo's) or `seconds`.
+    pub cost: Cost,
+    /// Weight of prefill blocks against decode blocks in the `blocks` cost.
     /// Dynamo's default is 1; 32 is measured here: on the Mooncake conversation
     /// trace it hits more of the cache with lower TTFT and the same fairness (README).
     pub overlap_weight: f64,
+    /// `seconds` cost: prefill seconds per token until a rank's rate is measured.
+    pub prefill_seconds_per_token: f64,
+    /// `seconds` cost: seconds charged per KV block the rank holds for running
+    /// requests (this one's included), for decode slowing its prefill down.
+    pub decode_seconds_per_block: f64,
+    /// Ranks whose cost is within this much of the cheapest (in the cost's
+    /// units) count as tied on load, and the deepest overlap among them wins.
+    pub overlap_slack: f64,
     /// 0: always the lowest cost; above 0: sample a softmax over normalised costs.
     pub temperature: f64,
     /// A worker with this many requests in flight is busy; 0: no limit.
@@ -283,6 +322,10 @@ pub struct ClusterConfig {
     pub stream_max_bytes: i64,
     /// A worker's registration lives this long unless its replica refreshes it.
     pub registration_ttl_ms: u64,
+    /// An index snapshot is written to the object store when the newest is
+    /// this old, in seconds; at most half of `stream_max_age_s`, so a
+    /// snapshot always covers what the stream forgot.
+    pub snapshot_interval_s: u64,
     /// Share bookings and predictions with the other replicas (core NATS).
     pub share_load: bool,
     /// Each replica sends all its bookings this often, besides every change.
@@ -305,6 +348,7 @@ impl Default for ClusterConfig {
             stream_max_age_s: 3_600,
             stream_max_bytes: 1 << 30,
             registration_ttl_ms: 10_000,
+            snapshot_interval_s: 300,
             share_load: true,
             load_full_state_ms: 500,
             load_expiry_ms: 3_000,
@@ -368,7 +412,11 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             policy: Policy::Kv,
+            cost: Cost::Blocks,
             overlap_weight: 32.0,
+            prefill_seconds_per_token: 50e-6,
+            decode_seconds_per_block: 0.8e-3,
+            overlap_slack: 0.0,
             temperature: 0.0,
             busy_max_inflight: 0,
             busy_kv_ratio: 1.0,
@@ -535,6 +583,15 @@ impl Config {
                 s.overlap_weight
             ));
         }
+        for (name, value) in [
+            ("prefill_seconds_per_token", s.prefill_seconds_per_token),
+            ("decode_seconds_per_block", s.decode_seconds_per_block),
+            ("overlap_slack", s.overlap_slack),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return fail(format!("scheduler.{name} must be ≥ 0, got {value}"));
+            }
+        }
         if !(s.temperature.is_finite() && s.temperature >= 0.0) {
             return fail(format!(
                 "scheduler.temperature must be ≥ 0, got {}",
@@ -585,6 +642,15 @@ impl Config {
             return fail(
                 "cluster.registration_ttl_ms must be at least 1000 and cluster.stream_max_age_s at least 1".into(),
             );
+        }
+        if c.enabled()
+            && (c.snapshot_interval_s == 0
+                || c.snapshot_interval_s.saturating_mul(2) > c.stream_max_age_s)
+        {
+            return fail(format!(
+                "cluster.snapshot_interval_s ({}) must be at least 1 and at most half of cluster.stream_max_age_s ({}): a snapshot must cover what the stream forgets",
+                c.snapshot_interval_s, c.stream_max_age_s
+            ));
         }
         // An expiry within two full states would drop a live replica's load
         // whenever one of its messages is late.
@@ -952,6 +1018,26 @@ mod tests {
         assert!(config.cluster.enabled());
         assert_eq!(config.cluster.nats_url, "nats://nats:4222");
         assert_eq!(config.cluster.replica_id, "");
+        assert_eq!(config.cluster.snapshot_interval_s, 300);
+    }
+
+    #[test]
+    fn snapshots_must_come_within_the_streams_retention() {
+        let cluster = |interval: &str| {
+            Config::load(
+                None,
+                env(&[
+                    ("KVROUTE_CLUSTER__NATS_URL", "nats://nats:4222"),
+                    ("KVROUTE_CLUSTER__STREAM_MAX_AGE_S", "60"),
+                    ("KVROUTE_CLUSTER__SNAPSHOT_INTERVAL_S", interval),
+                ]),
+            )
+        };
+        assert_eq!(cluster("30").unwrap().cluster.snapshot_interval_s, 30);
+        for bad in ["0", "31"] {
+            let err = cluster(bad).unwrap_err();
+            assert!(err.to_string().contains("snapshot_interval_s"), "{err}");
+        }
     }
 
     #[test]

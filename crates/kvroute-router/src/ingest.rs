@@ -121,6 +121,13 @@ pub(crate) struct DumpState {
     pub(crate) applied: HashSet<u32>,
 }
 
+impl DumpState {
+    /// Whether a dump's first parts are in and its last is still due.
+    pub(crate) fn gathering(&self) -> bool {
+        !self.parts.is_empty()
+    }
+}
+
 /// A message's share of the queue's bytes (at least 1, so that empty ones
 /// still count; the config keeps the queue under `u32::MAX`).
 fn queue_bytes(encoded_len: usize) -> u32 {
@@ -971,7 +978,7 @@ fn count_outcome(label: &str, event: &KvEvent, outcome: kvroute_index::ApplyOutc
     }
 }
 
-fn convert_stored(stored: kvroute_proto::Stored) -> EventKind {
+pub(crate) fn convert_stored(stored: kvroute_proto::Stored) -> EventKind {
     EventKind::Stored {
         parent_hash: stored.parent_hash,
         blocks: stored

@@ -56,6 +56,8 @@ pub const CLUSTER_CAUGHT_UP: &str = "kvroute_cluster_caught_up";
 pub const CLUSTER_RECORDS: &str = "kvroute_cluster_records_applied_total";
 pub const CLUSTER_SKIPPED: &str = "kvroute_cluster_records_skipped_total";
 pub const CLUSTER_APPEND_FAILURES: &str = "kvroute_cluster_append_failures_total";
+pub const CLUSTER_SNAPSHOT_AGE: &str = "kvroute_cluster_snapshot_age_seconds";
+pub const CLUSTER_SNAPSHOTS: &str = "kvroute_cluster_snapshots_total";
 pub const CLUSTER_APPLY_LAG: &str = "kvroute_cluster_apply_lag_seconds";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
@@ -207,6 +209,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Replicas: batches and dumps the event log did not take, applied here only",
     ),
     (
+        CLUSTER_SNAPSHOT_AGE,
+        "Replicas: age of the newest index snapshot in the object store that this replica knows of or wrote",
+    ),
+    (
+        CLUSTER_SNAPSHOTS,
+        "Replicas: index snapshots by outcome (written, loaded at start, failed to write or load)",
+    ),
+    (
         CLUSTER_APPLY_LAG,
         "Replicas: from the holder taking a worker's batch to this replica applying it from the log",
     ),
@@ -340,7 +350,20 @@ pub struct Hot {
     pub e2e: metrics::Histogram,
     pub predicted_overlap: metrics::Histogram,
     phases: [metrics::Histogram; PHASES.len()],
+    pub routed_prompt_tokens: metrics::Counter,
+    pub predicted_cached_tokens: metrics::Counter,
+    responses: [metrics::Counter; STATUSES.len()],
 }
+
+/// The common statuses of [`HTTP_RESPONSES`], counted through handles.
+const STATUSES: [(u16, &str); 6] = [
+    (200, "200"),
+    (400, "400"),
+    (404, "404"),
+    (429, "429"),
+    (502, "502"),
+    (503, "503"),
+];
 
 /// The phases of [`OVERHEAD`].
 const PHASES: [&str; 5] = ["tokenize", "hash", "find_matches", "schedule", "total"];
@@ -354,8 +377,19 @@ static HOT: std::sync::LazyLock<Hot> = std::sync::LazyLock::new(|| {
         e2e: metrics::histogram!(E2E),
         predicted_overlap: metrics::histogram!(PREDICTED_OVERLAP),
         phases: PHASES.map(|phase| metrics::histogram!(OVERHEAD, "phase" => phase)),
+        routed_prompt_tokens: metrics::counter!(ROUTED_PROMPT_TOKENS),
+        predicted_cached_tokens: metrics::counter!(PREDICTED_CACHED_TOKENS),
+        responses: STATUSES.map(|(_, label)| metrics::counter!(HTTP_RESPONSES, "status" => label)),
     }
 });
+
+/// Counts a response of the router's HTTP API by status.
+pub fn count_response(status: u16) {
+    match STATUSES.iter().position(|&(s, _)| s == status) {
+        Some(i) => hot().responses[i].increment(1),
+        None => metrics::counter!(HTTP_RESPONSES, "status" => status.to_string()).increment(1),
+    }
+}
 
 /// The request path's histograms (installing the recorder on first use).
 pub fn hot() -> &'static Hot {

@@ -83,9 +83,11 @@ pub async fn forward(
                 .record(decision.overlap_blocks as f64 / decision.request_blocks as f64);
         }
         let prompt_tokens = request.tokens.len() as u64;
-        ::metrics::counter!(metrics::ROUTED_PROMPT_TOKENS).increment(prompt_tokens);
+        let hot = metrics::hot();
+        hot.routed_prompt_tokens.increment(prompt_tokens);
         let predicted_cached_tokens = prompt_tokens.saturating_sub(decision.new_prefill_tokens);
-        ::metrics::counter!(metrics::PREDICTED_CACHED_TOKENS).increment(predicted_cached_tokens);
+        hot.predicted_cached_tokens
+            .increment(predicted_cached_tokens);
         if tried.is_empty() {
             metrics::observe_phase("total", request.received);
         }

@@ -120,6 +120,10 @@ pub struct Rank {
     /// Recent time to first token per prefilled token, from its streams
     /// (see [`crate::booking`]); `None` until one is measured.
     pub prefill_seconds_per_token: Option<f64>,
+    /// Recent time to first token per token the rank had to prefill up to it
+    /// (those in flight when the request was booked, and its own): the rank's
+    /// measured prefill rate, decode slow-down included, for the `seconds` cost.
+    pub queued_seconds_per_token: Option<f64>,
     inflight_gauge: ::metrics::Gauge,
     prefill_gauge: ::metrics::Gauge,
     pub routed: ::metrics::Counter,
@@ -179,6 +183,10 @@ pub struct Fleet {
 pub struct Limits {
     pub block_size: u32,
     pub overlap_weight: f64,
+    pub cost: crate::config::Cost,
+    pub prefill_seconds_per_token: f64,
+    pub decode_seconds_per_block: f64,
+    pub overlap_slack: f64,
     pub busy_max_inflight: u32,
     pub busy_kv_ratio: f64,
     pub breaker_failures: u32,
@@ -192,6 +200,10 @@ impl Limits {
         Self {
             block_size: config.block_size,
             overlap_weight: config.scheduler.overlap_weight,
+            cost: config.scheduler.cost,
+            prefill_seconds_per_token: config.scheduler.prefill_seconds_per_token,
+            decode_seconds_per_block: config.scheduler.decode_seconds_per_block,
+            overlap_slack: config.scheduler.overlap_slack,
             busy_max_inflight: config.scheduler.busy_max_inflight,
             busy_kv_ratio: config.scheduler.busy_kv_ratio,
             breaker_failures: config.upstream.breaker_failures,
@@ -510,6 +522,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         reported: ReportedLoad::default(),
         load_key: 0,
         prefill_seconds_per_token: None,
+        queued_seconds_per_token: None,
         inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
         prefill_gauge: ::metrics::gauge!(metrics::WORKER_PREFILL, "worker" => label.clone()),
         routed: ::metrics::counter!(metrics::ROUTED, "worker" => label, "policy" => policy.as_str()),

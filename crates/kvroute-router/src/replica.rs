@@ -21,6 +21,11 @@
 //! Event ids make a resent event stale, so a worker that moves to another
 //! replica and resends has nothing applied twice.
 //!
+//! A replica that starts later need not replay the whole log: a [`Snapshot`]
+//! is the applier's state at one record (the workers' claims and every
+//! indexed rank's blocks), taken between two records, so that restoring it
+//! and applying the records after it gives what applying them all gives.
+//!
 //! This module knows nothing of NATS: without `[cluster]` none of it runs.
 
 use std::any::Any;
@@ -29,11 +34,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
-use kvroute_index::WorkerKey;
-use kvroute_proto::{Dump, EventBatch};
+use kvroute_index::{EventKind, WorkerKey};
+use kvroute_proto::{Dump, EventBatch, Stored};
+use serde::{Deserialize, Serialize};
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::ingest::{DumpState, Stream, Work};
+use crate::ingest::{DumpState, Stream, Work, convert_stored};
 use crate::metrics;
 use crate::registry::Registration;
 use crate::state::AppState;
@@ -310,6 +316,63 @@ impl Replica {
     }
 }
 
+/// The log as applied up to one record, for a replica that starts later.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// The sequence of the last record it covers.
+    pub seq: u64,
+    pub workers: Vec<SnapshotWorker>,
+    /// Every indexed rank, by worker id, as a dump: its blocks as chains,
+    /// parents first, as of the rank's last applied event.
+    pub ranks: Vec<(u64, Dump)>,
+}
+
+/// A worker's latest claim, as a [`Snapshot`] keeps it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotWorker {
+    pub worker_id: u64,
+    pub claim: u64,
+    /// None when the claim itself left the log before it was applied.
+    pub instance_id: Option<u64>,
+    pub dp_ranks: Vec<u32>,
+    /// Ranks the claim's stream applied to: an older dump is refused there.
+    pub applied: Vec<u32>,
+}
+
+/// A dump's single-block `Stored` events (parents first, a child often
+/// right after its parent) as chains: each event whose parent is the
+/// previous one's last block joins it. A third of the bytes, and the
+/// same blocks when applied in order.
+fn chains(events: Vec<EventKind>) -> Vec<Stored> {
+    let mut chains: Vec<Stored> = Vec::new();
+    for event in events {
+        let EventKind::Stored {
+            parent_hash,
+            blocks,
+        } = event
+        else {
+            continue;
+        };
+        let blocks = blocks.into_iter().map(|b| kvroute_proto::StoredBlock {
+            block_hash: b.block_hash,
+            tokens_hash: b.tokens_hash,
+        });
+        match chains.last_mut() {
+            Some(chain)
+                if parent_hash.is_some()
+                    && chain.blocks.last().map(|b| b.block_hash) == parent_hash =>
+            {
+                chain.blocks.extend(blocks);
+            }
+            _ => chains.push(Stored {
+                parent_hash,
+                blocks: blocks.collect(),
+            }),
+        }
+    }
+    chains
+}
+
 /// A worker as the log has it: its latest claim, and that stream's dumps.
 struct Follower {
     claim: u64,
@@ -333,6 +396,86 @@ impl ReplicaApplier {
             state,
             workers: HashMap::new(),
         }
+    }
+
+    /// The state after the record at `seq`, the last one applied; `None`
+    /// while a dump's parts are being gathered (they are not part of it).
+    /// Reads the whole index: seconds for millions of blocks, off the async
+    /// threads; no record is applied meanwhile, routing goes on.
+    pub async fn snapshot(&self, seq: u64) -> Option<Snapshot> {
+        if self.workers.values().any(|f| f.dumps.gathering()) {
+            return None;
+        }
+        let workers = self
+            .workers
+            .iter()
+            .map(|(&worker_id, f)| {
+                let mut applied: Vec<u32> = f.dumps.applied.iter().copied().collect();
+                applied.sort_unstable();
+                SnapshotWorker {
+                    worker_id,
+                    claim: f.claim,
+                    instance_id: f.instance_id,
+                    dp_ranks: f.context.dp_ranks().to_vec(),
+                    applied,
+                }
+            })
+            .collect();
+        let index = Arc::clone(&self.state.index);
+        let ranks = tokio::task::spawn_blocking(move || {
+            let mut keys = index.workers();
+            keys.sort_unstable();
+            keys.into_iter()
+                .filter_map(|key| {
+                    let dump = index.dump(key)?;
+                    let last_event_id = dump.last_event_id?;
+                    let dump = Dump {
+                        dp_rank: key.dp_rank,
+                        last_event_id,
+                        chains: chains(dump.events),
+                        more: false,
+                    };
+                    Some((key.worker_id, dump))
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        Some(Snapshot {
+            seq,
+            workers,
+            ranks,
+        })
+    }
+
+    /// Starts from `snapshot` instead of from the log's first record: the
+    /// records after `snapshot.seq` are to be applied next.
+    pub async fn restore(&mut self, snapshot: Snapshot) {
+        for worker in snapshot.workers {
+            let mut dumps = DumpState::default();
+            dumps.applied.extend(worker.applied);
+            let context =
+                Stream::follower(Arc::clone(&self.state), worker.worker_id, worker.dp_ranks);
+            self.workers.insert(
+                worker.worker_id,
+                Follower {
+                    claim: worker.claim,
+                    instance_id: worker.instance_id,
+                    dumps,
+                    context,
+                },
+            );
+        }
+        let index = Arc::clone(&self.state.index);
+        tokio::task::spawn_blocking(move || {
+            for (worker_id, dump) in snapshot.ranks {
+                let key = WorkerKey::new(worker_id, dump.dp_rank);
+                let chains: Vec<EventKind> = dump.chains.into_iter().map(convert_stored).collect();
+                index.replace_worker(key, dump.last_event_id, &chains);
+            }
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
     }
 
     /// Applies the record at `seq`, which follows every record applied before.
@@ -580,6 +723,190 @@ mod tests {
         // The new instance's ids start again.
         applier.apply(4, events(3, batch(0, &[21]))).await;
         assert_eq!(rank(&state), (1, Some(0)));
+    }
+
+    /// Every rank of `state`'s index: (key, last event id, blocks as a dump).
+    fn ranks(state: &AppState) -> Vec<(WorkerKey, Option<u64>, Vec<EventKind>)> {
+        let mut keys = state.index.workers();
+        keys.sort_unstable();
+        keys.into_iter()
+            .map(|key| {
+                let dump = state.index.dump(key).unwrap();
+                let mut events = dump.events;
+                events.sort_by_key(|e| format!("{e:?}"));
+                (key, dump.last_event_id, events)
+            })
+            .collect()
+    }
+
+    fn dump_record(
+        worker_id: u64,
+        claim: u64,
+        last_event_id: u64,
+        hashes: &[u64],
+        more: bool,
+    ) -> Record {
+        // One chain from the root.
+        Record::Dump {
+            worker_id,
+            claim,
+            dump: Dump {
+                dp_rank: 0,
+                last_event_id,
+                chains: vec![Stored {
+                    parent_hash: None,
+                    blocks: hashes
+                        .iter()
+                        .map(|&h| StoredBlock {
+                            block_hash: h,
+                            tokens_hash: h * 10,
+                        })
+                        .collect(),
+                }],
+                more,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn a_restored_snapshot_then_the_rest_of_the_log_gives_what_the_whole_log_gives() {
+        let head = [
+            claim(1, 7),
+            events(1, batch(0, &[11, 12, 13])),
+            Record::Events {
+                worker_id: 1,
+                claim: 1,
+                batch: EventBatch {
+                    dp_rank: 0,
+                    events: vec![KvEvent {
+                        event_id: 3,
+                        kind: Some(kv_event::Kind::Stored(Stored {
+                            // A branch below block 11.
+                            parent_hash: Some(11),
+                            blocks: vec![StoredBlock {
+                                block_hash: 14,
+                                tokens_hash: 140,
+                            }],
+                        })),
+                    }],
+                },
+            },
+            claim(2, 5),
+            dump_record(2, 4, 9, &[21, 22], false),
+            // Worker 3's claim left the log: its records name claim 6.
+            Record::Events {
+                worker_id: 3,
+                claim: 6,
+                batch: batch(40, &[31]),
+            },
+        ];
+        let tail = vec![
+            // Resent (stale), then new.
+            events(1, batch(2, &[13, 15])),
+            // Older than what worker 2's stream applied: refused.
+            dump_record(2, 4, 8, &[21], false),
+            Record::Events {
+                worker_id: 2,
+                claim: 4,
+                batch: batch(10, &[23]),
+            },
+            Record::Events {
+                worker_id: 3,
+                claim: 6,
+                batch: batch(41, &[32]),
+            },
+            // Worker 1 restarts: cleared, then ids start again.
+            claim(1, 8),
+            events(11, batch(0, &[16])),
+        ];
+        let whole = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&whole));
+        let mut seq = 0;
+        let mut restored_state = None;
+        for record in head.iter().chain(&tail) {
+            seq += 1;
+            applier.apply(seq, record.clone()).await;
+            if seq as usize == head.len() {
+                // Taken between two records, restored on a fresh replica.
+                let snapshot = applier.snapshot(seq).await.unwrap();
+                assert_eq!(snapshot.seq, seq);
+                let later = AppState::new(Config::default(), None).unwrap();
+                let mut restored = ReplicaApplier::new(Arc::clone(&later));
+                restored.restore(snapshot).await;
+                assert_eq!(ranks(&later), ranks(&whole));
+                let mut next = seq;
+                for record in &tail {
+                    next += 1;
+                    restored.apply(next, record.clone()).await;
+                }
+                // Compared once the whole log is applied below.
+                restored_state = Some(later);
+            }
+        }
+        let later = restored_state.unwrap();
+        assert_eq!(ranks(&later), ranks(&whole));
+        let (blocks, last) = rank(&later);
+        assert_eq!((blocks, last), (1, Some(0)));
+    }
+
+    #[tokio::test]
+    async fn no_snapshot_while_a_dump_is_half_gathered() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(Arc::clone(&state));
+        applier.apply(1, claim(1, 7)).await;
+        applier
+            .apply(2, dump_record(1, 1, 4, &[31, 32], true))
+            .await;
+        assert_eq!(applier.snapshot(2).await, None);
+        applier.apply(3, dump_record(1, 1, 4, &[33], false)).await;
+        assert!(applier.snapshot(3).await.is_some());
+    }
+
+    #[test]
+    fn a_dumps_events_become_chains_with_the_same_blocks() {
+        let stored = |parent: Option<u64>, hash: u64| EventKind::Stored {
+            parent_hash: parent,
+            blocks: vec![kvroute_index::StoredBlock {
+                block_hash: hash,
+                tokens_hash: hash + 100,
+            }],
+        };
+        // 1 → 2 → 3, 1 → 4 → 5, a second name 6 for block 2's place, a root 7.
+        let events = vec![
+            stored(None, 1),
+            stored(Some(1), 2),
+            stored(Some(1), 6),
+            stored(Some(2), 3),
+            stored(Some(1), 4),
+            stored(Some(4), 5),
+            stored(None, 7),
+        ];
+        let chains = chains(events);
+        let shape: Vec<(Option<u64>, Vec<u64>)> = chains
+            .iter()
+            .map(|c| {
+                (
+                    c.parent_hash,
+                    c.blocks.iter().map(|b| b.block_hash).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (None, vec![1, 2]),
+                (Some(1), vec![6]),
+                (Some(2), vec![3]),
+                (Some(1), vec![4, 5]),
+                (None, vec![7]),
+            ]
+        );
+        assert!(
+            chains
+                .iter()
+                .flat_map(|c| &c.blocks)
+                .all(|b| b.tokens_hash == b.block_hash + 100)
+        );
     }
 
     #[tokio::test]

@@ -1,14 +1,32 @@
 //! Choosing a worker rank for a request.
 //!
-//! The default policy `kv` is Dynamo's cost, lowest wins:
+//! The default policy `kv` weighs each rank's prefix overlap against its load,
+//! lowest cost wins. Its units are `scheduler.cost`:
 //!
 //! ```text
-//! cost           = overlap_weight × prefill_blocks + decode_blocks
-//! prefill_blocks = (rank's prefill tokens in flight + prompt tokens not covered by its overlap) / block size
-//! decode_blocks  = rank's active blocks + this request's blocks
+//! blocks (Dynamo's cost, the default):
+//!   cost           = overlap_weight × prefill_blocks + decode_blocks
+//!   prefill_blocks = (rank's prefill tokens in flight + prompt tokens not covered by its overlap) / block size
+//!   decode_blocks  = rank's active blocks + this request's blocks
+//! seconds:
+//!   cost = (rank's prefill tokens in flight + uncovered prompt tokens) × rank's seconds per token
+//!        + decode_seconds_per_block × decode_blocks
 //! ```
 //!
-//! where the overlap is max(event-fed depth, predicted depth) and the load is the
+//! Why seconds: a block of prefill, a queued token and a decoding block are
+//! not worth the same on every rank. A rank's seconds per token is measured
+//! from its streams as time to first token over the tokens it had to prefill up
+//! to it (those in flight when the request was booked, and its own), so a rank
+//! slowed by decoding or by a slower GPU is charged for it; until measured, the
+//! configured `prefill_seconds_per_token` stands in.
+//!
+//! `overlap_slack` makes the choice two-tier: ranks within `overlap_slack` of
+//! the cheapest (in the cost's units) count as equally loaded, and the deepest
+//! overlap among them wins. A few milliseconds of queue then no longer send a
+//! conversation away from the rank that holds its history, which would both
+//! recompute it and duplicate it in a second cache.
+//!
+//! The overlap is max(event-fed depth, predicted depth) and the load is the
 //! router's own bookings blended (max) with what the rank reports. Ties go to the
 //! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
 //! softmax over costs normalised by the largest.
@@ -19,7 +37,8 @@
 //! Only ranks that matched the prompt and the first few ranks of the group's load
 //! order are costed: an unmatched rank's cost differs from another unmatched
 //! rank's only by its load, so the cheapest unmatched ranks are the least loaded
-//! ones (see [`crate::registry`]).
+//! ones (see [`crate::registry`]; the load order is the `blocks` cost's, which
+//! the `seconds` cost follows wherever ranks prefill at the same rate).
 
 use std::sync::Arc;
 
@@ -30,9 +49,9 @@ use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use crate::booking::Booking;
-use crate::config::Policy;
+use crate::config::{Cost, Policy};
 use crate::metrics;
-use crate::registry::{Fleet, Registry};
+use crate::registry::{Fleet, Limits, Rank, Registry};
 
 /// Unmatched ranks costed per decision (more if they tie on load).
 const UNMATCHED_CANDIDATES: usize = 8;
@@ -268,23 +287,21 @@ impl Scheduler {
                 let overlap = event.max(predicted).min(request_blocks as u32);
                 let new_tokens =
                     (query.prompt_tokens as u64).saturating_sub(overlap as u64 * block_size);
-                let prefill_blocks =
-                    (rank.prefill_tokens() + new_tokens) as f64 / block_size as f64;
-                let decode_blocks = (rank.active_blocks() + request_blocks) as f64;
+                let load = RankLoad::of(rank);
                 Some(Score {
                     worker_id: key.worker_id,
                     dp_rank: key.dp_rank,
                     overlap_blocks: overlap,
                     event_overlap_blocks: event,
                     predicted_overlap_blocks: predicted,
-                    prefill_blocks,
-                    decode_blocks,
-                    cost: limits.overlap_weight * prefill_blocks + decode_blocks,
+                    prefill_blocks: (load.prefill_tokens + new_tokens) as f64 / block_size as f64,
+                    decode_blocks: (load.active_blocks + request_blocks) as f64,
+                    cost: cost(limits, &load, new_tokens, request_blocks),
                 })
             })
             .collect();
         scores.sort_by(|a, b| a.cost.total_cmp(&b.cost));
-        let chosen = self.pick(&scores, overlaps);
+        let chosen = self.pick(&scores, overlaps, limits.overlap_slack);
         let score = &scores[chosen];
         let worker = WorkerKey::new(score.worker_id, score.dp_rank);
         let chosen = &fleet.workers[&worker.worker_id];
@@ -301,9 +318,15 @@ impl Scheduler {
     }
 
     /// Index into `scores` (sorted by cost) of the rank to use.
-    fn pick(&self, scores: &[Score], overlaps: &Overlaps) -> usize {
+    fn pick(&self, scores: &[Score], overlaps: &Overlaps, slack: f64) -> usize {
         if scores.len() == 1 {
             return 0;
+        }
+        if slack > 0.0 && self.temperature == 0.0 {
+            let deepest = deepest_within_slack(scores, slack);
+            if scores[deepest].overlap_blocks > scores[0].overlap_blocks {
+                return deepest;
+            }
         }
         if self.temperature > 0.0 {
             let max = scores.iter().map(|s| s.cost).fold(0.0, f64::max);
@@ -343,6 +366,61 @@ impl Scheduler {
     }
 }
 
+/// The load a rank's cost is computed from.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RankLoad {
+    /// Prompt tokens waiting for prefill.
+    pub prefill_tokens: u64,
+    /// KV blocks held for running requests.
+    pub active_blocks: u64,
+    /// Measured seconds per prefilled token, if any.
+    pub seconds_per_token: Option<f64>,
+}
+
+impl RankLoad {
+    fn of(rank: &Rank) -> Self {
+        Self {
+            prefill_tokens: rank.prefill_tokens(),
+            active_blocks: rank.active_blocks(),
+            seconds_per_token: rank.queued_seconds_per_token,
+        }
+    }
+}
+
+/// A rank's `kv` cost for a request that leaves `new_tokens` uncached and
+/// needs `request_blocks` blocks; see the module docs.
+pub(crate) fn cost(limits: &Limits, load: &RankLoad, new_tokens: u64, request_blocks: u64) -> f64 {
+    let prefill_tokens = (load.prefill_tokens + new_tokens) as f64;
+    let decode_blocks = (load.active_blocks + request_blocks) as f64;
+    match limits.cost {
+        Cost::Blocks => {
+            limits.overlap_weight * prefill_tokens / limits.block_size as f64 + decode_blocks
+        }
+        Cost::Seconds => {
+            let per_token = load
+                .seconds_per_token
+                .unwrap_or(limits.prefill_seconds_per_token);
+            prefill_tokens * per_token + limits.decode_seconds_per_block * decode_blocks
+        }
+    }
+}
+
+/// Among `scores` (sorted by cost) within `slack` of the cheapest, the one
+/// with the deepest overlap; the cheaper on equal overlap.
+fn deepest_within_slack(scores: &[Score], slack: f64) -> usize {
+    let limit = scores[0].cost + slack;
+    let mut best = 0;
+    for (i, s) in scores.iter().enumerate().skip(1) {
+        if s.cost > limit {
+            break;
+        }
+        if s.overlap_blocks > scores[best].overlap_blocks {
+            best = i;
+        }
+    }
+    best
+}
+
 fn first_usable(
     members: &[WorkerKey],
     start: usize,
@@ -359,5 +437,169 @@ impl crate::registry::Group {
     /// `choose` on a shared borrow of the fleet.
     fn next_round_robin(&self) -> usize {
         self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::registry::{Registration, Source};
+    use crate::state::{AppState, RouteInput};
+
+    fn limits(cost: Cost) -> Limits {
+        let mut config = Config::default();
+        config.scheduler.cost = cost;
+        Limits::from_config(&config)
+    }
+
+    fn score(worker_id: u64, overlap_blocks: u32, cost: f64) -> Score {
+        Score {
+            worker_id,
+            dp_rank: 0,
+            overlap_blocks,
+            event_overlap_blocks: overlap_blocks,
+            predicted_overlap_blocks: 0,
+            prefill_blocks: 0.0,
+            decode_blocks: 0.0,
+            cost,
+        }
+    }
+
+    #[test]
+    fn the_blocks_cost_is_dynamos_and_the_seconds_cost_a_time_to_first_token() {
+        let load = RankLoad {
+            prefill_tokens: 160,
+            active_blocks: 6,
+            seconds_per_token: None,
+        };
+        // 32 × (160 + 32) / 16 + (6 + 4)
+        assert_eq!(cost(&limits(Cost::Blocks), &load, 32, 4), 394.0);
+        // (160 + 32) tokens at the prior 50 µs, and 0.8 ms for each of 10 blocks.
+        let prior = cost(&limits(Cost::Seconds), &load, 32, 4);
+        assert!(
+            (prior - (192.0 * 50e-6 + 10.0 * 0.8e-3)).abs() < 1e-12,
+            "{prior}"
+        );
+        // A measured rate replaces the prior.
+        let measured = RankLoad {
+            seconds_per_token: Some(1e-3),
+            ..load
+        };
+        let slow = cost(&limits(Cost::Seconds), &measured, 32, 4);
+        assert!(
+            (slow - (192.0 * 1e-3 + 10.0 * 0.8e-3)).abs() < 1e-12,
+            "{slow}"
+        );
+    }
+
+    /// The reference: of the ranks at most `slack` dearer than the cheapest,
+    /// the deepest overlap, then the cheapest, then the first listed.
+    fn reference(scores: &[Score], slack: f64) -> usize {
+        let cheapest = scores.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
+        let mut best: Option<usize> = None;
+        for (i, s) in scores.iter().enumerate() {
+            if s.cost > cheapest + slack {
+                continue;
+            }
+            let better = match best {
+                None => true,
+                Some(b) => {
+                    let b = &scores[b];
+                    s.overlap_blocks > b.overlap_blocks
+                        || (s.overlap_blocks == b.overlap_blocks && s.cost < b.cost)
+                }
+            };
+            if better {
+                best = Some(i);
+            }
+        }
+        best.unwrap()
+    }
+
+    #[test]
+    fn the_deepest_overlap_within_the_slack_wins_as_the_reference_says() {
+        for round in 0..2_000 {
+            let n = rand::random_range(1..10);
+            let mut scores: Vec<Score> = (0..n)
+                .map(|i| {
+                    score(
+                        i,
+                        rand::random_range(0..6),
+                        rand::random_range(0..40) as f64,
+                    )
+                })
+                .collect();
+            scores.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+            let slack = rand::random_range(0..15) as f64;
+            let chosen = deepest_within_slack(&scores, slack);
+            let expected = reference(&scores, slack);
+            assert_eq!(
+                (scores[chosen].overlap_blocks, scores[chosen].cost),
+                (scores[expected].overlap_blocks, scores[expected].cost),
+                "round {round}: slack {slack}, {scores:?}"
+            );
+        }
+    }
+
+    fn registration(worker_id: u64) -> Registration {
+        Registration {
+            worker_id,
+            dp_ranks: vec![0],
+            models: vec!["m".into()],
+            lora_names: Vec::new(),
+            base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
+            total_kv_blocks: 1024,
+        }
+    }
+
+    /// Worker 1 holds the whole 4-block prompt but has 80 tokens (5 blocks)
+    /// waiting for prefill; worker 2 is idle. The old cost recomputes the
+    /// prompt on worker 2; within the slack it stays on worker 1.
+    fn chosen_with(cost: Cost, slack: f64) -> u64 {
+        let mut config = Config::default();
+        config.scheduler.cost = cost;
+        config.scheduler.overlap_slack = slack;
+        let state = AppState::new(config, None).unwrap();
+        for id in [1, 2] {
+            state
+                .registry
+                .register(registration(id), Source::Stream)
+                .unwrap();
+        }
+        let tokens: Vec<u32> = (0..64).collect();
+        let input = RouteInput::Tokens(&tokens);
+        let pinned = state.route_now("m", input, Some(1), &[]).unwrap().unwrap();
+        state.record_prediction(&pinned);
+        let _queue = state.registry.book(WorkerKey::new(1, 0), 80, 0);
+        let routed = state.route_now("m", input, None, &[]).unwrap().unwrap();
+        assert_eq!(routed.decision.scores.len(), 2);
+        routed.decision.worker.worker_id
+    }
+
+    #[test]
+    fn a_rank_within_the_slack_keeps_the_prefix_it_holds() {
+        // 32 × 5 + 4 = 164 blocks against 32 × 4 + 4 = 132.
+        assert_eq!(chosen_with(Cost::Blocks, 0.0), 2);
+        // 80 × 50 µs + 3.2 ms = 7.2 ms against 64 × 50 µs + 3.2 ms = 6.4 ms.
+        assert_eq!(chosen_with(Cost::Seconds, 0.0), 2);
+        assert_eq!(chosen_with(Cost::Seconds, 1e-3), 1);
+        assert_eq!(chosen_with(Cost::Blocks, 40.0), 1);
+        // Beyond the slack, load wins again.
+        assert_eq!(chosen_with(Cost::Seconds, 0.5e-3), 2);
+    }
+
+    #[test]
+    fn a_ranks_rate_is_measured_over_the_tokens_it_prefilled_up_to_the_first_token() {
+        let registry = Arc::new(Registry::new(limits(Cost::Seconds)));
+        registry.register(registration(1), Source::Stream).unwrap();
+        let key = WorkerKey::new(1, 0);
+        let _ahead = registry.book(key, 100, 1);
+        let mut second = registry.book(key, 200, 1);
+        second.first_token(std::time::Duration::from_millis(300));
+        let rank = &registry.lock().ranks[&key];
+        // 300 ms over its own 200 tokens and the 100 ahead of it.
+        assert!((rank.queued_seconds_per_token.unwrap() - 1e-3).abs() < 1e-12);
+        assert!((rank.prefill_seconds_per_token.unwrap() - 1.5e-3).abs() < 1e-12);
     }
 }

@@ -255,12 +255,6 @@ impl RouterTokenizer {
     }
 }
 
-/// The `prompt` of a completion request: a string or token ids.
-pub fn completion_prompt(prompt: &Value) -> Result<Prompt, RouterError> {
-    kvroute_tokenize::parse_completion_prompt(prompt)
-        .map_err(|e| RouterError::BadRequest(e.to_string()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,6 +4,9 @@
 //! Both accept the shapes OpenAI clients send and reject anything else with a
 //! message the router can return as a 400 body unchanged.
 
+use std::fmt;
+
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
@@ -100,6 +103,13 @@ pub(crate) fn image_identifiers(messages: &[Value]) -> Vec<String> {
 }
 
 /// The prompt of a completions request.
+///
+/// Deserialized straight from the request's JSON (no `serde_json::Value` in
+/// between, so a token-id prompt costs 4 bytes a token, not a `Value` each):
+/// a string, an array of token ids, or a one-element array holding either.
+/// Batches of several prompts are refused: one request is routed to one worker
+/// by one prompt's prefix. Every other shape is refused with a message for the
+/// client.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
     /// Text to tokenize with the configured tokenizer.
@@ -108,61 +118,289 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// Reads the completions `prompt` field: a string, an array of token ids, or a
-/// one-element array holding either. Batches of several prompts are refused:
-/// one request is routed to one worker by one prompt's prefix.
+/// Reads the completions `prompt` field of an already parsed body; see [`Prompt`].
 pub fn parse_completion_prompt(value: &Value) -> Result<Prompt, TokenizeError> {
-    match value {
-        Value::String(text) => Ok(Prompt::Text(text.clone())),
-        Value::Array(items) => match items.as_slice() {
-            [] => Err(invalid("prompt must not be an empty array")),
-            [Value::String(text)] => Ok(Prompt::Text(text.clone())),
-            [Value::Array(ids)] => token_ids(ids).map(Prompt::Tokens),
-            [Value::Number(_), ..] => token_ids(items).map(Prompt::Tokens),
-            [Value::String(_) | Value::Array(_), ..] => Err(invalid(&format!(
-                "prompt holds a batch of {} prompts; send one prompt per request",
-                items.len()
-            ))),
-            [other, ..] => Err(invalid(&format!(
-                "prompt array elements must be strings, token ids or token id arrays, not {}",
-                json_kind(other)
-            ))),
-        },
-        other => Err(invalid(&format!(
-            "prompt must be a string or an array of token ids, not {}",
-            json_kind(other)
-        ))),
+    Prompt::deserialize(value).map_err(|e| TokenizeError::InvalidPrompt {
+        message: e.to_string(),
+    })
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
     }
 }
 
-fn token_ids(items: &[Value]) -> Result<Vec<u32>, TokenizeError> {
-    if items.is_empty() {
-        return Err(invalid("prompt must not be an empty array of token ids"));
+struct PromptVisitor;
+
+impl PromptVisitor {
+    fn refuse<E: de::Error>(kind: &str) -> E {
+        E::custom(format_args!(
+            "prompt must be a string or an array of token ids, not {kind}"
+        ))
     }
-    items
-        .iter()
-        .enumerate()
-        .map(|(index, item)| {
-            item.as_u64()
-                .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| {
-                    invalid(&format!(
-                        "prompt token ids must be integers from 0 to {}; element {index} is {}",
-                        u32::MAX,
-                        match item {
-                            Value::Number(number) => number.to_string(),
-                            other => json_kind(other).to_string(),
-                        }
-                    ))
+}
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string or an array of token ids")
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(text))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        let Some(first) = seq.next_element::<Element>()? else {
+            return Err(de::Error::custom("prompt must not be an empty array"));
+        };
+        let nested = match first {
+            Element::Id(id) => {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0) + 1);
+                ids.push(id);
+                return token_ids(&mut seq, ids)?
+                    .map(Prompt::Tokens)
+                    .map_err(de::Error::custom);
+            }
+            Element::Other(kind) => {
+                return Err(de::Error::custom(format_args!(
+                    "prompt array elements must be strings, token ids or token id arrays, not {kind}"
+                )));
+            }
+            Element::BadNumber(number) => {
+                return Err(de::Error::custom(BadId {
+                    index: 0,
+                    is: &number,
+                }));
+            }
+            Element::Text(text) => Ok(Prompt::Text(text)),
+            Element::Ids(ids) => ids.map(Prompt::Tokens),
+        };
+        let mut count = 1;
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            count += 1;
+        }
+        if count > 1 {
+            return Err(de::Error::custom(format_args!(
+                "prompt holds a batch of {count} prompts; send one prompt per request"
+            )));
+        }
+        nested.map_err(de::Error::custom)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Prompt, A::Error> {
+        Err(Self::refuse("an object"))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Prompt, E> {
+        Err(Self::refuse("a boolean"))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Prompt, E> {
+        Err(Self::refuse("a number"))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Prompt, E> {
+        Err(Self::refuse("a number"))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Prompt, E> {
+        Err(Self::refuse("a number"))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Prompt, E> {
+        Err(Self::refuse("null"))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Prompt, E> {
+        Err(Self::refuse("null"))
+    }
+}
+
+/// The rest of an array of token ids after `ids`; `Ok(Err(message))` when an
+/// element is not a token id (the array is still read to its end).
+fn token_ids<'de, A: SeqAccess<'de>>(
+    seq: &mut A,
+    mut ids: Vec<u32>,
+) -> Result<Result<Vec<u32>, String>, A::Error> {
+    let mut bad = None;
+    while let Some(id) = seq.next_element::<TokenId>()? {
+        match (id, &bad) {
+            (TokenId::Valid(id), None) => ids.push(id),
+            (TokenId::Invalid(is), None) => bad = Some((ids.len(), is)),
+            (_, Some(_)) => {}
+        }
+    }
+    Ok(match bad {
+        None if ids.is_empty() => Err("prompt must not be an empty array of token ids".into()),
+        None => Ok(ids),
+        Some((index, is)) => Err(BadId { index, is: &is }.to_string()),
+    })
+}
+
+/// The message for a prompt element that is not a token id.
+struct BadId<'a> {
+    index: usize,
+    /// The number, or what kind of value it is.
+    is: &'a str,
+}
+
+impl fmt::Display for BadId<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            f,
+            "prompt token ids must be integers from 0 to {}; element {} is {}",
+            u32::MAX,
+            self.index,
+            self.is
+        )
+    }
+}
+
+/// The first element of a `prompt` array, which says what the array is.
+enum Element {
+    Id(u32),
+    /// A number that is no token id, as the client wrote it.
+    BadNumber(String),
+    Text(String),
+    /// A nested array of token ids, or why it is not one.
+    Ids(Result<Vec<u32>, String>),
+    /// Anything else, by kind.
+    Other(&'static str),
+}
+
+impl<'de> Deserialize<'de> for Element {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ElementVisitor;
+        impl<'de> Visitor<'de> for ElementVisitor {
+            type Value = Element;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, a token id or an array of token ids")
+            }
+
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Element, E> {
+                Ok(match u32::try_from(n) {
+                    Ok(id) => Element::Id(id),
+                    Err(_) => Element::BadNumber(n.to_string()),
                 })
-        })
-        .collect()
+            }
+
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Element, E> {
+                Ok(match u32::try_from(n) {
+                    Ok(id) => Element::Id(id),
+                    Err(_) => Element::BadNumber(n.to_string()),
+                })
+            }
+
+            fn visit_f64<E: de::Error>(self, n: f64) -> Result<Element, E> {
+                Ok(Element::BadNumber(float_text(n)))
+            }
+
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Element, E> {
+                Ok(Element::Text(text.to_owned()))
+            }
+
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Element, E> {
+                Ok(Element::Text(text))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Element, A::Error> {
+                let capacity = seq.size_hint().unwrap_or(0);
+                token_ids(&mut seq, Vec::with_capacity(capacity)).map(Element::Ids)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Element, A::Error> {
+                IgnoredAny.visit_map(map)?;
+                Ok(Element::Other("an object"))
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Element, E> {
+                Ok(Element::Other("a boolean"))
+            }
+
+            fn visit_unit<E: de::Error>(self) -> Result<Element, E> {
+                Ok(Element::Other("null"))
+            }
+
+            fn visit_none<E: de::Error>(self) -> Result<Element, E> {
+                Ok(Element::Other("null"))
+            }
+        }
+        deserializer.deserialize_any(ElementVisitor)
+    }
 }
 
-fn invalid(message: &str) -> TokenizeError {
-    TokenizeError::InvalidPrompt {
-        message: message.to_string(),
+/// An element of an array of token ids after the first.
+enum TokenId {
+    Valid(u32),
+    /// Not a token id: the number as written, or the kind of value.
+    Invalid(String),
+}
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TokenIdVisitor;
+        impl<'de> Visitor<'de> for TokenIdVisitor {
+            type Value = TokenId;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a token id")
+            }
+
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<TokenId, E> {
+                Ok(u32::try_from(n)
+                    .map_or_else(|_| TokenId::Invalid(n.to_string()), TokenId::Valid))
+            }
+
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<TokenId, E> {
+                Ok(u32::try_from(n)
+                    .map_or_else(|_| TokenId::Invalid(n.to_string()), TokenId::Valid))
+            }
+
+            fn visit_f64<E: de::Error>(self, n: f64) -> Result<TokenId, E> {
+                Ok(TokenId::Invalid(float_text(n)))
+            }
+
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<TokenId, E> {
+                Ok(TokenId::Invalid("a string".into()))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<TokenId, A::Error> {
+                IgnoredAny.visit_seq(seq)?;
+                Ok(TokenId::Invalid("an array".into()))
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<TokenId, A::Error> {
+                IgnoredAny.visit_map(map)?;
+                Ok(TokenId::Invalid("an object".into()))
+            }
+
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<TokenId, E> {
+                Ok(TokenId::Invalid("a boolean".into()))
+            }
+
+            fn visit_unit<E: de::Error>(self) -> Result<TokenId, E> {
+                Ok(TokenId::Invalid("null".into()))
+            }
+
+            fn visit_none<E: de::Error>(self) -> Result<TokenId, E> {
+                Ok(TokenId::Invalid("null".into()))
+            }
+        }
+        deserializer.deserialize_any(TokenIdVisitor)
     }
+}
+
+/// A float as JSON writes it (`2.5`, `1000.0`).
+fn float_text(n: f64) -> String {
+    serde_json::Number::from_f64(n).map_or_else(|| n.to_string(), |n| n.to_string())
 }
 
 fn json_kind(value: &Value) -> &'static str {

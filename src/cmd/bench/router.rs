@@ -429,7 +429,7 @@ impl Prose {
 /// `n` distinct ~8.2k-token prompts: a shared "system prompt" of about 1,000
 /// tokens, then unique text, so only the head's chunks are in the tokenizer's
 /// cache (and, with tiktoken, frequent pieces in its piece cache).
-fn text_prompts(n: usize) -> Vec<String> {
+pub(super) fn text_prompts(n: usize) -> Vec<String> {
     let mut rng = Lcg(3);
     let prose = Prose::new(&mut rng, 50_000);
     let system = prose.text(&mut rng, 700);
@@ -649,7 +649,7 @@ pub fn router_proxy(args: RouterProxyArgs) -> anyhow::Result<()> {
 
 /// Pins the calling thread to `cpu` and builds a runtime with one worker
 /// thread, which inherits the pinning (threads inherit their creator's affinity).
-fn pinned_runtime(cpu: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+pub(super) fn pinned_runtime(cpu: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     anyhow::ensure!(
         core_affinity::set_for_current(core_affinity::CoreId { id: cpu }),
         "cannot pin this thread to CPU {cpu}"
@@ -713,15 +713,16 @@ fn proxy_separated(args: &BenchRouterArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn proxy_separated_on(
-    requests: usize,
-    client_cpu: usize,
-    router_cpu: usize,
-) -> anyhow::Result<()> {
-    let worker = stub_worker().await?;
+/// Starts `kvroute bench router-proxy` in a child process pinned to `cpu`,
+/// proxying to `worker_url`; returns it and its HTTP address. Closing its
+/// stdin stops it.
+pub(super) async fn router_process(
+    worker_url: &str,
+    cpu: usize,
+) -> anyhow::Result<(std::process::Child, String)> {
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["bench", "router-proxy", "--cpu", &router_cpu.to_string()])
-        .args(["--worker-url", &format!("http://{worker}")])
+        .args(["bench", "router-proxy", "--cpu", &cpu.to_string()])
+        .args(["--worker-url", worker_url])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -737,6 +738,16 @@ async fn proxy_separated_on(
         !router_addr.is_empty(),
         "the router process printed no address"
     );
+    Ok((child, router_addr))
+}
+
+async fn proxy_separated_on(
+    requests: usize,
+    client_cpu: usize,
+    router_cpu: usize,
+) -> anyhow::Result<()> {
+    let worker = stub_worker().await?;
+    let (mut child, router_addr) = router_process(&format!("http://{worker}"), router_cpu).await?;
     let client = pooled_client();
     let own = std::process::id();
     let before = process_cpu_ns(own)?;

@@ -1,12 +1,15 @@
 //! `kvroute bench router`'s saturation measurement: how late streamed chunks
-//! pass through the router while it tokenizes long text prompts as fast as
-//! it can. Tokenization runs on a bounded pool of blocking threads, so the
-//! async runtime that forwards the chunks is never held up by a prompt; only
-//! the CPU is shared.
+//! pass through the router, and how long a worker's events take to be
+//! applied, while it tokenizes long text prompts as fast as it can.
+//! Tokenization runs on a bounded pool of blocking threads, so the async
+//! runtime that forwards the chunks and applies the events is never held up
+//! by a prompt; only the CPU is shared.
 //!
 //! A stub worker streams chunks stamped with the time it sends them; the
-//! client measures each chunk's delay (same process, same clock), first with
-//! the router idle, then while tasks keep it busy with 8k-token text prompts.
+//! client measures each chunk's delay (same process, same clock). A gRPC
+//! worker sends Stored batches and times each until the router's ack for it
+//! (sent once the batch is applied to the index). Both first with the router
+//! idle, then while tasks keep it busy with 8k-token text prompts.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -14,8 +17,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
+use kvroute_proto::kv_router_client::KvRouterClient;
+use kvroute_proto::{
+    EventBatch, KvEvent, Register, RouterMessage, Stored, StoredBlock, WorkerMessage, kv_event,
+    router_message, worker_message,
+};
 use kvroute_router::server;
 
 use super::router::{HttpClient, pooled_client, proxy_config};
@@ -97,6 +107,100 @@ async fn chunk_delays(
     Ok(delays)
 }
 
+/// Stored batches per ingest measurement, blocks per batch, and the pause between batches.
+const BATCHES: usize = 100;
+const BATCH_BLOCKS: u64 = 32;
+const BATCH_GAP: Duration = Duration::from_millis(3);
+
+/// A worker's event stream to the router, for timing batches to their acks.
+struct IngestProbe {
+    events: tokio::sync::mpsc::Sender<WorkerMessage>,
+    acks: BoxStream<'static, anyhow::Result<RouterMessage>>,
+    next_event: u64,
+}
+
+impl IngestProbe {
+    /// Registers worker 1,000,000 serving a model nobody requests.
+    async fn connect(grpc: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let mut client = KvRouterClient::connect(format!("http://{grpc}")).await?;
+        let (events, mut rx) = tokio::sync::mpsc::channel(16);
+        events
+            .send(WorkerMessage {
+                body: Some(worker_message::Body::Register(Register {
+                    worker_id: 1_000_000,
+                    dp_ranks: vec![0],
+                    models: vec!["ingest-probe".into()],
+                    base_url: "http://127.0.0.1:9".into(),
+                    block_size: 16,
+                    total_kv_blocks: 1 << 20,
+                    instance_id: 1,
+                    ..Default::default()
+                })),
+            })
+            .await?;
+        let outgoing = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+        let acks = client
+            .stream(outgoing)
+            .await?
+            .into_inner()
+            .map(|message| message.map_err(|status| anyhow::anyhow!("{status}")))
+            .boxed();
+        Ok(IngestProbe {
+            events,
+            acks,
+            next_event: 0,
+        })
+    }
+
+    /// Sends [`BATCHES`] Stored batches and records each one's time to its ack.
+    async fn measure(&mut self) -> anyhow::Result<Histogram<u64>> {
+        let mut latency = Histogram::<u64>::new(3)?;
+        for _ in 0..BATCHES {
+            let event_id = self.next_event;
+            self.next_event += 1;
+            let first = event_id * BATCH_BLOCKS;
+            let blocks = (first..first + BATCH_BLOCKS)
+                .map(|h| StoredBlock {
+                    block_hash: h + 1,
+                    tokens_hash: h.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                })
+                .collect();
+            let parent_hash = (first > 0).then_some(first);
+            let batch = EventBatch {
+                dp_rank: 0,
+                events: vec![KvEvent {
+                    event_id,
+                    kind: Some(kv_event::Kind::Stored(Stored {
+                        parent_hash,
+                        blocks,
+                    })),
+                }],
+            };
+            let sent = Instant::now();
+            self.events
+                .send(WorkerMessage {
+                    body: Some(worker_message::Body::Events(batch)),
+                })
+                .await?;
+            loop {
+                let message = self
+                    .acks
+                    .next()
+                    .await
+                    .context("the router closed the event stream")??;
+                if let Some(router_message::Body::Ack(ack)) = message.body
+                    && ack.last_event_id >= event_id
+                {
+                    break;
+                }
+            }
+            latency.record(sent.elapsed().as_nanos() as u64)?;
+            tokio::time::sleep(BATCH_GAP).await;
+        }
+        Ok(latency)
+    }
+}
+
 fn summary(h: &Histogram<u64>) -> String {
     format!(
         "p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs (n={})",
@@ -122,6 +226,8 @@ pub(super) async fn sse_while_tokenizing(
     let client = pooled_client();
     chunk_delays(&client, &url, epoch, 20).await?;
     let idle = chunk_delays(&client, &url, epoch, 100).await?;
+    let mut probe = IngestProbe::connect(router.grpc_addr).await?;
+    let ingest_idle = probe.measure().await?;
 
     let bodies: Arc<Vec<Bytes>> = Arc::new(
         prompts
@@ -155,6 +261,7 @@ pub(super) async fn sse_while_tokenizing(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = (Instant::now(), tokenized.load(Ordering::Relaxed));
     let loaded = chunk_delays(&client, &url, epoch, 100).await?;
+    let ingest_loaded = probe.measure().await?;
     let rate =
         (tokenized.load(Ordering::Relaxed) - started.1) as f64 / started.0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
@@ -171,5 +278,11 @@ pub(super) async fn sse_while_tokenizing(
         "  tokenizing at saturation ({loaders} clients sending ~8k-token text prompts, {rate:.0} tokenized requests/s): {}",
         summary(&loaded)
     );
+    println!(
+        "== event ingest while it tokenizes: {BATCHES} Stored batches of {BATCH_BLOCKS} blocks, {} ms apart, from send to the router's ack (applied)",
+        BATCH_GAP.as_millis()
+    );
+    println!("  router idle:        {}", summary(&ingest_idle));
+    println!("  tokenizing at saturation: {}", summary(&ingest_loaded));
     Ok(())
 }
