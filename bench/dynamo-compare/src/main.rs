@@ -36,7 +36,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
-use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey};
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey, WorkerMatch};
 
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
@@ -443,6 +443,12 @@ fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
     shares
 }
 
+thread_local! {
+    /// Each replay thread's buffer for kvroute's lookups, kept across lookups
+    /// as a router keeps one per routing thread (`KvIndex::find_matches_into`).
+    static MATCHES: std::cell::RefCell<Vec<WorkerMatch>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 enum Live {
     Kvroute(Box<KvIndex>),
     Dynamo(ThreadPoolIndexer<ConcurrentRadixTreeCompressed>),
@@ -467,9 +473,10 @@ impl Live {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(worker, event));
             }
-            (Live::Kvroute(index), Op::Match(hashes)) => {
-                std::hint::black_box(index.find_matches(hashes));
-            }
+            (Live::Kvroute(index), Op::Match(hashes)) => MATCHES.with_borrow_mut(|matches| {
+                index.find_matches_into(hashes, matches);
+                std::hint::black_box(matches);
+            }),
             (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(worker, event),
             (Live::Dashmap(index), Op::Match(hashes)) => {
                 std::hint::black_box(index.find_matches(hashes));

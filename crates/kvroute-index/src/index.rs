@@ -25,6 +25,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use crate::cells::{Cell, Cells};
 use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
@@ -129,10 +130,12 @@ impl Counters {
 struct WorkerSlot {
     key: WorkerKey,
     idx: u32,
-    /// The block of counters holding this worker's: blocks whose bit is set
-    /// for it (its memberships). Read without locks; written only through
+    /// The bucket of interned-index cells holding this worker's, at `at`; its
+    /// `held` counts the blocks whose bit is set for the worker (its
+    /// memberships). Read without locks; written only through
     /// [`WorkerSlot::add_held`].
-    held: Arc<HeldCounters>,
+    cells: Arc<[Cell]>,
+    at: usize,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
     dangling: AtomicU64,
     /// Lookups see the slot's blocks and `max_blocks` counts them: false while
@@ -146,20 +149,9 @@ struct WorkerSlot {
     state: Mutex<WorkerState>,
 }
 
-/// The `held` counters of 64 consecutive worker indices side by side, so that a
-/// lookup returning thousands of workers reads them without a pointer chase
-/// per worker.
-struct HeldCounters([AtomicU64; 64]);
-
-impl HeldCounters {
-    fn new() -> Self {
-        HeldCounters(std::array::from_fn(|_| AtomicU64::new(0)))
-    }
-}
-
 impl WorkerSlot {
     fn held(&self) -> &AtomicU64 {
-        &self.held.0[self.idx as usize % 64]
+        &self.cells[self.at].held
     }
 
     /// Adds `delta` to `held` with a plain load and store, not a locked
@@ -200,16 +192,11 @@ const REGISTRY_SHARDS: usize = 16;
 type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
-/// to 63 ranks stays in the blocks' inline bitsets.
+/// to 63 ranks stays in the blocks' inline bitsets. What lookups read of each
+/// index is in [`Cells`], outside this lock.
 #[derive(Default)]
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
-    /// The key and liveness (see [`WorkerSlot::live`]) of each index, stale
-    /// where free, and the held counters by 64 indices: dense, for lookups'
-    /// results.
-    keys: Vec<WorkerKey>,
-    live: Vec<bool>,
-    held: Vec<Arc<HeldCounters>>,
     free: BinaryHeap<Reverse<u32>>,
 }
 
@@ -241,7 +228,9 @@ pub struct KvIndex {
     table: Table,
     /// Workers by key, sharded by key.
     registry: Box<[RwLock<WorkerMap>]>,
-    indices: RwLock<Indices>,
+    indices: Mutex<Indices>,
+    /// Per interned index, for lookups: key, liveness, size.
+    cells: Cells,
     eviction: Option<Mutex<Eviction>>,
     /// Counters of removed workers.
     retired: Mutex<Counters>,
@@ -258,7 +247,8 @@ impl KvIndex {
         Self {
             table: Table::new(),
             registry: (0..REGISTRY_SHARDS).map(|_| RwLock::default()).collect(),
-            indices: RwLock::default(),
+            indices: Mutex::default(),
+            cells: Cells::default(),
             eviction: config.max_blocks.map(|max| {
                 Mutex::new(Eviction {
                     lru: Lru::default(),
@@ -308,9 +298,7 @@ impl KvIndex {
             self.clear(&slot, &mut state, &mut eviction);
             self.retired.lock().unwrap().add(&state.counters);
         }
-        let mut indices = self.indices.write().unwrap();
-        indices.by_idx[slot.idx as usize] = None;
-        indices.free.push(Reverse(slot.idx));
+        self.free_idx(slot.idx);
     }
 
     /// Replaces `worker`'s state with a dump: `Stored` events, parents first, as
@@ -347,7 +335,7 @@ impl KvIndex {
         // while the dump is built is seen (the dump is then dropped).
         self.with_slot(worker, |_| ());
         let shadow = {
-            let mut indices = self.indices.write().unwrap();
+            let mut indices = self.indices.lock().unwrap();
             self.new_slot(&mut indices, worker, false)
         };
         let (mut state, orphans) = self.build_dump(&shadow, events, pace);
@@ -495,11 +483,13 @@ impl KvIndex {
                 - old.held().load(Ordering::Relaxed);
         }
         {
-            let mut indices = self.indices.write().unwrap();
+            let _indices = self.indices.lock().unwrap();
             old.live.store(false, Ordering::Relaxed);
             shadow.live.store(true, Ordering::Relaxed);
-            indices.live[old.idx as usize] = false;
-            indices.live[shadow.idx as usize] = true;
+            self.cells.change(|cells| {
+                cells.set_live(old.idx, false);
+                cells.set_live(shadow.idx, true);
+            });
         }
         workers.insert(worker, Arc::clone(shadow));
         Ok((Arc::clone(&old), old_blocks))
@@ -517,9 +507,17 @@ impl KvIndex {
             drop(eviction);
             (pace.between)();
         }
-        let mut indices = self.indices.write().unwrap();
-        indices.by_idx[slot.idx as usize] = None;
-        indices.free.push(Reverse(slot.idx));
+        self.free_idx(slot.idx);
+    }
+
+    /// Gives an interned index back. Lookups walking meanwhile walk again (see
+    /// [`Cells`]): the index's next worker must not be reported at what its
+    /// last one held.
+    fn free_idx(&self, idx: u32) {
+        let mut indices = self.indices.lock().unwrap();
+        self.cells.change(|cells| cells.set_live(idx, false));
+        indices.by_idx[idx as usize] = None;
+        indices.free.push(Reverse(idx));
     }
 
     /// `worker`'s blocks reachable from the root through blocks it holds, as
@@ -600,21 +598,29 @@ impl KvIndex {
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        // Held over the walk: a dump swapped in meanwhile (see `replace_worker`)
-        // would otherwise show its hidden bits, read half built, as the worker's.
-        let indices = self.indices.read().unwrap();
-        let (depths, seqs) = self.match_depths(local_hashes);
-        let mut matches = Vec::with_capacity(depths.len());
-        matches.extend(depths.into_iter().filter_map(|(idx, depth)| {
-            let i = idx as usize;
-            indices.by_idx.get(i)?.as_ref()?;
-            indices.live[i].then(|| WorkerMatch {
-                worker: indices.keys[i],
-                depth,
-                total_blocks: indices.held[i / 64].0[i % 64].load(Ordering::Relaxed),
-            })
-        }));
-        drop(indices);
+        let mut matches = Vec::new();
+        self.find_matches_into(local_hashes, &mut matches);
+        matches
+    }
+
+    /// [`Self::find_matches`] into a buffer the caller keeps: at fleet scale a
+    /// lookup returns thousands of workers, and allocating (and faulting in) the
+    /// result each time was a large share of it.
+    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) {
+        // Walked again if a dump was swapped in or an index changed hands
+        // meanwhile: the walk would otherwise show a dump's hidden bits, read
+        // half built, as the worker's, or one worker's depth as another's.
+        let seqs = loop {
+            let Some(epoch) = self.cells.epoch() else {
+                std::thread::yield_now();
+                continue;
+            };
+            matches.clear();
+            let seqs = self.walk(local_hashes, matches);
+            if self.cells.unchanged(epoch) {
+                break seqs;
+            }
+        };
         if let Some(eviction) = &self.eviction {
             let deepest = matches.iter().map(|m| m.depth).max().unwrap_or(0);
             eviction
@@ -623,7 +629,6 @@ impl KvIndex {
                 .lru
                 .touch(&seqs[..deepest as usize]);
         }
-        matches
     }
 
     /// Protects the blocks of a request's path from eviction until the guard is
@@ -709,18 +714,31 @@ impl KvIndex {
         }
     }
 
-    /// (worker index, matched depth) for every worker holding at least block 0,
-    /// and the keys of the path as deep as it was walked. One walk: keys are
-    /// chained lazily, as most long requests match only a short prefix, and
+    /// Pushes a match for every live worker holding at least block 0, and
+    /// returns the keys of the path as deep as it was walked. One walk: keys
+    /// are chained lazily, as most long requests match only a short prefix, and
     /// kept only for the LRU. The workers still matching are a bitset while
-    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list.
-    fn match_depths(&self, local_hashes: &[u64]) -> (Vec<(u32, u32)>, Vec<u64>) {
+    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
+    /// intersected with each block's holders by a merge when both are long.
+    /// A worker's match is written as it drops out, without a list between.
+    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) -> Vec<u64> {
         enum Active {
             Bits(u64),
             Ids(Vec<u32>),
         }
+        let cells = &self.cells;
+        let emit = |matches: &mut Vec<WorkerMatch>, idx: u32, depth: u32| {
+            if let Some(cell) = cells.get(idx)
+                && let Some(worker) = cell.live_worker()
+            {
+                matches.push(WorkerMatch {
+                    worker,
+                    depth,
+                    total_blocks: cell.held.load(Ordering::Relaxed),
+                });
+            }
+        };
         let keep_path = self.eviction.is_some();
-        let mut depths = Vec::new();
         let mut path = Vec::new();
         let mut reader = ShardReader::new(&self.table);
         let mut parent = None;
@@ -736,51 +754,71 @@ impl KvIndex {
             if depth == 0 {
                 // The result is sized once, from the holders of block 0.
                 active = match holders {
-                    HolderSet::Bits(b) => {
-                        depths.reserve(b.count_ones() as usize);
-                        Active::Bits(b)
-                    }
-                    other => {
-                        let ids = other.ids();
-                        depths.reserve(ids.len());
-                        Active::Ids(ids)
-                    }
+                    HolderSet::Bits(b) => Active::Bits(b),
+                    other => Active::Ids(other.ids()),
                 };
+                let holding = match &active {
+                    Active::Bits(b) => b.count_ones() as usize,
+                    Active::Ids(ids) => ids.len(),
+                };
+                matches.reserve(holding);
                 if matches!(&active, Active::Bits(0))
                     || matches!(&active, Active::Ids(ids) if ids.is_empty())
                 {
-                    return (depths, path);
+                    return path;
                 }
                 continue;
             }
             let left = match &mut active {
                 Active::Bits(set) => {
                     let still = holders.mask(*set);
-                    depths.extend(bits(*set & !still, 0).map(|i| (i, depth)));
+                    bits(*set & !still, 0).for_each(|i| emit(matches, i, depth));
                     *set = still;
                     still != 0
                 }
                 Active::Ids(ids) => {
-                    ids.retain(|&i| {
-                        let keep = holders.contains(i);
-                        if !keep {
-                            depths.push((i, depth));
+                    match holders {
+                        HolderSet::Spilled(held) => {
+                            // Both sorted: a merge, or a search in what is left of
+                            // the holders per id when those are far more.
+                            let search = ids.len() * 8 < held.len();
+                            let mut at = 0;
+                            ids.retain(|&i| {
+                                if search {
+                                    at += held[at..].partition_point(|&h| h < i);
+                                } else {
+                                    while held.get(at).is_some_and(|&h| h < i) {
+                                        at += 1;
+                                    }
+                                }
+                                let keep = held.get(at) == Some(&i);
+                                if !keep {
+                                    emit(matches, i, depth);
+                                }
+                                keep
+                            });
                         }
-                        keep
-                    });
+                        other => ids.retain(|&i| {
+                            let keep = other.contains(i);
+                            if !keep {
+                                emit(matches, i, depth);
+                            }
+                            keep
+                        }),
+                    }
                     !ids.is_empty()
                 }
             };
             if !left {
-                return (depths, path);
+                return path;
             }
         }
         let full = local_hashes.len() as u32;
         match active {
-            Active::Bits(set) => depths.extend(bits(set, 0).map(|i| (i, full))),
-            Active::Ids(ids) => depths.extend(ids.into_iter().map(|i| (i, full))),
+            Active::Bits(set) => bits(set, 0).for_each(|i| emit(matches, i, full)),
+            Active::Ids(ids) => ids.into_iter().for_each(|i| emit(matches, i, full)),
         }
-        (depths, path)
+        path
     }
 
     /// The workers now, for walks that lock each in turn.
@@ -820,7 +858,7 @@ impl KvIndex {
             if workers.contains_key(&worker) {
                 continue;
             }
-            let slot = self.new_slot(&mut self.indices.write().unwrap(), worker, true);
+            let slot = self.new_slot(&mut self.indices.lock().unwrap(), worker, true);
             workers.insert(worker, slot);
         }
     }
@@ -831,29 +869,21 @@ impl KvIndex {
             Some(Reverse(idx)) => idx,
             None => {
                 indices.by_idx.push(None);
-                indices.keys.push(worker);
-                indices.live.push(live);
-                if indices.by_idx.len() > 64 * indices.held.len() {
-                    indices.held.push(Arc::new(HeldCounters::new()));
-                }
                 indices.by_idx.len() as u32 - 1
             }
         };
-        let i = idx as usize;
-        indices.keys[i] = worker;
-        indices.live[i] = live;
-        let held = Arc::clone(&indices.held[i / 64]);
-        held.0[i % 64].store(0, Ordering::Relaxed);
+        let (cells, at) = self.cells.assign(idx, worker, live);
         let slot = Arc::new(WorkerSlot {
             key: worker,
             idx,
-            held,
+            cells,
+            at,
             dangling: AtomicU64::new(0),
             live: AtomicBool::new(live),
             trimmed: AtomicBool::new(false),
             state: Mutex::default(),
         });
-        indices.by_idx[i] = Some(slot.clone());
+        indices.by_idx[idx as usize] = Some(slot.clone());
         slot
     }
 
@@ -1012,7 +1042,7 @@ impl KvIndex {
         if eviction.memberships <= eviction.max_memberships {
             return false;
         }
-        let indices = self.indices.read().unwrap();
+        let indices = self.indices.lock().unwrap();
         let mut writer = ShardWriter::new(&self.table);
         let EvictionScan {
             cursor,
@@ -1217,7 +1247,7 @@ mod tests {
             let stats = index.stats();
             assert_eq!((stats.blocks, stats.memberships), (8, 8));
             // The removed worker's interned index and the dump's are free again.
-            assert_eq!(index.indices.read().unwrap().free.len(), 2);
+            assert_eq!(index.indices.lock().unwrap().free.len(), 2);
             if let Some(eviction) = &index.eviction {
                 assert_eq!(eviction.lock().unwrap().memberships, 8);
             }

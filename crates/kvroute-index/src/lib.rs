@@ -14,12 +14,14 @@
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
 //!   that publish no events and for requests that race the engine's first event.
 
+mod cells;
 pub mod digest;
 pub mod event;
 pub mod hash;
 pub mod index;
 mod lru;
 pub mod predicted;
+mod slots;
 mod table;
 pub mod timeline;
 

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::event::WorkerKey;
 use crate::index::WorkerMatch;
+use crate::slots::Slots;
 use crate::table::{SeqMap, chain_key, chain_keys};
 
 /// Limits of the predicted layer.
@@ -54,7 +55,7 @@ const GENERATIONS: usize = 16;
 /// every record of a path through the block).
 struct Generation {
     /// [`pair_key`] of (block chain key, worker serial) → expiry, ms since the layer's epoch.
-    entries: SeqMap<u64>,
+    entries: Slots,
     /// Chain key of a depth-0 block → serials of the workers with an entry for it here.
     roots: SeqMap<Vec<u64>>,
     /// Worker serial → its entries here.
@@ -68,7 +69,7 @@ struct Generation {
 impl Generation {
     /// A generation over `entries`: a ready map from [`Spares`] when one is,
     /// else an empty one that grows.
-    fn new(opened: u64, entries: SeqMap<u64>) -> Self {
+    fn new(opened: u64, entries: Slots) -> Self {
         Self {
             entries,
             roots: SeqMap::default(),
@@ -79,7 +80,7 @@ impl Generation {
     }
 
     fn expiry(&self, key: u64, serial: u64) -> Option<u64> {
-        self.entries.get(&pair_key(key, serial)).copied()
+        self.entries.get(pair_key(key, serial))
     }
 }
 
@@ -111,9 +112,9 @@ struct Inner {
 /// it) or, allocated at full size, fault its pages in one by one during the
 /// next few hundred records (8k tokens, 64 workers: 700 µs p99).
 struct Spares {
-    ready: std::sync::Arc<std::sync::Mutex<Vec<SeqMap<u64>>>>,
+    ready: std::sync::Arc<std::sync::Mutex<Vec<Slots>>>,
     /// Maps to clear and keep (dropped generations'), or `None` to make a new one.
-    to_prepare: std::sync::mpsc::Sender<Option<SeqMap<u64>>>,
+    to_prepare: std::sync::mpsc::Sender<Option<Slots>>,
 }
 
 /// Spare maps kept ready; a dropped generation's map beyond them is freed.
@@ -123,7 +124,7 @@ impl Spares {
     /// `None` if no thread can be started: generations' maps then grow.
     fn start(capacity: usize) -> Option<Self> {
         let ready = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (to_prepare, requests) = std::sync::mpsc::channel::<Option<SeqMap<u64>>>();
+        let (to_prepare, requests) = std::sync::mpsc::channel::<Option<Slots>>();
         let shelf = std::sync::Arc::clone(&ready);
         std::thread::Builder::new()
             .name("kvroute-predicted-spares".into())
@@ -136,17 +137,8 @@ impl Spares {
                             map.clear();
                             map
                         }
-                        _ => {
-                            let mut map =
-                                SeqMap::with_capacity_and_hasher(capacity, Default::default());
-                            // Touch every page now, then empty the table: clearing
-                            // keeps the allocation and resets only the control bytes.
-                            for i in 0..capacity as u64 {
-                                map.insert(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), 0);
-                            }
-                            map.clear();
-                            map
-                        }
+                        // Every page written now, none faulted in on the request path.
+                        _ => Slots::with_capacity(capacity),
                     };
                     let mut shelf = shelf.lock().unwrap();
                     if shelf.len() < SPARES {
@@ -162,14 +154,14 @@ impl Spares {
     }
 
     /// A prepared map, and a request for the next one; `None` if none is ready.
-    fn take(&self) -> Option<SeqMap<u64>> {
+    fn take(&self) -> Option<Slots> {
         let map = self.ready.lock().unwrap().pop()?;
         let _ = self.to_prepare.send(None);
         Some(map)
     }
 
     /// Hands a dropped generation's map back to be cleared off the request path.
-    fn recycle(&self, map: SeqMap<u64>) {
+    fn recycle(&self, map: Slots) {
         let _ = self.to_prepare.send(Some(map));
     }
 }
@@ -245,18 +237,14 @@ impl PredictedIndex {
         }
         let serial = inner.serial(worker);
         let generation = inner.generations.back_mut().expect("opened above");
-        let mut added = 0;
-        for (depth, &key) in keys.iter().enumerate() {
-            if generation
-                .entries
-                .insert(pair_key(key, serial), expires)
-                .is_none()
-            {
-                added += 1;
-                if depth == 0 {
-                    generation.roots.entry(key).or_default().push(serial);
-                }
-            }
+        let pairs: Vec<u64> = keys.iter().map(|&key| pair_key(key, serial)).collect();
+        let (mut added, mut new_root) = (0u64, false);
+        generation.entries.set_all(&pairs, expires, |depth| {
+            added += 1;
+            new_root |= depth == 0;
+        });
+        if new_root {
+            generation.roots.entry(keys[0]).or_default().push(serial);
         }
         generation.newest_expiry = generation.newest_expiry.max(expires);
         *generation.per_worker.entry(serial).or_default() += added;

@@ -248,3 +248,59 @@ fn readers_never_see_a_half_applied_dump() {
         Err(mpsc::RecvTimeoutError::Disconnected) => panic!("a thread of the test panicked"),
     }
 }
+
+/// Two workers take turns holding one interned index: each is added, stores its
+/// own chain (`short` one block, `long` three, of which block 0 may show alone:
+/// blocks 0 and 1 live in different shards) and is removed, so the next one
+/// gets the index just freed. A reader must never see `short` at `long`'s
+/// depth, which a lookup reading the index's owner after the hand-over would
+/// report (lookups take no lock that adding a worker waits for). Workers
+/// holding block 0 under the indices before theirs make the lookups' results
+/// long, so the hand-over often falls between a walk and its result.
+#[test]
+fn a_freed_index_is_never_reported_under_its_next_worker() {
+    const FILLERS: u64 = 2000;
+    let (short, long) = (WorkerKey::new(1 << 40, 0), WorkerKey::new(1 << 41, 0));
+    let path = [1, 2, 3];
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let index = KvIndex::new(IndexConfig::default());
+        for filler in 0..FILLERS {
+            let kind = stored(None, &[(1, 1)]);
+            index.apply(WorkerKey::new(filler, 0), &KvEvent { event_id: 1, kind });
+        }
+        let done = AtomicBool::new(false);
+        let lookups = thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut lookups = 0u64;
+                while !done.load(Ordering::Acquire) {
+                    for m in index.find_matches(&path) {
+                        let expected: &[u32] = if m.worker == long { &[1, 3] } else { &[1] };
+                        assert!(expected.contains(&m.depth), "{m:?}");
+                        lookups += 1;
+                    }
+                }
+                lookups
+            });
+            for _ in 0..20_000 {
+                for (worker, len) in [(short, 1), (long, 3)] {
+                    let blocks: Vec<(u64, u64)> = path[..len].iter().map(|&h| (h, h)).collect();
+                    let kind = stored(None, &blocks);
+                    index.apply(worker, &KvEvent { event_id: 1, kind });
+                    index.remove_worker(worker);
+                }
+            }
+            done.store(true, Ordering::Release);
+            reader.join().unwrap()
+        });
+        assert!(lookups > 0);
+        tx.send(()).unwrap();
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => {}
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("deadlock: the threads did not finish in 60 s")
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("a thread of the test panicked"),
+    }
+}
