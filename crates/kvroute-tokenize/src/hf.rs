@@ -250,7 +250,8 @@ impl Pieces {
 
 /// GPT-2's byte-to-character map, which byte-level BPE vocabularies are
 /// written in: printable bytes stand for themselves, the others for 256 + n.
-fn byte_chars() -> [char; 256] {
+/// Public for the bench, which writes such a vocabulary.
+pub fn byte_chars() -> [char; 256] {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut chars = ['\0'; 256];
     let mut next = 256;

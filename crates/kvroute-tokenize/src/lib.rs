@@ -36,6 +36,7 @@ mod tiktoken;
 
 pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;
+pub use hf::byte_chars;
 pub use prompt::{ChatMessage, IMAGE_PLACEHOLDER, Prompt, parse_completion_prompt};
 pub use spec::TokenizerSpec;
 

@@ -25,30 +25,13 @@ const CL100K_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 /// ChatML, as the tiktoken backend writes it.
 const CHATML_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-/// GPT-2's byte-to-character map, in which byte-level BPE vocabularies are
-/// written: printable bytes stand for themselves, the others for 256 + n.
-fn byte_chars() -> [char; 256] {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut chars = ['\0'; 256];
-    let mut next = 256;
-    for byte in 0..=255u8 {
-        chars[byte as usize] = if printable(byte) {
-            char::from(byte)
-        } else {
-            next += 1;
-            char::from_u32(next - 1).expect("below 512")
-        };
-    }
-    chars
-}
-
 /// Writes a model directory holding a `tokenizer.json` with cl100k_base's
 /// 100,256 tokens and a `tokenizer_config.json` with ChatML; returns its path.
 /// Merges are derived from the ranks as Hugging Face's tiktoken converter does:
 /// every split of a token into two tokens, ordered by the merged token's rank.
 pub(super) fn write_cl100k_tokenizer_json(dir: &Path) -> anyhow::Result<PathBuf> {
     let bpe = &bpe_openai::cl100k_base().bpe;
-    let chars = byte_chars();
+    let chars = kvroute_tokenize::byte_chars();
     let spell = |bytes: &[u8]| -> String { bytes.iter().map(|&b| chars[b as usize]).collect() };
     let tokens: Vec<&[u8]> = (0..bpe.num_tokens() as u32)
         .map(|id| bpe.token_bytes(id))
