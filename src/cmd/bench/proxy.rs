@@ -85,13 +85,7 @@ async fn stub_worker(chunks: usize) -> anyhow::Result<std::net::SocketAddr> {
             }),
         )
         .route("/health", axum::routing::get(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Ok(addr)
+    super::saturation::serve_stub(app).await
 }
 
 /// nginx as a plain reverse proxy to the stub worker, its one worker process

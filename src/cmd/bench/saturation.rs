@@ -66,6 +66,11 @@ async fn streaming_stub(epoch: Instant) -> anyhow::Result<std::net::SocketAddr> 
             }),
         )
         .route("/health", axum::routing::get(|| async { "ok" }));
+    serve_stub(app).await
+}
+
+/// Serves a stub worker's `app` on a loopback port, in the background.
+pub(super) async fn serve_stub(app: axum::Router) -> anyhow::Result<std::net::SocketAddr> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     // Nagle's algorithm would hold back each small chunk for the last one's ACK.
