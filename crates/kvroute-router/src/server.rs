@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
+use futures_util::StreamExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
 use kvroute_tls::{ServerTls, Serves, TlsListener};
 use tokio::net::TcpListener;
@@ -140,8 +141,15 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
         // handshakes unseen.
         let result = match grpc_tls {
             None => {
+                // Acks are small writes: with Nagle's algorithm one waits for the
+                // worker's delayed ACK of the last, ~40 ms (as the TLS listener does).
+                let incoming = TcpListenerStream::new(grpc).inspect(|tcp| {
+                    if let Ok(tcp) = tcp {
+                        let _ = tcp.set_nodelay(true);
+                    }
+                });
                 grpc_server
-                    .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), shutdown)
+                    .serve_with_incoming_shutdown(incoming, shutdown)
                     .await
             }
             Some(config) => {
