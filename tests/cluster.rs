@@ -84,17 +84,7 @@ async fn every_replica_routes_with_the_same_overlaps_as_the_fleet_caches() {
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
     // Each replica's index is each worker's cache, as the worker tells it.
-    for (id, url) in &sim.workers {
-        let sim_metrics = http.get(&format!("{url}/metrics")).await.text();
-        let last_id = metric(&sim_metrics, "kvroute_sim_last_event_id", &[]) as u64;
-        let cached = metric(&sim_metrics, "kvroute_sim_kv_blocks_cached", &[]) as u64;
-        for router in &routers {
-            eventually("every replica to index the worker's cache", || async {
-                indexed(router, *id).await == (cached, last_id)
-            })
-            .await;
-        }
-    }
+    every_replica_indexes_every_cache(&routers, &sim).await;
     for prompt in &prompts {
         let first = overlaps(&routers[0], prompt).await;
         assert!(first.iter().any(|&(_, o)| o > 0), "{first:?}");
@@ -468,17 +458,7 @@ async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with
     routers.push(restarted);
 
     // Every replica's index is every worker's cache ...
-    for (id, url) in &sim.workers {
-        let sim_metrics = http.get(&format!("{url}/metrics")).await.text();
-        let last_id = metric(&sim_metrics, "kvroute_sim_last_event_id", &[]) as u64;
-        let cached = metric(&sim_metrics, "kvroute_sim_kv_blocks_cached", &[]) as u64;
-        for router in &routers {
-            eventually("every replica to index the worker's cache", || async {
-                indexed(router, *id).await == (cached, last_id)
-            })
-            .await;
-        }
-    }
+    every_replica_indexes_every_cache(&routers, &sim).await;
     // ... and they route with the same overlaps.
     let mut matched = 0;
     for prompt in prompts.iter().step_by(10) {
@@ -635,6 +615,19 @@ async fn dumps_applied(router: &RouterProcess, id: u64) -> f64 {
         "kvroute_dumps_applied_total",
         &[("worker", &label)],
     )
+}
+
+/// Waits until each of `routers` indexes each of `sim`'s workers' caches.
+async fn every_replica_indexes_every_cache(routers: &[RouterProcess], sim: &SimFleet) {
+    for (id, url) in &sim.workers {
+        let cache = sim_cache(url).await;
+        for router in routers {
+            eventually("every replica to index the worker's cache", || async {
+                indexed(router, *id).await == cache
+            })
+            .await;
+        }
+    }
 }
 
 /// The worker's cache as it tells it: (blocks cached, last event id).
