@@ -153,12 +153,23 @@ pub fn split(record: Record, max_bytes: usize) -> Vec<Record> {
             dump,
         } if dump.encoded_len() > budget => {
             let (dp_rank, last_event_id, more) = (dump.dp_rank, dump.last_event_id, dump.more);
-            let parts = chunks(dump.chains, budget, |c| c.encoded_len());
+            // The device tier's chains, then the offload tier's, each in order.
+            // (Over the budget, so at least one of them holds a chain.)
+            let device = chunks(dump.chains, budget, |c| c.encoded_len())
+                .into_iter()
+                .map(|chains| (chains, Vec::new()));
+            let offload = chunks(dump.offload_chains, budget, |c| c.encoded_len())
+                .into_iter()
+                .map(|chains| (Vec::new(), chains));
+            let parts: Vec<_> = device
+                .chain(offload)
+                .filter(|(d, o)| !d.is_empty() || !o.is_empty())
+                .collect();
             let count = parts.len();
             parts
                 .into_iter()
                 .enumerate()
-                .map(|(i, chains)| Record::Dump {
+                .map(|(i, (chains, offload_chains))| Record::Dump {
                     worker_id,
                     claim,
                     dump: Dump {
@@ -166,6 +177,7 @@ pub fn split(record: Record, max_bytes: usize) -> Vec<Record> {
                         last_event_id,
                         chains,
                         more: more || i + 1 < count,
+                        offload_chains,
                     },
                 })
                 .collect()
@@ -297,6 +309,7 @@ mod tests {
                 batch: EventBatch {
                     dp_rank: 1,
                     events: vec![KvEvent {
+                        tier: Default::default(),
                         event_id: 5,
                         kind: Some(kv_event::Kind::Stored(stored.clone())),
                     }],
@@ -310,6 +323,7 @@ mod tests {
                     last_event_id: 8,
                     chains: vec![stored],
                     more: true,
+                    offload_chains: Vec::new(),
                 },
             },
             Record::Clear {
@@ -357,6 +371,7 @@ mod tests {
     fn large_records_split_into_pieces_that_fit_and_mean_the_same() {
         let events: Vec<KvEvent> = (0..1_000)
             .map(|id| KvEvent {
+                tier: Default::default(),
                 event_id: id,
                 kind: Some(kv_event::Kind::Stored(stored(id + 1_000_000))),
             })
@@ -398,6 +413,7 @@ mod tests {
                     last_event_id: 9,
                     chains: chains.clone(),
                     more,
+                    offload_chains: Vec::new(),
                 },
             };
             let pieces = split(dump, max);

@@ -538,7 +538,7 @@ async fn delete_worker(
     // Its stream is closed first, so that no event of it lands after the purge.
     state.writers.remove(id).await;
     for key in keys {
-        state.index.remove_worker(key);
+        state.tiers.remove_worker(key);
         state.predicted.remove_worker(key);
     }
     tracing::info!(worker = id, "removed by an operator");

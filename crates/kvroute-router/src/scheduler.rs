@@ -27,7 +27,15 @@
 //! recompute it and duplicate it in a second cache.
 //!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
-//! router's own bookings blended (max) with what the rank reports. Ties go to the
+//! router's own bookings blended (max) with what the rank reports.
+//!
+//! Storage-tier credit: blocks past that (device) prefix that the rank holds in
+//! its offload tier (host memory, disk; kvroute-index's `tiers`) can be loaded
+//! instead of prefilled, which costs far less but not nothing. The overlap
+//! scored is `device + offload_weight × (reach − device)`, where `reach` is how
+//! deep the device and offload tiers together cover the prompt: each tier's
+//! index holds only chains whose parents it holds, so the union of the two
+//! prefixes is the longer one, and `reach = max(device, offload depth)`. Ties go to the
 //! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
 //! softmax over costs normalised by the largest.
 //!
@@ -73,9 +81,15 @@ pub struct RouteQuery<'a> {
 pub struct Score {
     pub worker_id: u64,
     pub dp_rank: u32,
+    /// Device-tier overlap: max(event-fed, predicted).
     pub overlap_blocks: u32,
     pub event_overlap_blocks: u32,
     pub predicted_overlap_blocks: u32,
+    /// How deep the device and offload tiers together cover the prompt.
+    pub offload_overlap_blocks: u32,
+    /// The overlap the cost counts: the device overlap plus `offload_weight`
+    /// of the blocks only the offload tier adds.
+    pub scored_overlap_blocks: f64,
     pub prefill_blocks: f64,
     pub decode_blocks: f64,
     pub cost: f64,
@@ -106,14 +120,20 @@ pub enum NoWorker {
 
 pub struct Scheduler {
     pub registry: Arc<Registry>,
+    /// The device tier's index.
     pub index: Arc<KvIndex>,
+    /// The offload tier's index.
+    pub offload: Arc<KvIndex>,
+    /// `scheduler.offload_weight`.
+    pub offload_weight: f64,
     pub predicted: Arc<PredictedIndex>,
     pub policy: Policy,
     pub temperature: f64,
 }
 
-/// Overlap found for one rank: (event-fed depth, predicted depth, indexed blocks).
-type Overlaps = FxHashMap<WorkerKey, (u32, u32, u64)>;
+/// Overlap found for one rank: (event-fed depth, predicted depth, offload
+/// tier's depth, indexed blocks).
+type Overlaps = FxHashMap<WorkerKey, (u32, u32, u32, u64)>;
 
 impl Scheduler {
     /// Chooses a rank; books nothing and records nothing (a dry run).
@@ -166,12 +186,22 @@ impl Scheduler {
         let uses_predictions = matches!(self.policy, Policy::Kv | Policy::Approx);
         if uses_events {
             for m in self.index.find_matches(local_hashes) {
-                overlaps.insert(m.worker, (m.depth, 0, m.total_blocks));
+                overlaps.insert(m.worker, (m.depth, 0, 0, m.total_blocks));
+            }
+            if self.offload_weight > 0.0 {
+                for m in self.offload.find_matches(local_hashes) {
+                    let entry = overlaps
+                        .entry(m.worker)
+                        .or_insert_with(|| (0, 0, 0, self.index.worker_blocks(m.worker)));
+                    entry.2 = m.depth;
+                }
             }
         }
         if uses_predictions {
             for m in self.predicted.find_matches(local_hashes, now) {
-                let entry = overlaps.entry(m.worker).or_insert((0, 0, m.total_blocks));
+                let entry = overlaps
+                    .entry(m.worker)
+                    .or_insert((0, 0, 0, m.total_blocks));
                 entry.1 = m.depth;
             }
         }
@@ -283,10 +313,12 @@ impl Scheduler {
             .iter()
             .filter_map(|&key| {
                 let rank = fleet.ranks.get(&key)?;
-                let (event, predicted, _) = overlaps.get(&key).copied().unwrap_or_default();
+                let (event, predicted, offload, _) =
+                    overlaps.get(&key).copied().unwrap_or_default();
                 let overlap = event.max(predicted).min(request_blocks as u32);
-                let new_tokens =
-                    (query.prompt_tokens as u64).saturating_sub(overlap as u64 * block_size);
+                let reach = offload.min(request_blocks as u32).max(overlap);
+                let scored = scored_overlap(overlap, reach, self.offload_weight);
+                let new_tokens = uncovered_tokens(query.prompt_tokens, scored, block_size);
                 let load = RankLoad::of(rank);
                 Some(Score {
                     worker_id: key.worker_id,
@@ -294,6 +326,8 @@ impl Scheduler {
                     overlap_blocks: overlap,
                     event_overlap_blocks: event,
                     predicted_overlap_blocks: predicted,
+                    offload_overlap_blocks: reach,
+                    scored_overlap_blocks: scored,
                     prefill_blocks: (load.prefill_tokens + new_tokens) as f64 / block_size as f64,
                     decode_blocks: (load.active_blocks + request_blocks) as f64,
                     cost: cost(limits, &load, new_tokens, request_blocks),
@@ -311,8 +345,11 @@ impl Scheduler {
             publishes_events: chosen.source == crate::registry::Source::Stream,
             overlap_blocks: score.overlap_blocks,
             request_blocks,
-            new_prefill_tokens: (query.prompt_tokens as u64)
-                .saturating_sub(score.overlap_blocks as u64 * block_size),
+            new_prefill_tokens: uncovered_tokens(
+                query.prompt_tokens,
+                score.scored_overlap_blocks,
+                block_size,
+            ),
             scores,
         })
     }
@@ -355,7 +392,7 @@ impl Scheduler {
         let indexed = |s: &Score| {
             let key = WorkerKey::new(s.worker_id, s.dp_rank);
             match overlaps.get(&key) {
-                Some(&(_, _, blocks)) => blocks,
+                Some(&(_, _, _, blocks)) => blocks,
                 None => self.index.worker_blocks(key),
             }
         };
@@ -403,6 +440,19 @@ pub(crate) fn cost(limits: &Limits, load: &RankLoad, new_tokens: u64, request_bl
             prefill_tokens * per_token + limits.decode_seconds_per_block * decode_blocks
         }
     }
+}
+
+/// The overlap the cost counts (see the module docs): `device` blocks cached
+/// on the GPU, `reach` blocks covered by the GPU and offload tiers together.
+pub(crate) fn scored_overlap(device: u32, reach: u32, offload_weight: f64) -> f64 {
+    f64::from(device) + offload_weight * f64::from(reach.saturating_sub(device))
+}
+
+/// Prompt tokens a rank with `scored` blocks of overlap is charged for.
+fn uncovered_tokens(prompt_tokens: usize, scored: f64, block_size: u64) -> u64 {
+    (prompt_tokens as f64 - scored * block_size as f64)
+        .max(0.0)
+        .round() as u64
 }
 
 /// Among `scores` (sorted by cost) within `slack` of the cheapest, the one
@@ -460,6 +510,8 @@ mod tests {
             overlap_blocks,
             event_overlap_blocks: overlap_blocks,
             predicted_overlap_blocks: 0,
+            offload_overlap_blocks: overlap_blocks,
+            scored_overlap_blocks: f64::from(overlap_blocks),
             prefill_blocks: 0.0,
             decode_blocks: 0.0,
             cost,
