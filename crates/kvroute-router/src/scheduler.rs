@@ -654,4 +654,84 @@ mod tests {
         assert!((rank.queued_seconds_per_token.unwrap() - 1e-3).abs() < 1e-12);
         assert!((rank.prefill_seconds_per_token.unwrap() - 1.5e-3).abs() < 1e-12);
     }
+
+    #[test]
+    fn the_scored_overlap_counts_offload_only_blocks_at_the_offload_weight() {
+        // The reference, block by block: a GPU block counts 1, a block only
+        // the offload tier adds counts the weight, an uncovered one 0.
+        let reference = |device: u32, offload: u32, weight: f64| -> f64 {
+            (0..device.max(offload))
+                .map(|i| if i < device { 1.0 } else { weight })
+                .sum()
+        };
+        for _ in 0..2_000 {
+            let device = rand::random_range(0..40);
+            let offload = rand::random_range(0..40);
+            let weight = [0.0, 0.25, 0.5, 0.9, 1.0][rand::random_range(0..5)];
+            let reach = offload.max(device);
+            let scored = scored_overlap(device, reach, weight);
+            let expected = reference(device, offload, weight);
+            assert!(
+                (scored - expected).abs() < 1e-9,
+                "{device} {offload} {weight}: {scored} vs {expected}"
+            );
+        }
+    }
+
+    /// Worker 1 holds block 0 of a 4-block prompt on the GPU and all four in
+    /// its offload tier; worker 2 holds blocks 0 and 1 on the GPU. Both idle.
+    fn chosen_with_offload_weight(weight: f64) -> (u64, serde_json::Value) {
+        use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier};
+        let mut config = Config::default();
+        config.scheduler.offload_weight = weight;
+        let state = AppState::new(config, None).unwrap();
+        for id in [1, 2] {
+            state
+                .registry
+                .register(registration(id), Source::Stream)
+                .unwrap();
+        }
+        let tokens: Vec<u32> = (0..64).collect();
+        let locals =
+            kvroute_index::BlockHasher::new(state.config.block_size as usize).local_hashes(&tokens);
+        let chain = |event_id, worker: u64, n: usize| KvEvent {
+            event_id,
+            kind: EventKind::Stored {
+                parent_hash: None,
+                blocks: locals[..n]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &local)| StoredBlock {
+                        block_hash: worker * 100 + i as u64,
+                        tokens_hash: local,
+                    })
+                    .collect(),
+            },
+        };
+        let (w1, w2) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        state.tiers.apply(w1, Tier::Device, &chain(1, 1, 1));
+        state.tiers.apply(w1, Tier::Offload, &chain(2, 1, 4));
+        state.tiers.apply(w2, Tier::Device, &chain(1, 2, 2));
+        let routed = state
+            .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+            .unwrap()
+            .unwrap();
+        let scores = serde_json::to_value(&routed.decision.scores).unwrap();
+        (routed.decision.worker.worker_id, scores)
+    }
+
+    #[test]
+    fn offload_tier_blocks_past_the_gpu_prefix_count_at_the_offload_weight() {
+        // Off: 2 GPU blocks beat 1.
+        assert_eq!(chosen_with_offload_weight(0.0).0, 2);
+        // 1 + 0.25 × 3 = 1.75 blocks still lose to 2; 1 + 0.9 × 3 = 3.7 win.
+        assert_eq!(chosen_with_offload_weight(0.25).0, 2);
+        let (chosen, scores) = chosen_with_offload_weight(0.9);
+        assert_eq!(chosen, 1);
+        let first = &scores[0];
+        assert_eq!(first["worker_id"], 1);
+        assert_eq!(first["overlap_blocks"], 1);
+        assert_eq!(first["offload_overlap_blocks"], 4);
+        assert!((first["scored_overlap_blocks"].as_f64().unwrap() - 3.7).abs() < 1e-9);
+    }
 }
