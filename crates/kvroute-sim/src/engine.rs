@@ -693,9 +693,16 @@ mod tests {
 
     #[test]
     fn evicted_blocks_are_loaded_from_the_host_tier_instead_of_prefilled() {
+        for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+            host_tier_round_trip(kind);
+        }
+    }
+
+    fn host_tier_round_trip(kind: EngineKind) {
         let with_host = |offload_blocks| {
             Engine::new(EngineConfig {
                 offload_blocks,
+                kind,
                 ..config(4)
             })
             .unwrap()
