@@ -439,7 +439,7 @@ impl Default for SchedulerConfig {
             predicted_ttl_ms: 120_000,
             predicted_bridge_ms: 10_000,
             predicted_max_blocks: 1 << 20,
-            offload_weight: 0.5,
+            offload_weight: 0.9,
         }
     }
 }
