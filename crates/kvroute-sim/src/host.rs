@@ -58,10 +58,6 @@ impl HostTier {
         self.capacity > 0
     }
 
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-
     pub fn contains(&self, hash: u64) -> bool {
         self.blocks.contains_key(&hash)
     }
