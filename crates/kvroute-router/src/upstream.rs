@@ -22,6 +22,8 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use kvroute_index::OwnedPinnedPath;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::booking::Booking;
 use crate::cached_tokens::Check;
@@ -150,6 +152,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove("keep-alive");
 }
 
+/// What a proxied response keeps until it ends: the blocks its worker uses stay
+/// indexed, and the request keeps its place under `limits.max_inflight_requests`.
+pub struct Held {
+    pub blocks: OwnedPinnedPath,
+    pub permit: OwnedSemaphorePermit,
+}
+
 /// The request's booking and whether its response finished; dropping it early is a cancel.
 struct Flight {
     booking: Option<Booking>,
@@ -201,6 +210,7 @@ pin_project_lite::pin_project! {
         last_frame: Option<Instant>,
         // `None` for a response not worth checking (an error status).
         check: Option<Check>,
+        _held: Held,
     }
 }
 
@@ -210,6 +220,7 @@ impl TrackedBody {
     pub fn new(
         inner: Incoming,
         booking: Booking,
+        held: Held,
         sent: Instant,
         idle_timeout: Duration,
         sse: bool,
@@ -229,6 +240,7 @@ impl TrackedBody {
             sent,
             last_frame: None,
             check,
+            _held: held,
         };
         if empty {
             complete(&mut body.flight, sent, None);
