@@ -201,9 +201,13 @@ pin_project_lite::pin_project! {
     pub struct TrackedBody {
         // `None` once cut off by the idle timeout.
         inner: Option<Incoming>,
+        // Moved to the last data frame's deadline only when it fires: resetting
+        // a timer per frame takes the timer wheel's lock, and wakes the I/O
+        // driver with a syscall whenever it becomes the earliest timer.
         #[pin]
         idle: tokio::time::Sleep,
         idle_timeout: Duration,
+        last_data: tokio::time::Instant,
         sse: bool,
         flight: Flight,
         sent: Instant,
@@ -232,6 +236,7 @@ impl TrackedBody {
             inner: Some(inner),
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
+            last_data: tokio::time::Instant::now(),
             sse,
             flight: Flight {
                 booking: Some(booking),
@@ -294,8 +299,7 @@ impl Body for TrackedBody {
                             .record(now.duration_since(previous).as_secs_f64()),
                     }
                     *this.last_frame = Some(now);
-                    let deadline = tokio::time::Instant::now() + *this.idle_timeout;
-                    this.idle.as_mut().reset(deadline);
+                    *this.last_data = tokio::time::Instant::now();
                 }
                 if let (Some(check), Some(data)) = (this.check.as_mut(), frame.data_ref()) {
                     check.push(data);
@@ -314,8 +318,15 @@ impl Body for TrackedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.idle.poll(cx).is_pending() {
-                    return Poll::Pending;
+                loop {
+                    if this.idle.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    let deadline = *this.last_data + *this.idle_timeout;
+                    if deadline <= this.idle.deadline() {
+                        break;
+                    }
+                    this.idle.as_mut().reset(deadline);
                 }
                 let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
                 let error = RouterError::UpstreamTimeout(format!(
