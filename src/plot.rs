@@ -117,8 +117,8 @@ where
     ctx.configure_mesh()
         .x_desc(chart.x_label)
         .y_desc(chart.y_label)
-        .x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.0}"))
+        .x_label_formatter(&|&x| tick_label(x))
+        .y_label_formatter(&|&y| tick_label(y))
         .label_style((FONT_FAMILY, 15))
         .axis_desc_style((FONT_FAMILY, 17))
         .light_line_style(WHITE)
@@ -164,6 +164,13 @@ fn draw_legend<DB: DrawingBackend>(
 }
 
 /// Distinct x values of all points, ascending.
+/// A tick's value with as few decimals as tell it apart: 1, 1.5, 0.25
+/// (rounding to whole numbers labelled the ticks 1, 1.5, 2 as "1 2 2").
+fn tick_label(value: f64) -> String {
+    let text = format!("{value:.2}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 fn x_values(series: &[Series]) -> Vec<f64> {
     let mut xs: Vec<f64> = series
         .iter()
@@ -188,5 +195,19 @@ fn x_bounds(series: &[Series]) -> (f64, f64) {
         // A little air so end points and their markers are not clipped.
         let pad = if lo > 0.0 { 1.1 } else { 1.0 };
         (lo / pad, hi * pad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tick_label;
+
+    #[test]
+    fn tick_labels_keep_the_decimals_that_tell_ticks_apart() {
+        let labels: Vec<String> = [1.0, 1.5, 2.0, 0.25, 10.0, 2.999]
+            .into_iter()
+            .map(tick_label)
+            .collect();
+        assert_eq!(labels, ["1", "1.5", "2", "0.25", "10", "3"]);
     }
 }

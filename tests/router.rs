@@ -1147,6 +1147,30 @@ async fn a_stream_that_goes_silent_is_cut_off_after_the_idle_timeout() {
     );
 }
 
+#[tokio::test]
+async fn a_stream_that_keeps_talking_outlives_the_idle_timeout() {
+    // The idle deadline moves with every chunk (lazily, when its timer fires):
+    // a stream three times longer than the timeout, never silent that long,
+    // passes whole.
+    let router = RouterProcess::start("[upstream]\nidle_timeout_ms = 300\n");
+    let (_workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::default();
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 8, "chunk_delay_ms": 120});
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &body)
+        .await;
+    assert_eq!(reply.status, 200);
+    let expected: String = (0..8).map(|i| sse_chunk(1, i)).collect::<String>() + "data: [DONE]\n\n";
+    assert_eq!(String::from_utf8_lossy(&reply.body), expected);
+    let metrics = http.get(&format!("{}/metrics", router.http)).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("kvroute_upstream_idle_timeouts_total 0"),
+        "{text}"
+    );
+}
+
 /// The queue between a stream's reader and the index overflows on purpose:
 /// the test holds the router's ingest gate (so nothing is applied) while
 /// batches arrive, then checks that the index ends up exactly the worker's

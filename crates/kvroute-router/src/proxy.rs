@@ -11,15 +11,15 @@ use std::time::Instant;
 use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, header};
-use http_body_util::BodyExt;
 use kvroute_index::ExtraKeys;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::booking::Booking;
 use crate::cached_tokens::{Check, Prediction};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::state::{AppState, RouteInput, Routed};
-use crate::upstream::{Failure, TrackedBody, strip_hop_by_hop};
+use crate::upstream::{Failure, Held, TrackedBody, strip_hop_by_hop};
 
 /// Request and response header naming the worker (pins a request; tells the choice).
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -40,6 +40,8 @@ pub struct Forward<'a> {
     pub body: Bytes,
     /// When the router received the request, for the overhead metric.
     pub received: Instant,
+    /// Its place under `limits.max_inflight_requests`, until the response ends.
+    pub permit: OwnedSemaphorePermit,
 }
 
 /// Routes and forwards one request; retries a connect error or a 5xx on the
@@ -51,6 +53,7 @@ pub async fn forward(
     let retries = state.config.upstream.retries;
     let mut tried: Vec<u64> = Vec::new();
     let mut last_error = None;
+    let mut permit = Some(request.permit);
     for _attempt in 0..=retries {
         let routed = match state
             .route_and_book(
@@ -116,18 +119,22 @@ pub async fn forward(
                         cached_tokens: predicted_cached_tokens,
                     })
                 });
+                let held = Held {
+                    blocks: pinned,
+                    permit: permit
+                        .take()
+                        .expect("only the attempt that answers takes it"),
+                };
                 let body = TrackedBody::new(
                     incoming,
                     booking,
+                    held,
                     sent,
                     state.upstream.idle_timeout(),
                     sse,
                     check,
                 );
-                return Ok(Response::from_parts(
-                    parts,
-                    holding(Body::new(body), pinned),
-                ));
+                return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Ok(response) => {
                 last_error = Some(RouterError::Upstream(format!(
@@ -174,14 +181,6 @@ pub async fn forward(
         ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
     }
     Err(last_error.expect("the loop ran at least once and failed"))
-}
-
-/// `body`, keeping `guard` alive until the body is dropped.
-pub fn holding<G: Send + 'static>(body: Body, guard: G) -> Body {
-    Body::new(body.map_frame(move |frame| {
-        let _held = &guard;
-        frame
-    }))
 }
 
 /// Waits for the worker's response headers. A non-streaming response's headers

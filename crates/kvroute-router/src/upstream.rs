@@ -22,6 +22,8 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use kvroute_index::OwnedPinnedPath;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::booking::Booking;
 use crate::cached_tokens::Check;
@@ -150,6 +152,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove("keep-alive");
 }
 
+/// What a proxied response keeps until it ends: the blocks its worker uses stay
+/// indexed, and the request keeps its place under `limits.max_inflight_requests`.
+pub struct Held {
+    pub blocks: OwnedPinnedPath,
+    pub permit: OwnedSemaphorePermit,
+}
+
 /// The request's booking and whether its response finished; dropping it early is a cancel.
 struct Flight {
     booking: Option<Booking>,
@@ -192,15 +201,20 @@ pin_project_lite::pin_project! {
     pub struct TrackedBody {
         // `None` once cut off by the idle timeout.
         inner: Option<Incoming>,
+        // Moved to the last data frame's deadline only when it fires: resetting
+        // a timer per frame takes the timer wheel's lock, and wakes the I/O
+        // driver with a syscall whenever it becomes the earliest timer.
         #[pin]
         idle: tokio::time::Sleep,
         idle_timeout: Duration,
+        last_data: tokio::time::Instant,
         sse: bool,
         flight: Flight,
         sent: Instant,
         last_frame: Option<Instant>,
         // `None` for a response not worth checking (an error status).
         check: Option<Check>,
+        _held: Held,
     }
 }
 
@@ -210,6 +224,7 @@ impl TrackedBody {
     pub fn new(
         inner: Incoming,
         booking: Booking,
+        held: Held,
         sent: Instant,
         idle_timeout: Duration,
         sse: bool,
@@ -221,6 +236,7 @@ impl TrackedBody {
             inner: Some(inner),
             idle: tokio::time::sleep(idle_timeout),
             idle_timeout,
+            last_data: tokio::time::Instant::now(),
             sse,
             flight: Flight {
                 booking: Some(booking),
@@ -229,6 +245,7 @@ impl TrackedBody {
             sent,
             last_frame: None,
             check,
+            _held: held,
         };
         if empty {
             complete(&mut body.flight, sent, None);
@@ -282,8 +299,7 @@ impl Body for TrackedBody {
                             .record(now.duration_since(previous).as_secs_f64()),
                     }
                     *this.last_frame = Some(now);
-                    let deadline = tokio::time::Instant::now() + *this.idle_timeout;
-                    this.idle.as_mut().reset(deadline);
+                    *this.last_data = tokio::time::Instant::now();
                 }
                 if let (Some(check), Some(data)) = (this.check.as_mut(), frame.data_ref()) {
                     check.push(data);
@@ -302,8 +318,15 @@ impl Body for TrackedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.idle.poll(cx).is_pending() {
-                    return Poll::Pending;
+                loop {
+                    if this.idle.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    let deadline = *this.last_data + *this.idle_timeout;
+                    if deadline <= this.idle.deadline() {
+                        break;
+                    }
+                    this.idle.as_mut().reset(deadline);
                 }
                 let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
                 let error = RouterError::UpstreamTimeout(format!(
