@@ -163,6 +163,8 @@ pub struct WorkerLoad {
     pub requests: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Prompt tokens loaded from the engine's host tier instead of prefilled.
+    pub offload_tokens: u64,
     /// Prompt tokens prefilled plus tokens generated: the work done.
     pub computed_tokens: u64,
     pub preemptions: u64,
@@ -203,6 +205,9 @@ pub struct PolicyReport {
     pub e2e_ms: Percentiles,
     /// Cached over prompt tokens, summed over the workers' own counters.
     pub worker_hit_rate: f64,
+    /// Prompt tokens loaded from the engines' host tiers (`--offload-blocks`)
+    /// over prompt tokens: hits of the offload tier, beside the GPU's above.
+    pub offload_hit_rate: f64,
     /// The same ratio as the router predicted it: prompt tokens the chosen
     /// worker was expected to hold over prompt tokens routed. `None` for
     /// policies that do not consult the index.
@@ -424,6 +429,7 @@ pub(crate) fn report(
                 requests: stats.requests,
                 prompt_tokens: stats.prompt_tokens,
                 cached_tokens: stats.cached_tokens,
+                offload_tokens: stats.offload_tokens,
                 computed_tokens: stats.computed_prompt_tokens + stats.generated_tokens,
                 preemptions: stats.preemptions,
             }
@@ -431,6 +437,7 @@ pub(crate) fn report(
         .collect();
     let prompt: u64 = workers.iter().map(|w| w.prompt_tokens).sum();
     let cached: u64 = workers.iter().map(|w| w.cached_tokens).sum();
+    let offload: u64 = workers.iter().map(|w| w.offload_tokens).sum();
     let routed_tokens = predicted_after.1 - predicted_before.1;
     let pacing: Vec<_> = fleet.iter().map(|w| w.pacing()).collect();
     let steps: u64 = pacing.iter().map(|p| p.steps).sum();
@@ -484,6 +491,11 @@ pub(crate) fn report(
             0.0
         } else {
             cached as f64 / prompt as f64
+        },
+        offload_hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            offload as f64 / prompt as f64
         },
         predicted_hit_rate: (matches!(policy, Policy::Kv | Policy::Approx) && routed_tokens > 0.0)
             .then(|| (predicted_after.0 - predicted_before.0) / routed_tokens),
@@ -549,6 +561,14 @@ pub fn table(reports: &[PolicyReport], with_eviction: bool) -> String {
         .into_iter()
         .map(|(name, cell)| (name.to_string(), cell))
         .collect();
+    if reports.iter().any(|r| r.offload_hit_rate > 0.0) {
+        rows.insert(
+            1,
+            ("loaded from host tier (workers)".into(), &|r| {
+                format!("{:.1}%", r.offload_hit_rate * 100.0)
+            }),
+        );
+    }
     let goal_cells: Vec<Vec<String>>;
     let class_cells: Vec<Vec<String>>;
     if with_eviction {

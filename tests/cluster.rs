@@ -526,6 +526,7 @@ async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
                 last_event_id: 0,
                 chains,
                 more: false,
+                offload_chains: Vec::new(),
             }))
             .await;
         streams.push(worker);

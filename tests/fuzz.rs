@@ -334,7 +334,11 @@ fn event() -> impl Strategy<Value = KvEvent> {
             .prop_map(|block_hashes| kv_event::Kind::Removed(Removed { block_hashes })),
         Just(kv_event::Kind::Cleared(Cleared {})),
     ];
-    (event_id(), prop::option::of(kind)).prop_map(|(event_id, kind)| KvEvent { event_id, kind })
+    (event_id(), prop::option::of(kind)).prop_map(|(event_id, kind)| KvEvent {
+        tier: Default::default(),
+        event_id,
+        kind,
+    })
 }
 
 /// Mostly the registered rank 0, so that events reach the index.
@@ -410,6 +414,7 @@ fn fuzz_dump() {
             last_event_id,
             chains,
             more: false,
+            offload_chains: Vec::new(),
         },
     );
     fuzz_ingest("ingest Dump", 4, bytes_like(dump.boxed()));

@@ -138,6 +138,7 @@ async fn oversized_batches_and_messages_end_the_stream_with_a_status() {
     let kept = worker.store(&tokens(0, 64)).await;
     let events = (1..=5)
         .map(|i| KvEvent {
+            tier: Default::default(),
             event_id: 100 + i,
             kind: Some(kv_event::Kind::Cleared(kvroute_proto::Cleared {})),
         })
@@ -258,6 +259,7 @@ async fn send_dump(worker: &GrpcWorker, last_event_id: u64, chains: Vec<Stored>,
             last_event_id,
             chains,
             more,
+            offload_chains: Vec::new(),
         }))
         .await;
 }

@@ -136,6 +136,7 @@ async fn a_gap_triggers_a_resync_that_restores_the_index() {
             last_event_id: 2,
             chains: vec![stored_a, stored_b, stored_c],
             more: false,
+            offload_chains: Vec::new(),
         }))
         .await;
     worker.wait_ack(2).await;

@@ -207,6 +207,73 @@ async fn a_correct_index_never_diverges_over_a_churny_run() {
     );
 }
 
+/// `--offload-blocks`: a prompt the GPU pool (256 blocks) evicted is still in
+/// the engine's host tier; the router indexes it as the offload tier, shows it
+/// in `/v1/route`, and the worker's digests (both tiers) match the router's.
+#[tokio::test]
+async fn evicted_blocks_in_the_host_tier_are_indexed_as_the_offload_tier() {
+    let router = RouterProcess::start("");
+    let sim = SimFleet::start_with(
+        Some(&router.grpc),
+        1,
+        &[
+            "--offload-blocks",
+            "512",
+            "--digest-events",
+            "8",
+            "--digest-interval-ms",
+            "20",
+        ],
+        &[],
+    );
+    wait_registered(&router, 1).await;
+    // Three prompts of 100 blocks each: the first is evicted from the GPU.
+    let long = |seed: u32| -> Vec<u32> { (seed * 100_000..seed * 100_000 + 1_600).collect() };
+    for seed in 1..=3 {
+        assert_eq!(complete(&router.http, &long(seed)).await.status, 200);
+    }
+    let route = || async {
+        Http::default()
+            .post(
+                &format!("{}/v1/route", router.http),
+                &json!({"model": "sim-model", "prompt": long(1)}),
+            )
+            .await
+            .json()
+    };
+    eventually(
+        "the first prompt to be indexed in the offload tier",
+        || async {
+            let route = route().await;
+            route["offload_overlap_blocks"] == 100 && route["overlap_blocks"].as_u64() < Some(100)
+        },
+    )
+    .await;
+    let on_gpu = route().await["overlap_blocks"].as_u64().unwrap();
+    let matched = || {
+        scrape(
+            &router.http,
+            "kvroute_index_digests_total",
+            &[("outcome", "matched")],
+        )
+    };
+    let before = matched().await;
+    eventually("digests of both tiers to match", || async {
+        matched().await >= before + 2.0
+    })
+    .await;
+    assert_eq!(
+        scrape(&router.http, "kvroute_index_divergence_total", &[]).await,
+        0.0
+    );
+    // Its blocks are loaded back, not prefilled: the engine counts them.
+    assert_eq!(complete(&router.http, &long(1)).await.status, 200);
+    let (_, url) = &sim.workers[0];
+    let loaded = scrape(url, "kvroute_sim_offload_loaded_prompt_tokens_total", &[]).await;
+    // All but the GPU's blocks, less the last token, which is always computed.
+    assert_eq!(loaded, ((100 - on_gpu) * 16 - 1) as f64);
+}
+
 /// `--router A,B`: the worker streams to A; A is killed (SIGKILL); the worker
 /// registers with B, which then routes to it and indexes its blocks.
 #[tokio::test]

@@ -50,9 +50,16 @@ pub struct BridgeArgs {
     /// Tokens per KV block: must equal the engine's and the router's.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     block_size: u32,
-    /// The memory tier whose blocks are forwarded (engines also report CPU, disk, ...).
+    /// The medium whose blocks are forwarded as the device tier (engines also
+    /// report CPU, disk, ...); names compare ignoring case.
     #[arg(long, default_value = "GPU")]
     medium: String,
+    /// A medium whose blocks are forwarded as the offload tier: blocks the engine
+    /// can load instead of recomputing, which the router weighs below device
+    /// blocks (scheduler.offload_weight). Repeatable, e.g. `--offload-medium CPU
+    /// --offload-medium DISK`. Other media are skipped.
+    #[arg(long = "offload-medium", value_name = "MEDIUM")]
+    offload_media: Vec<String>,
     /// Where the bridge serves its own Prometheus `/metrics`.
     #[arg(long, default_value = "0.0.0.0:9401")]
     metrics_addr: SocketAddr,
@@ -81,6 +88,7 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         engine_url: args.engine_url,
         block_size: args.block_size,
         medium: args.medium,
+        offload_media: args.offload_media,
         metrics_addr: args.metrics_addr,
         tokenizer: args.tokenizer,
         digest_events: args.digest.digest_events,

@@ -27,6 +27,10 @@ pub struct DemoArgs {
     /// Whose prefix cache the simulated engines imitate: vllm or sglang.
     #[arg(long, default_value = "vllm")]
     engine: EngineKind,
+    /// Blocks of each engine's host (CPU) tier, which keeps the blocks the GPU
+    /// evicts to load them back instead of prefilling them; 0: none.
+    #[arg(long, default_value_t = 0)]
+    offload_blocks: usize,
 }
 
 const WORKERS: usize = 4;
@@ -35,7 +39,7 @@ const SPEEDUP: f64 = 20.0;
 /// Engines with 4,096 blocks of 512 tokens (2M tokens of KV) each, sped up
 /// 20×: the trace's first 1,000 requests (330 s) run in about 17 s per policy,
 /// and their working set (about 20,000 blocks) still overflows the fleet.
-fn engine(kind: EngineKind) -> EngineConfig {
+fn engine(kind: EngineKind, offload_blocks: usize) -> EngineConfig {
     EngineConfig {
         kv_blocks: 4096,
         block_size: 512,
@@ -47,6 +51,7 @@ fn engine(kind: EngineKind) -> EngineConfig {
             speedup: SPEEDUP,
             ..CostModel::default()
         },
+        offload_blocks,
     }
 }
 
@@ -68,8 +73,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
         let mut reports = Vec::new();
         for policy in [Policy::Kv, Policy::RoundRobin] {
-            let fleet =
-                Fleet::start(WORKERS, &engine(args.engine), &Default::default(), policy).await?;
+            let fleet = Fleet::start(
+                WORKERS,
+                &engine(args.engine, args.offload_blocks),
+                &Default::default(),
+                policy,
+            )
+            .await?;
             reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
@@ -79,7 +89,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
         let fleet = Fleet::start(
             WORKERS,
-            &engine(args.engine),
+            &engine(args.engine, args.offload_blocks),
             &Default::default(),
             Policy::Kv,
         )

@@ -41,6 +41,11 @@ pub struct EngineArgs {
     /// Divides every simulated time (1: real time).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Blocks of a per-engine host (CPU) tier, LRU: blocks the GPU pool evicts
+    /// are copied there and loaded back instead of prefilled, announced to the
+    /// router as the offload tier. 0: no host tier.
+    #[arg(long, default_value_t = 0)]
+    pub offload_blocks: usize,
 }
 
 impl EngineArgs {
@@ -56,6 +61,7 @@ impl EngineArgs {
                 speedup: self.speedup,
                 ..CostModel::default()
             },
+            offload_blocks: self.offload_blocks,
         }
     }
 }

@@ -779,6 +779,7 @@ impl GrpcWorker {
             self.send(worker_message::Body::Events(kvroute_proto::EventBatch {
                 dp_rank: rank,
                 events: vec![KvEvent {
+                    tier: Default::default(),
                     event_id,
                     kind: Some(kind),
                 }],
@@ -793,6 +794,7 @@ impl GrpcWorker {
         let batch = kvroute_proto::EventBatch {
             dp_rank: 0,
             events: vec![KvEvent {
+                tier: Default::default(),
                 event_id,
                 kind: Some(kind),
             }],
@@ -851,6 +853,7 @@ impl GrpcWorker {
             .log
             .range((rank, request.from_event_id)..(rank + 1, 0))
             .map(|(&(_, event_id), kind)| KvEvent {
+                tier: Default::default(),
                 event_id,
                 kind: Some(kind.clone()),
             })

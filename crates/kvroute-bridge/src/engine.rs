@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvroute_index::EventKind;
+use kvroute_index::{EventKind, Tier};
 use kvroute_proto as proto;
 use metrics::{counter, gauge};
 use proto::worker_message::Body as WorkerBody;
@@ -150,7 +150,7 @@ impl RankFollower {
                     rank,
                     seq, "engine sequence went backwards: the engine restarted"
                 );
-                self.forward(vec![EventKind::Cleared]);
+                self.forward(vec![(Tier::Device, EventKind::Cleared)]);
                 // A new engine process: the router must forget the old one on every
                 // rank, which only a registration of a new instance tells it.
                 self.instance.send_replace(rand::random());
@@ -196,7 +196,7 @@ impl RankFollower {
         if !complete && reset_on_loss {
             counter!(crate::metrics::RESETS, "rank" => self.rank_label.clone()).increment(1);
             warn!(rank, "events {from}..{until} lost: clearing the rank");
-            self.forward(vec![EventKind::Cleared]);
+            self.forward(vec![(Tier::Device, EventKind::Cleared)]);
         }
         for (_, payload) in tail {
             self.on_payload(payload);
@@ -237,7 +237,7 @@ impl RankFollower {
                 }
             }
             match self.filter.translate(event) {
-                Ok(kind) => kinds.push(kind),
+                Ok(tiered) => kinds.push(tiered),
                 Err(reason) => self.skipped(event, reason),
             }
         }
@@ -273,18 +273,18 @@ impl RankFollower {
 
     /// Gives the events ids, applies them to the mirror and queues them for the
     /// router, under the mirror's lock so that a dump and the queue agree.
-    fn forward(&self, kinds: Vec<EventKind>) {
+    fn forward(&self, kinds: Vec<(Tier, EventKind)>) {
         if kinds.is_empty() {
             return;
         }
         let mut mirror = self.mirror.lock().unwrap();
         let events = kinds
             .into_iter()
-            .map(|kind| {
-                let event = mirror.record(kind);
+            .map(|(tier, kind)| {
+                let event = mirror.record(tier, kind);
                 counter!(crate::metrics::EVENTS_SENT, "rank" => self.rank_label.clone(), "type" => event.kind.type_name().as_str())
                     .increment(1);
-                event_to_proto(&event)
+                event_to_proto(&event, tier)
             })
             .collect();
         gauge!(crate::metrics::MIRROR_BLOCKS, "rank" => self.rank_label.clone())

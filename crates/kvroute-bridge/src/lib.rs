@@ -90,8 +90,10 @@ pub struct BridgeConfig {
     /// where `/v1/models` and `/metrics` are read.
     pub engine_url: String,
     pub block_size: u32,
-    /// The memory tier whose blocks are forwarded.
+    /// The medium whose blocks are forwarded as the device tier.
     pub medium: String,
+    /// Media whose blocks are forwarded as the offload tier.
+    pub offload_media: Vec<String>,
     /// Where the bridge serves its own `/metrics`.
     pub metrics_addr: SocketAddr,
     /// The engine's tokenizer, declared to the router at registration (the
@@ -139,6 +141,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
     let filter = EventFilter {
         block_size: config.block_size,
         medium: config.medium.clone(),
+        offload_media: config.offload_media.clone(),
     };
     let (events_tx, events_rx) = mpsc::channel(OUTBOX_BATCHES);
     let (loads_tx, loads_rx) = mpsc::channel(16);
@@ -414,6 +417,7 @@ mod tests {
             engine_url: "http://127.0.0.1:8000".into(),
             block_size: 16,
             medium: "GPU".into(),
+            offload_media: Vec::new(),
             metrics_addr: ([127, 0, 0, 1], 0).into(),
             tokenizer: None,
             digest_events: 0,

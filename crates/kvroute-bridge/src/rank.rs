@@ -12,22 +12,28 @@
 //! this bridge has given an id; the router holds the same once it has applied
 //! them all, which is what a dump restores after anything went missing.
 
-use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey, salt_key};
+use kvroute_index::{
+    BlockHasher, EventKind, KvEvent, StoredBlock, Tier, TieredIndex, WorkerKey, salt_key,
+};
 use kvroute_proto as proto;
 
 use crate::wire::{BlockKeys, EngineEvent, StoredEvent};
 
-/// What the bridge forwards: the selected medium, the configured block size.
+/// What the bridge forwards: the device medium, the offload media, the
+/// configured block size.
 #[derive(Clone, Debug)]
 pub struct EventFilter {
     pub block_size: u32,
+    /// Forwarded as the device tier (`--medium`).
     pub medium: String,
+    /// Forwarded as the offload tier (`--offload-medium`, repeatable).
+    pub offload_media: Vec<String>,
 }
 
 /// Why an engine event was not forwarded; labels the skipped-events metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SkipReason {
-    /// Blocks on another tier (CPU, disk, ...) than the selected one.
+    /// Blocks on a medium (CPU, disk, ...) neither `--medium` nor an `--offload-medium`.
     Medium,
     /// A KV-cache group other than the first (hybrid models report one per group).
     Group,
@@ -55,39 +61,49 @@ impl SkipReason {
 }
 
 impl EventFilter {
-    /// The kvroute event for an engine event, or why it is left out. Absent media
-    /// are the GPU: engines only started to name the tier when they added others.
-    pub fn translate(&self, event: &EngineEvent) -> Result<EventKind, SkipReason> {
+    /// The kvroute event and its tier for an engine event, or why it is left
+    /// out. Absent media are the GPU: engines only started to name the medium
+    /// when they added others.
+    pub fn translate(&self, event: &EngineEvent) -> Result<(Tier, EventKind), SkipReason> {
         match event {
             EngineEvent::Stored(stored) => {
-                self.check_medium(stored.medium.as_deref())?;
+                let tier = self.tier(stored.medium.as_deref())?;
                 if stored.group_idx != 0 {
                     return Err(SkipReason::Group);
                 }
-                self.stored(stored)
+                Ok((tier, self.stored(stored)?))
             }
             EngineEvent::Removed {
                 block_hashes,
                 medium,
                 group_idx,
             } => {
-                self.check_medium(medium.as_deref())?;
+                let tier = self.tier(medium.as_deref())?;
                 if *group_idx != 0 {
                     return Err(SkipReason::Group);
                 }
-                Ok(EventKind::Removed {
+                let kind = EventKind::Removed {
                     block_hashes: block_hashes.clone(),
-                })
+                };
+                Ok((tier, kind))
             }
-            EngineEvent::AllCleared => Ok(EventKind::Cleared),
+            // Clears every tier.
+            EngineEvent::AllCleared => Ok((Tier::Device, EventKind::Cleared)),
             EngineEvent::Unknown(_) => Err(SkipReason::UnknownType),
         }
     }
 
-    fn check_medium(&self, medium: Option<&str>) -> Result<(), SkipReason> {
+    /// The tier a medium's blocks are forwarded as (names compared ignoring case).
+    fn tier(&self, medium: Option<&str>) -> Result<Tier, SkipReason> {
         let medium = medium.unwrap_or("GPU");
         if medium.eq_ignore_ascii_case(&self.medium) {
-            Ok(())
+            Ok(Tier::Device)
+        } else if self
+            .offload_media
+            .iter()
+            .any(|m| medium.eq_ignore_ascii_case(m))
+        {
+            Ok(Tier::Offload)
         } else {
             Err(SkipReason::Medium)
         }
@@ -174,10 +190,10 @@ impl SequenceTracker {
     }
 }
 
-/// A rank's cache as the router should know it, with the ids given so far.
+/// A rank's cache as the router should know it, both tiers, with the ids given so far.
 pub struct RankMirror {
     key: WorkerKey,
-    index: KvIndex,
+    index: TieredIndex,
     /// The id of the last event given out; ids start at 1, so 0 means none yet.
     last_event_id: u64,
     /// Events given out since the last digest.
@@ -188,7 +204,7 @@ impl RankMirror {
     pub fn new(worker_id: u64, dp_rank: u32) -> Self {
         Self {
             key: WorkerKey::new(worker_id, dp_rank),
-            index: KvIndex::default(),
+            index: TieredIndex::default(),
             last_event_id: 0,
             since_digest: 0,
         }
@@ -198,15 +214,16 @@ impl RankMirror {
         self.key.dp_rank
     }
 
-    /// Gives `kind` the next id and applies it to the mirror.
-    pub fn record(&mut self, kind: EventKind) -> KvEvent {
+    /// Gives `kind` on `tier` the next id (one sequence for both tiers) and
+    /// applies it to the mirror.
+    pub fn record(&mut self, tier: Tier, kind: EventKind) -> KvEvent {
         self.last_event_id += 1;
         self.since_digest += 1;
         let event = KvEvent {
             event_id: self.last_event_id,
             kind,
         };
-        self.index.apply(self.key, &event);
+        self.index.apply(self.key, tier, &event);
         event
     }
 
@@ -215,9 +232,9 @@ impl RankMirror {
         self.since_digest
     }
 
-    /// The digest of what the rank holds, as of the last event given out: the
-    /// router checks its index against it. Kept by the mirror's index as events
-    /// apply, so taking it costs nothing.
+    /// The digest of what the rank holds in both tiers, as of the last event
+    /// given out: the router checks its index against it. Kept by the mirror's
+    /// index as events apply, so taking it costs nothing.
     pub fn take_digest(&mut self) -> proto::Digest {
         self.since_digest = 0;
         let digest = self
@@ -233,32 +250,33 @@ impl RankMirror {
         }
     }
 
-    /// Blocks the rank holds, for the mirror-size gauge.
+    /// Blocks the rank holds in both tiers, for the mirror-size gauge.
     pub fn blocks(&self) -> u64 {
-        self.index.worker_blocks(self.key)
+        self.index.device.worker_blocks(self.key) + self.index.offload.worker_blocks(self.key)
     }
 
-    /// The rank's whole cache, to replace what the router holds.
+    /// The rank's whole cache, both tiers, to replace what the router holds.
     pub fn dump(&self) -> proto::Dump {
-        let chains = self
-            .index
-            .dump(self.key)
-            .map(|dump| dump.events)
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|kind| match kind {
-                EventKind::Stored {
-                    parent_hash,
-                    blocks,
-                } => Some(stored_to_proto(parent_hash, &blocks)),
-                _ => None,
-            })
-            .collect();
+        let dump = self.index.dump(self.key);
+        let chains = |events: Vec<EventKind>| -> Vec<proto::Stored> {
+            events
+                .into_iter()
+                .filter_map(|kind| match kind {
+                    EventKind::Stored {
+                        parent_hash,
+                        blocks,
+                    } => Some(stored_to_proto(parent_hash, &blocks)),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (device, offload) = dump.map(|d| (d.device, d.offload)).unwrap_or_default();
         proto::Dump {
             dp_rank: self.key.dp_rank,
             last_event_id: self.last_event_id,
-            chains,
+            chains: chains(device),
             more: false,
+            offload_chains: chains(offload),
         }
     }
 }
@@ -276,8 +294,8 @@ fn stored_to_proto(parent_hash: Option<u64>, blocks: &[StoredBlock]) -> proto::S
     }
 }
 
-/// A kvroute event in its wire form.
-pub fn event_to_proto(event: &KvEvent) -> proto::KvEvent {
+/// A kvroute event on `tier` in its wire form.
+pub fn event_to_proto(event: &KvEvent, tier: Tier) -> proto::KvEvent {
     use proto::kv_event::Kind;
     let kind = match &event.kind {
         EventKind::Stored {
@@ -289,9 +307,14 @@ pub fn event_to_proto(event: &KvEvent) -> proto::KvEvent {
         }),
         EventKind::Cleared => Kind::Cleared(proto::Cleared {}),
     };
+    let tier = match tier {
+        Tier::Device => proto::Tier::Device,
+        Tier::Offload => proto::Tier::Offload,
+    };
     proto::KvEvent {
         event_id: event.event_id,
         kind: Some(kind),
+        tier: tier.into(),
     }
 }
 
@@ -303,6 +326,7 @@ mod tests {
         EventFilter {
             block_size: 4,
             medium: "GPU".into(),
+            offload_media: Vec::new(),
         }
     }
 
@@ -314,7 +338,7 @@ mod tests {
     fn stored_blocks_get_kvroute_local_hashes_from_their_tokens() {
         let event = EngineEvent::Stored(stored(&[10, 11], None));
         let local = BlockHasher::new(4).local_hashes(&(0..8).collect::<Vec<_>>());
-        let EventKind::Stored { blocks, .. } = filter().translate(&event).unwrap() else {
+        let (_, EventKind::Stored { blocks, .. }) = filter().translate(&event).unwrap() else {
             panic!("not a stored event");
         };
         let hashes: Vec<_> = blocks
@@ -348,7 +372,7 @@ mod tests {
         let mut payload = Vec::new();
         rmpv::encode::write_value(&mut payload, &batch).unwrap();
         let decoded = crate::wire::decode_batch(&payload).unwrap();
-        let EventKind::Stored { blocks, .. } = filter().translate(&decoded.events[0]).unwrap()
+        let (_, EventKind::Stored { blocks, .. }) = filter().translate(&decoded.events[0]).unwrap()
         else {
             panic!("not a stored event");
         };
@@ -395,7 +419,7 @@ mod tests {
         let mut event = stored(&[1], None);
         event.lora_name = Some("my-adapter".into());
         event.lora_id = Some(3);
-        let EventKind::Stored { blocks, .. } = filter()
+        let (_, EventKind::Stored { blocks, .. }) = filter()
             .translate(&EngineEvent::Stored(event.clone()))
             .unwrap()
         else {
@@ -420,7 +444,7 @@ mod tests {
                 ..BlockKeys::default()
             },
         ]);
-        let EventKind::Stored { blocks, .. } =
+        let (_, EventKind::Stored { blocks, .. }) =
             filter().translate(&EngineEvent::Stored(event)).unwrap()
         else {
             panic!("not a stored event");
@@ -491,17 +515,20 @@ mod tests {
     fn mirror_gives_consecutive_ids_and_dumps_what_it_holds() {
         let f = filter();
         let mut mirror = RankMirror::new(7, 1);
-        let first = mirror.record(
-            f.translate(&EngineEvent::Stored(stored(&[1, 2], None)))
-                .unwrap(),
+        let (tier, kind) = f
+            .translate(&EngineEvent::Stored(stored(&[1, 2], None)))
+            .unwrap();
+        let first = mirror.record(tier, kind);
+        let (tier, kind) = f
+            .translate(&EngineEvent::Stored(stored(&[3], Some(2))))
+            .unwrap();
+        let second = mirror.record(tier, kind);
+        let third = mirror.record(
+            Tier::Device,
+            EventKind::Removed {
+                block_hashes: vec![3],
+            },
         );
-        let second = mirror.record(
-            f.translate(&EngineEvent::Stored(stored(&[3], Some(2))))
-                .unwrap(),
-        );
-        let third = mirror.record(EventKind::Removed {
-            block_hashes: vec![3],
-        });
         assert_eq!([first.event_id, second.event_id, third.event_id], [1, 2, 3]);
         let dump = mirror.dump();
         assert_eq!((dump.dp_rank, dump.last_event_id), (1, 3));
@@ -521,9 +548,68 @@ mod tests {
             (expected.block_count, expected.block_set_hash)
         );
         assert_eq!(mirror.since_digest(), 0);
-        mirror.record(EventKind::Cleared);
+        mirror.record(Tier::Device, EventKind::Cleared);
         assert!(mirror.dump().chains.is_empty());
         assert_eq!(mirror.since_digest(), 1);
         assert_eq!(mirror.take_digest().block_count, 0);
+    }
+
+    #[test]
+    fn offload_media_go_as_the_offload_tier_on_the_ranks_one_sequence() {
+        let f = EventFilter {
+            offload_media: vec!["cpu".into(), "DISK".into()],
+            ..filter()
+        };
+        let on = |medium: &str, parent, hashes: &[u64]| {
+            let mut event = stored(hashes, parent);
+            event.medium = Some(medium.into());
+            f.translate(&EngineEvent::Stored(event))
+        };
+        // Case-insensitive; media neither device nor offload are still skipped.
+        let (tier, cpu) = on("CPU", None, &[1, 2]).unwrap();
+        assert_eq!(tier, Tier::Offload);
+        assert_eq!(on("Disk", None, &[1]).unwrap().0, Tier::Offload);
+        assert_eq!(on("GPU", None, &[1]).unwrap().0, Tier::Device);
+        assert_eq!(on("CPU_PINNED", None, &[1]), Err(SkipReason::Medium));
+        let cpu_removal = EngineEvent::Removed {
+            block_hashes: vec![2],
+            medium: Some("CPU".into()),
+            group_idx: 0,
+        };
+        assert_eq!(f.translate(&cpu_removal).unwrap().0, Tier::Offload);
+
+        let mut mirror = RankMirror::new(7, 0);
+        let (tier, gpu) = on("GPU", None, &[1]).unwrap();
+        let events = [
+            event_to_proto(&mirror.record(tier, gpu), tier),
+            event_to_proto(&mirror.record(Tier::Offload, cpu), Tier::Offload),
+        ];
+        assert_eq!(
+            events.map(|e| (e.event_id, e.tier())),
+            [(1, proto::Tier::Device), (2, proto::Tier::Offload)]
+        );
+        let dump = mirror.dump();
+        let hashes = |chains: &[proto::Stored]| -> Vec<u64> {
+            let mut held: Vec<u64> = chains
+                .iter()
+                .flat_map(|c| c.blocks.iter().map(|b| b.block_hash))
+                .collect();
+            held.sort();
+            held
+        };
+        assert_eq!(hashes(&dump.chains), [1]);
+        assert_eq!(hashes(&dump.offload_chains), [1, 2]);
+        // The digest covers both tiers: hash 1 once per tier.
+        let digest = mirror.take_digest();
+        let expected =
+            kvroute_index::BlockSetDigest::of([1]).plus(kvroute_index::BlockSetDigest::of([1, 2]));
+        assert_eq!(
+            (digest.block_count, digest.block_set_hash),
+            (expected.block_count, expected.block_set_hash)
+        );
+        let (tier, removal) = f.translate(&cpu_removal).unwrap();
+        mirror.record(tier, removal);
+        assert_eq!(hashes(&mirror.dump().offload_chains), [1]);
+        assert_eq!(mirror.blocks(), 2);
     }
 }

@@ -153,12 +153,23 @@ pub fn split(record: Record, max_bytes: usize) -> Vec<Record> {
             dump,
         } if dump.encoded_len() > budget => {
             let (dp_rank, last_event_id, more) = (dump.dp_rank, dump.last_event_id, dump.more);
-            let parts = chunks(dump.chains, budget, |c| c.encoded_len());
+            // The device tier's chains, then the offload tier's, each in order.
+            // (Over the budget, so at least one of them holds a chain.)
+            let device = chunks(dump.chains, budget, |c| c.encoded_len())
+                .into_iter()
+                .map(|chains| (chains, Vec::new()));
+            let offload = chunks(dump.offload_chains, budget, |c| c.encoded_len())
+                .into_iter()
+                .map(|chains| (Vec::new(), chains));
+            let parts: Vec<_> = device
+                .chain(offload)
+                .filter(|(d, o)| !d.is_empty() || !o.is_empty())
+                .collect();
             let count = parts.len();
             parts
                 .into_iter()
                 .enumerate()
-                .map(|(i, chains)| Record::Dump {
+                .map(|(i, (chains, offload_chains))| Record::Dump {
                     worker_id,
                     claim,
                     dump: Dump {
@@ -166,6 +177,7 @@ pub fn split(record: Record, max_bytes: usize) -> Vec<Record> {
                         last_event_id,
                         chains,
                         more: more || i + 1 < count,
+                        offload_chains,
                     },
                 })
                 .collect()
@@ -297,6 +309,7 @@ mod tests {
                 batch: EventBatch {
                     dp_rank: 1,
                     events: vec![KvEvent {
+                        tier: kvroute_proto::Tier::Offload.into(),
                         event_id: 5,
                         kind: Some(kv_event::Kind::Stored(stored.clone())),
                     }],
@@ -308,8 +321,9 @@ mod tests {
                 dump: Dump {
                     dp_rank: 0,
                     last_event_id: 8,
-                    chains: vec![stored],
+                    chains: vec![stored.clone()],
                     more: true,
+                    offload_chains: vec![stored],
                 },
             },
             Record::Clear {
@@ -357,6 +371,7 @@ mod tests {
     fn large_records_split_into_pieces_that_fit_and_mean_the_same() {
         let events: Vec<KvEvent> = (0..1_000)
             .map(|id| KvEvent {
+                tier: Default::default(),
                 event_id: id,
                 kind: Some(kv_event::Kind::Stored(stored(id + 1_000_000))),
             })
@@ -390,6 +405,7 @@ mod tests {
 
         for more in [false, true] {
             let chains: Vec<Stored> = (0..1_000).map(stored).collect();
+            let offload_chains: Vec<Stored> = (2_000..2_500).map(stored).collect();
             let dump = Record::Dump {
                 worker_id: 1,
                 claim: 5,
@@ -398,12 +414,14 @@ mod tests {
                     last_event_id: 9,
                     chains: chains.clone(),
                     more,
+                    offload_chains: offload_chains.clone(),
                 },
             };
             let pieces = split(dump, max);
             let count = pieces.len();
             assert!(count > 1);
             let mut rejoined = Vec::new();
+            let mut rejoined_offload = Vec::new();
             for (i, piece) in pieces.into_iter().enumerate() {
                 assert!(encode(&piece).2.len() <= max);
                 let Record::Dump { dump, .. } = piece else {
@@ -413,8 +431,91 @@ mod tests {
                 // Only the last piece may end the dump, and only if the whole did.
                 assert_eq!(dump.more, more || i + 1 < count);
                 rejoined.extend(dump.chains);
+                rejoined_offload.extend(dump.offload_chains);
             }
             assert_eq!(rejoined, chains);
+            assert_eq!(rejoined_offload, offload_chains);
         }
+    }
+
+    /// An offload-tier event and dump through the log's encoding: a replica
+    /// applying them indexes the blocks in its offload tier, not on the device.
+    #[tokio::test]
+    async fn a_replica_indexes_offload_tier_blocks_from_the_log() {
+        use kvroute_index::WorkerKey;
+        use kvroute_router::replica::ReplicaApplier;
+        use kvroute_router::state::AppState;
+
+        let block = |hash: u64| StoredBlock {
+            block_hash: hash,
+            tokens_hash: hash * 10,
+        };
+        let offload = |event_id, parent_hash, hash| KvEvent {
+            tier: kvroute_proto::Tier::Offload.into(),
+            event_id,
+            kind: Some(kv_event::Kind::Stored(Stored {
+                parent_hash,
+                blocks: vec![block(hash)],
+            })),
+        };
+        let records = [
+            Record::Claim {
+                worker_id: 1,
+                instance_id: 7,
+                dp_ranks: vec![0],
+                replica_id: "r".into(),
+            },
+            Record::Events {
+                worker_id: 1,
+                claim: 1,
+                batch: EventBatch {
+                    dp_rank: 0,
+                    events: vec![offload(0, None, 11), offload(1, Some(11), 12)],
+                },
+            },
+        ];
+        let state = AppState::new(kvroute_router::Config::default(), None).unwrap();
+        let mut applier = ReplicaApplier::new(std::sync::Arc::clone(&state));
+        let through_the_log = |record: &Record| {
+            let (_, headers, payload) = encode(record);
+            decode(Some(&headers), &payload).unwrap()
+        };
+        for (seq, record) in records.iter().enumerate() {
+            applier.apply(seq as u64 + 1, through_the_log(record)).await;
+        }
+        let key = WorkerKey::new(1, 0);
+        assert_eq!(state.tiers.offload.worker_blocks(key), 2);
+        assert_eq!(state.tiers.device.worker_blocks(key), 0);
+        assert_eq!(state.tiers.last_event_id(key), Some(1));
+        // A dump replaces both tiers.
+        let dump = Record::Dump {
+            worker_id: 1,
+            claim: 1,
+            dump: Dump {
+                dp_rank: 0,
+                last_event_id: 4,
+                chains: vec![Stored {
+                    parent_hash: None,
+                    blocks: vec![block(21)],
+                }],
+                more: false,
+                offload_chains: vec![Stored {
+                    parent_hash: None,
+                    blocks: vec![block(31), block(32), block(33)],
+                }],
+            },
+        };
+        applier.apply(3, through_the_log(&dump)).await;
+        assert_eq!(state.tiers.offload.worker_blocks(key), 3);
+        assert_eq!(state.tiers.device.worker_blocks(key), 1);
+        // A snapshot carries the offload tier to a replica started later.
+        let snapshot = applier.snapshot(3).await.unwrap();
+        let snapshot = crate::snapshot::decode(&crate::snapshot::encode(&snapshot)).unwrap();
+        let later = AppState::new(kvroute_router::Config::default(), None).unwrap();
+        ReplicaApplier::new(std::sync::Arc::clone(&later))
+            .restore(snapshot)
+            .await;
+        assert_eq!(later.tiers.offload.worker_blocks(key), 3);
+        assert_eq!(later.tiers.digest(key), state.tiers.digest(key));
     }
 }

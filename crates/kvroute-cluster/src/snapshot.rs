@@ -481,6 +481,7 @@ mod tests {
                         last_event_id: 9,
                         chains: vec![chain(None, &[1, 2, 3]), chain(Some(1), &[u64::MAX])],
                         more: false,
+                        offload_chains: Vec::new(),
                     },
                 ),
                 (
@@ -490,6 +491,7 @@ mod tests {
                         last_event_id: 0,
                         chains: Vec::new(),
                         more: false,
+                        offload_chains: Vec::new(),
                     },
                 ),
             ],

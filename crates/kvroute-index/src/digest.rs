@@ -46,6 +46,15 @@ impl BlockSetDigest {
         self.block_count = self.block_count.wrapping_sub(1);
         self.block_set_hash = self.block_set_hash.wrapping_sub(mix(block_hash));
     }
+
+    /// The digest of both sets together, a hash in both counted twice: how a
+    /// rank's two tiers (see [`crate::tiers`]) make its one digest.
+    pub fn plus(self, other: Self) -> Self {
+        Self {
+            block_count: self.block_count.wrapping_add(other.block_count),
+            block_set_hash: self.block_set_hash.wrapping_add(other.block_set_hash),
+        }
+    }
 }
 
 /// What the index holds of one rank, to compare with the worker's digest.

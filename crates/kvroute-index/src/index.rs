@@ -287,6 +287,29 @@ impl KvIndex {
         })
     }
 
+    /// Takes event `event_id` of `worker` in sequence without applying
+    /// anything: it belongs to another index that shares the worker's event
+    /// sequence (the other tier of a [`crate::TieredIndex`]). Not counted.
+    pub fn skip(&self, worker: WorkerKey, event_id: u64) -> ApplyOutcome {
+        self.with_slot(worker, |slot| {
+            let mut state = slot.state.lock().unwrap();
+            match state.last_event_id {
+                Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
+                Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
+                    expected: last + 1,
+                    got: event_id,
+                },
+                _ => {
+                    state.last_event_id = Some(event_id);
+                    ApplyOutcome::Applied {
+                        rejected_blocks: 0,
+                        unknown_removals: 0,
+                    }
+                }
+            }
+        })
+    }
+
     /// Forgets `worker` entirely, its event sequence included.
     pub fn remove_worker(&self, worker: WorkerKey) {
         let Some(slot) = self.registry_shard(worker).write().unwrap().remove(&worker) else {

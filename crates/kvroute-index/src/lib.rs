@@ -11,6 +11,8 @@
 //! - [`index`] applies events per worker, in id order, and answers "how long a
 //!   prefix of this request does each worker hold?";
 //! - [`timeline`] derives benchmark workloads (lookups and events) from a trace;
+//! - [`tiers`] pairs a device-tier index with an offload-tier one (blocks a
+//!   worker keeps in host memory or on disk) over one event sequence per rank;
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
 //!   that publish no events and for requests that race the engine's first event.
 
@@ -23,6 +25,7 @@ mod lru;
 pub mod predicted;
 mod slots;
 mod table;
+pub mod tiers;
 pub mod timeline;
 
 pub use digest::{BlockSetDigest, IndexedDigest};
@@ -35,3 +38,4 @@ pub use index::{
     IndexConfig, IndexStats, KvIndex, OwnedPinnedPath, PinnedPath, WorkerDump, WorkerMatch,
 };
 pub use predicted::{PredictedConfig, PredictedIndex};
+pub use tiers::{Tier, TieredDump, TieredIndex};

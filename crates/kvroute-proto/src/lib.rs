@@ -30,46 +30,59 @@ pub const DUMP_PART_BLOCKS: usize = 32 * 1024;
 
 impl Dump {
     /// Splits the dump into parts of at most `max_blocks` blocks each, in order,
-    /// all but the last marked `more`. A chain longer than the room left in a
-    /// part continues in the next one from its last block there, so parents
-    /// still come before children.
+    /// all but the last marked `more`: the device chains first, then the
+    /// offload chains. A chain longer than the room left in a part continues in
+    /// the next one from its last block there, so parents still come before
+    /// children.
     pub fn into_parts(self, max_blocks: usize) -> Vec<Dump> {
         let max_blocks = max_blocks.max(1);
         let (dp_rank, last_event_id) = (self.dp_rank, self.last_event_id);
-        let part = |chains: Vec<Stored>, more: bool| Dump {
+        let mut parts = Vec::new();
+        let mut current = Dump {
             dp_rank,
             last_event_id,
-            chains,
-            more,
+            ..Dump::default()
         };
-        let mut parts = Vec::new();
-        let mut chains = Vec::new();
         let mut blocks_in_part = 0;
-        for mut chain in self.chains {
-            loop {
-                let room = max_blocks - blocks_in_part;
-                if chain.blocks.len() <= room {
-                    blocks_in_part += chain.blocks.len();
-                    chains.push(chain);
-                    break;
+        let tiers = [(false, self.chains), (true, self.offload_chains)];
+        for (offload, tier_chains) in tiers {
+            for mut chain in tier_chains {
+                loop {
+                    let room = max_blocks - blocks_in_part;
+                    let fits = chain.blocks.len() <= room;
+                    let tail = (!fits).then(|| chain.blocks.split_off(room));
+                    let tail_parent = chain
+                        .blocks
+                        .last()
+                        .map_or(chain.parent_hash, |b| Some(b.block_hash));
+                    if !chain.blocks.is_empty() || fits {
+                        blocks_in_part += chain.blocks.len();
+                        if offload {
+                            current.offload_chains.push(chain);
+                        } else {
+                            current.chains.push(chain);
+                        }
+                    }
+                    let Some(tail) = tail else {
+                        break;
+                    };
+                    let next = Dump {
+                        dp_rank,
+                        last_event_id,
+                        ..Dump::default()
+                    };
+                    let mut full = std::mem::replace(&mut current, next);
+                    full.more = true;
+                    parts.push(full);
+                    blocks_in_part = 0;
+                    chain = Stored {
+                        parent_hash: tail_parent,
+                        blocks: tail,
+                    };
                 }
-                let tail = chain.blocks.split_off(room);
-                let tail_parent = chain
-                    .blocks
-                    .last()
-                    .map_or(chain.parent_hash, |b| Some(b.block_hash));
-                if room > 0 {
-                    chains.push(chain);
-                }
-                parts.push(part(std::mem::take(&mut chains), true));
-                blocks_in_part = 0;
-                chain = Stored {
-                    parent_hash: tail_parent,
-                    blocks: tail,
-                };
             }
         }
-        parts.push(part(chains, false));
+        parts.push(current);
         parts
     }
 }
@@ -90,23 +103,26 @@ mod tests {
         }
     }
 
-    /// (parent, block) pairs in order: what applying the dump stores.
-    fn links(dumps: &[Dump]) -> Vec<(Option<u64>, u64)> {
+    /// (offload tier, parent, block) in order: what applying the dump stores.
+    fn links(dumps: &[Dump]) -> Vec<(bool, Option<u64>, u64)> {
         let mut links = Vec::new();
         for dump in dumps {
-            for c in &dump.chains {
+            let device = dump.chains.iter().map(|c| (false, c));
+            let offload = dump.offload_chains.iter().map(|c| (true, c));
+            for (tier, c) in device.chain(offload) {
                 let mut parent = c.parent_hash;
                 for b in &c.blocks {
-                    links.push((parent, b.block_hash));
+                    links.push((tier, parent, b.block_hash));
                     parent = Some(b.block_hash);
                 }
             }
         }
+        links.sort_by_key(|&(tier, ..)| tier);
         links
     }
 
     #[test]
-    fn parts_hold_at_most_the_limit_and_keep_every_link_in_order() {
+    fn parts_hold_at_most_the_limit_and_keep_every_link_of_both_tiers_in_order() {
         let dump = Dump {
             dp_rank: 3,
             last_event_id: 42,
@@ -116,6 +132,7 @@ mod tests {
                 chain(None, 20..29),
             ],
             more: false,
+            offload_chains: vec![chain(None, 30..35), chain(Some(31), 40..43)],
         };
         for max in [1, 2, 3, 5, 7, 100] {
             let parts = dump.clone().into_parts(max);
@@ -125,7 +142,12 @@ mod tests {
                 "max {max}"
             );
             for (i, p) in parts.iter().enumerate() {
-                let blocks: usize = p.chains.iter().map(|c| c.blocks.len()).sum();
+                let blocks: usize = p
+                    .chains
+                    .iter()
+                    .chain(&p.offload_chains)
+                    .map(|c| c.blocks.len())
+                    .sum();
                 assert!(blocks <= max, "max {max}: part {i} has {blocks}");
                 assert_eq!((p.dp_rank, p.last_event_id), (3, 42));
                 assert_eq!(p.more, i + 1 < parts.len());

@@ -469,6 +469,11 @@ async fn dry_run(
             retry_after_s: 1,
         })?;
     let d = routed.decision;
+    let offload_overlap = d
+        .scores
+        .iter()
+        .find(|s| s.worker_id == d.worker.worker_id && s.dp_rank == d.worker.dp_rank)
+        .map_or(d.overlap_blocks, |s| s.offload_overlap_blocks);
     let ratio = if d.request_blocks > 0 {
         d.overlap_blocks as f64 / d.request_blocks as f64
     } else {
@@ -481,6 +486,8 @@ async fn dry_run(
         "prompt_tokens": routed.prompt_tokens,
         "request_blocks": d.request_blocks,
         "overlap_blocks": d.overlap_blocks,
+        // How deep the chosen rank's GPU and offload tiers cover the prompt.
+        "offload_overlap_blocks": offload_overlap,
         "predicted_hit_ratio": ratio,
         "untokenized": parsed.untokenized,
         "scores": d.scores,
@@ -601,7 +608,7 @@ async fn delete_worker(
     // Its stream is closed first, so that no event of it lands after the purge.
     state.writers.remove(id).await;
     for key in keys {
-        state.index.remove_worker(key);
+        state.tiers.remove_worker(key);
         state.predicted.remove_worker(key);
     }
     tracing::info!(worker = id, "removed by an operator");

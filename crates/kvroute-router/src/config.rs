@@ -210,6 +210,10 @@ pub struct SchedulerConfig {
     pub predicted_bridge_ms: u64,
     /// Most (worker, block) predicted entries kept.
     pub predicted_max_blocks: usize,
+    /// What a block past a rank's device (GPU) prefix that it can load from its
+    /// offload tier (host memory, disk) counts for, as a fraction of a cached
+    /// block, in [0, 1]; 0: the offload tier is ignored.
+    pub offload_weight: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -239,6 +243,9 @@ pub struct IndexConfig {
     /// Most (worker, block) entries kept; beyond it the least recently used
     /// unpinned leaves go first.
     pub max_blocks: usize,
+    /// The same for the offload tier's index (blocks workers keep in host
+    /// memory or on disk), and the most offload blocks one dump may hold.
+    pub max_offload_blocks: usize,
     /// Enables `POST /workers/{id}/drop-events`, which corrupts this replica's
     /// index on purpose (see `crate::faults`). For tests only.
     pub test_faults: bool,
@@ -432,6 +439,7 @@ impl Default for SchedulerConfig {
             predicted_ttl_ms: 120_000,
             predicted_bridge_ms: 10_000,
             predicted_max_blocks: 1 << 20,
+            offload_weight: 0.9,
         }
     }
 }
@@ -457,6 +465,10 @@ impl Default for IndexConfig {
         // 200k blocks each.
         Self {
             max_blocks: 32 << 20,
+            // Half the device tier's: an offload block is worth less to
+            // routing than a GPU block (offload_weight), so over the bound it
+            // is the first to go; 1.5 GiB more heap at most.
+            max_offload_blocks: 16 << 20,
             test_faults: false,
         }
     }
@@ -607,6 +619,12 @@ impl Config {
                 s.temperature
             ));
         }
+        if !(s.offload_weight >= 0.0 && s.offload_weight <= 1.0) {
+            return fail(format!(
+                "scheduler.offload_weight must be in [0, 1], got {}",
+                s.offload_weight
+            ));
+        }
         if !(s.busy_kv_ratio > 0.0 && s.busy_kv_ratio <= 1.0) {
             return fail(format!(
                 "scheduler.busy_kv_ratio must be in (0, 1], got {}",
@@ -634,6 +652,9 @@ impl Config {
         }
         if self.index.max_blocks == 0 {
             return fail("index.max_blocks must be at least 1".into());
+        }
+        if self.index.max_offload_blocks == 0 {
+            return fail("index.max_offload_blocks must be at least 1".into());
         }
         // A batch the queue could never hold would be dropped and resent forever.
         if self.ingest.event_queue_bytes < l.max_grpc_message_bytes {
@@ -863,6 +884,7 @@ mod tests {
                 ("KVROUTE_SCHEDULER__POLICY", "round_robin"),
                 ("KVROUTE_AUTH__ADMIN_TOKEN", "s3cret"),
                 ("KVROUTE_SCHEDULER__OVERLAP_WEIGHT", "4"),
+                ("KVROUTE_SCHEDULER__OFFLOAD_WEIGHT", "0.9"),
                 ("KVROUTE_AUTH__INSECURE", "true"),
                 (
                     "KVROUTE_WORKERS",
@@ -875,6 +897,7 @@ mod tests {
         assert_eq!(config.block_size, 32);
         assert_eq!(config.scheduler.policy, Policy::RoundRobin);
         assert_eq!(config.scheduler.overlap_weight, 4.0);
+        assert_eq!(config.scheduler.offload_weight, 0.9);
         assert_eq!(config.admin_token().expose(), "s3cret");
         assert!(config.auth.insecure);
         assert_eq!(config.workers[0].id, 3);

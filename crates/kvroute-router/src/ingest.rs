@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvroute_index::{EventKind, KvEvent, StoredBlock, WorkerKey};
+use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier, WorkerKey};
 use kvroute_proto::kv_router_server::KvRouter;
 use kvroute_proto::{
     Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
@@ -112,7 +112,9 @@ pub(crate) enum Work {
 struct DumpParts {
     last_event_id: u64,
     chains: Vec<EventKind>,
+    offload_chains: Vec<EventKind>,
     blocks: usize,
+    offload_blocks: usize,
 }
 
 /// A stream's dumps per dp rank: parts gathered, and ranks it has applied to.
@@ -242,7 +244,7 @@ impl KvRouter for Ingest {
             ::metrics::counter!(metrics::WORKER_RESTARTS, "worker" => worker_id.to_string())
                 .increment(1);
             for &key in &claim.stale_ranks {
-                state.index.remove_worker(key);
+                state.tiers.remove_worker(key);
                 state.predicted.remove_worker(key);
             }
         }
@@ -725,7 +727,7 @@ impl Stream {
     }
 
     pub(crate) fn clear_rank(&self, key: WorkerKey) {
-        self.state.index.remove_worker(key);
+        self.state.tiers.remove_worker(key);
         self.state.predicted.remove_worker(key);
     }
 
@@ -741,10 +743,10 @@ impl Stream {
                 .await;
             return;
         };
-        let index = &self.state.index;
+        let index = &self.state.tiers;
         let label = worker_label(key);
         for event in batch.events {
-            let Some(event) = convert_event(event) else {
+            let Some((tier, event)) = convert_event(event) else {
                 self.send_error("an event without a kind was skipped".into())
                     .await;
                 continue;
@@ -752,7 +754,7 @@ impl Stream {
             let Some(event) = self.state.faults.pass(key, event) else {
                 continue;
             };
-            let outcome = index.apply(key, &event);
+            let outcome = index.apply(key, tier, &event);
             count_outcome(&label, &event, outcome);
             match outcome {
                 kvroute_index::ApplyOutcome::Gap { expected, got } => {
@@ -798,7 +800,9 @@ impl Stream {
             _ => DumpParts {
                 last_event_id: dump.last_event_id,
                 chains: Vec::new(),
+                offload_chains: Vec::new(),
                 blocks: 0,
+                offload_blocks: 0,
             },
         };
         let Some(parts) = self.gather(key, parts, dump, dumps).await else {
@@ -806,9 +810,14 @@ impl Stream {
         };
         // Seconds for millions of blocks: off the async threads, so that other
         // streams and the connections' keepalive pings go on meanwhile.
-        let index = Arc::clone(&self.state.index);
+        let index = self.state.tiers.clone();
         let orphans = tokio::task::spawn_blocking(move || {
-            index.replace_worker(key, parts.last_event_id, &parts.chains)
+            index.replace_worker(
+                key,
+                parts.last_event_id,
+                &parts.chains,
+                &parts.offload_chains,
+            )
         })
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
@@ -846,19 +855,35 @@ impl Stream {
             .await;
             return None;
         }
-        parts.blocks += dump.chains.iter().map(|c| c.blocks.len()).sum::<usize>();
-        let max_blocks = self.state.config.index.max_blocks;
-        if parts.blocks > max_blocks {
-            limits::count(limits::DUMP_BLOCKS);
-            self.send_error(format!(
-                "dump of dp rank {rank} refused: over {max_blocks} blocks (index.max_blocks)"
-            ))
-            .await;
-            return None;
+        let blocks = |chains: &[kvroute_proto::Stored]| -> usize {
+            chains.iter().map(|c| c.blocks.len()).sum()
+        };
+        parts.blocks += blocks(&dump.chains);
+        parts.offload_blocks += blocks(&dump.offload_chains);
+        let index = &self.state.config.index;
+        for (held, max, name) in [
+            (parts.blocks, index.max_blocks, "max_blocks"),
+            (
+                parts.offload_blocks,
+                index.max_offload_blocks,
+                "max_offload_blocks",
+            ),
+        ] {
+            if held > max {
+                limits::count(limits::DUMP_BLOCKS);
+                self.send_error(format!(
+                    "dump of dp rank {rank} refused: over {max} blocks (index.{name})"
+                ))
+                .await;
+                return None;
+            }
         }
         parts
             .chains
             .extend(dump.chains.into_iter().map(convert_stored));
+        parts
+            .offload_chains
+            .extend(dump.offload_chains.into_iter().map(convert_stored));
         if dump.more {
             dumps.parts.insert(rank, parts);
             return None;
@@ -974,7 +999,7 @@ impl Stream {
             if let Some(keys) = state.registry.purge(worker_id, generation) {
                 state.writers.forget(worker_id, generation);
                 for key in keys {
-                    state.index.remove_worker(key);
+                    state.tiers.remove_worker(key);
                     state.predicted.remove_worker(key);
                 }
                 tracing::info!(worker = worker_id, "worker purged after the grace period");
@@ -1033,7 +1058,9 @@ pub(crate) fn convert_stored(stored: kvroute_proto::Stored) -> EventKind {
     }
 }
 
-fn convert_event(event: kvroute_proto::KvEvent) -> Option<KvEvent> {
+/// The event and its tier; `None` without a kind.
+fn convert_event(event: kvroute_proto::KvEvent) -> Option<(Tier, KvEvent)> {
+    let tier = convert_tier(event.tier());
     let kind = match event.kind? {
         kv_event::Kind::Stored(stored) => convert_stored(stored),
         kv_event::Kind::Removed(removed) => EventKind::Removed {
@@ -1041,10 +1068,20 @@ fn convert_event(event: kvroute_proto::KvEvent) -> Option<KvEvent> {
         },
         kv_event::Kind::Cleared(_) => EventKind::Cleared,
     };
-    Some(KvEvent {
-        event_id: event.event_id,
-        kind,
-    })
+    Some((
+        tier,
+        KvEvent {
+            event_id: event.event_id,
+            kind,
+        },
+    ))
+}
+
+pub(crate) fn convert_tier(tier: kvroute_proto::Tier) -> Tier {
+    match tier {
+        kvroute_proto::Tier::Device => Tier::Device,
+        kvroute_proto::Tier::Offload => Tier::Offload,
+    }
 }
 
 #[cfg(test)]
@@ -1054,6 +1091,7 @@ mod tests {
 
     fn stored(event_id: u64, block_hash: u64, tokens_hash: u64) -> kvroute_proto::KvEvent {
         kvroute_proto::KvEvent {
+            tier: Default::default(),
             event_id,
             kind: Some(kv_event::Kind::Stored(kvroute_proto::Stored {
                 parent_hash: None,

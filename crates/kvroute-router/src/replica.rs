@@ -606,9 +606,9 @@ impl ReplicaApplier {
                 }
             })
             .collect();
-        let index = Arc::clone(&self.state.index);
+        let index = self.state.tiers.clone();
         let ranks = tokio::task::spawn_blocking(move || {
-            let mut keys = index.workers();
+            let mut keys = index.device.workers();
             keys.sort_unstable();
             keys.into_iter()
                 .filter_map(|key| {
@@ -617,8 +617,9 @@ impl ReplicaApplier {
                     let dump = Dump {
                         dp_rank: key.dp_rank,
                         last_event_id,
-                        chains: chains(dump.events),
+                        chains: chains(dump.device),
                         more: false,
+                        offload_chains: chains(dump.offload),
                     };
                     Some((key.worker_id, dump))
                 })
@@ -653,12 +654,15 @@ impl ReplicaApplier {
                 },
             );
         }
-        let index = Arc::clone(&self.state.index);
+        let index = self.state.tiers.clone();
         tokio::task::spawn_blocking(move || {
             for (worker_id, dump) in snapshot.ranks {
                 let key = WorkerKey::new(worker_id, dump.dp_rank);
-                let chains: Vec<EventKind> = dump.chains.into_iter().map(convert_stored).collect();
-                index.replace_worker(key, dump.last_event_id, &chains);
+                let convert = |chains: Vec<Stored>| -> Vec<EventKind> {
+                    chains.into_iter().map(convert_stored).collect()
+                };
+                let (device, offload) = (convert(dump.chains), convert(dump.offload_chains));
+                index.replace_worker(key, dump.last_event_id, &device, &offload);
             }
         })
         .await
@@ -790,7 +794,7 @@ impl ReplicaApplier {
     fn publish_own(&self, seq: u64, worker_id: u64, claim: u64, dp_rank: u32) {
         let (Some(replica), Some(indexed)) = (
             self.state.replica.get(),
-            self.state.index.digest(WorkerKey::new(worker_id, dp_rank)),
+            self.state.tiers.digest(WorkerKey::new(worker_id, dp_rank)),
         ) else {
             return;
         };
@@ -910,6 +914,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, &hash)| KvEvent {
+                tier: Default::default(),
                 event_id: first_id + i as u64,
                 kind: Some(kv_event::Kind::Stored(Stored {
                     parent_hash: (i > 0).then(|| blocks[i - 1]),
@@ -1043,6 +1048,7 @@ mod tests {
                         .collect(),
                 }],
                 more,
+                offload_chains: Vec::new(),
             },
         }
     }
@@ -1058,6 +1064,7 @@ mod tests {
                 batch: EventBatch {
                     dp_rank: 0,
                     events: vec![KvEvent {
+                        tier: Default::default(),
                         event_id: 3,
                         kind: Some(kv_event::Kind::Stored(Stored {
                             // A branch below block 11.
@@ -1210,6 +1217,7 @@ mod tests {
                     })
                     .collect(),
                 more: false,
+                offload_chains: Vec::new(),
             },
         };
         applier.apply(2, dump(4, &[31, 32, 33])).await;

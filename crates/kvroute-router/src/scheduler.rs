@@ -31,7 +31,15 @@
 //! as its prefill queue grows, so that a busy holder pulls less.
 //!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
-//! router's own bookings blended (max) with what the rank reports. Ties go to the
+//! router's own bookings blended (max) with what the rank reports.
+//!
+//! Storage-tier credit: blocks past that (device) prefix that the rank holds in
+//! its offload tier (host memory, disk; kvroute-index's `tiers`) can be loaded
+//! instead of prefilled, which costs far less but not nothing. The overlap
+//! scored is `device + offload_weight × (reach − device)`, where `reach` is how
+//! deep the device and offload tiers together cover the prompt: each tier's
+//! index holds only chains whose parents it holds, so the union of the two
+//! prefixes is the longer one, and `reach = max(device, offload depth)`. Ties go to the
 //! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
 //! softmax over costs normalised by the largest.
 //!
@@ -77,9 +85,15 @@ pub struct RouteQuery<'a> {
 pub struct Score {
     pub worker_id: u64,
     pub dp_rank: u32,
+    /// Device-tier overlap: max(event-fed, predicted).
     pub overlap_blocks: u32,
     pub event_overlap_blocks: u32,
     pub predicted_overlap_blocks: u32,
+    /// How deep the device and offload tiers together cover the prompt.
+    pub offload_overlap_blocks: u32,
+    /// The overlap the cost counts: the device overlap plus `offload_weight`
+    /// of the blocks only the offload tier adds.
+    pub scored_overlap_blocks: f64,
     pub prefill_blocks: f64,
     pub decode_blocks: f64,
     pub cost: f64,
@@ -110,14 +124,20 @@ pub enum NoWorker {
 
 pub struct Scheduler {
     pub registry: Arc<Registry>,
+    /// The device tier's index.
     pub index: Arc<KvIndex>,
+    /// The offload tier's index.
+    pub offload: Arc<KvIndex>,
+    /// `scheduler.offload_weight`.
+    pub offload_weight: f64,
     pub predicted: Arc<PredictedIndex>,
     pub policy: Policy,
     pub temperature: f64,
 }
 
-/// Overlap found for one rank: (event-fed depth, predicted depth, indexed blocks).
-type Overlaps = FxHashMap<WorkerKey, (u32, u32, u64)>;
+/// Overlap found for one rank: (event-fed depth, predicted depth, offload
+/// tier's depth, indexed blocks).
+type Overlaps = FxHashMap<WorkerKey, (u32, u32, u32, u64)>;
 
 impl Scheduler {
     /// Chooses a rank; books nothing and records nothing (a dry run).
@@ -170,12 +190,22 @@ impl Scheduler {
         let uses_predictions = matches!(self.policy, Policy::Kv | Policy::Approx);
         if uses_events {
             for m in self.index.find_matches(local_hashes) {
-                overlaps.insert(m.worker, (m.depth, 0, m.total_blocks));
+                overlaps.insert(m.worker, (m.depth, 0, 0, m.total_blocks));
+            }
+            if self.offload_weight > 0.0 {
+                for m in self.offload.find_matches(local_hashes) {
+                    let entry = overlaps
+                        .entry(m.worker)
+                        .or_insert_with(|| (0, 0, 0, self.index.worker_blocks(m.worker)));
+                    entry.2 = m.depth;
+                }
             }
         }
         if uses_predictions {
             for m in self.predicted.find_matches(local_hashes, now) {
-                let entry = overlaps.entry(m.worker).or_insert((0, 0, m.total_blocks));
+                let entry = overlaps
+                    .entry(m.worker)
+                    .or_insert((0, 0, 0, m.total_blocks));
                 entry.1 = m.depth;
             }
         }
@@ -287,9 +317,12 @@ impl Scheduler {
             .iter()
             .filter_map(|&key| {
                 let rank = fleet.ranks.get(&key)?;
-                let (event, predicted, _) = overlaps.get(&key).copied().unwrap_or_default();
+                let (event, predicted, offload, _) =
+                    overlaps.get(&key).copied().unwrap_or_default();
                 let overlap = event.max(predicted).min(request_blocks as u32);
-                let overlap_tokens = (overlap as u64 * block_size).min(query.prompt_tokens as u64);
+                let reach = offload.min(request_blocks as u32).max(overlap);
+                let scored = scored_overlap(overlap, reach, self.offload_weight);
+                let overlap_tokens = covered_tokens(query.prompt_tokens, scored, block_size);
                 let new_tokens = query.prompt_tokens as u64 - overlap_tokens;
                 let load = RankLoad::of(rank);
                 Some(Score {
@@ -298,6 +331,8 @@ impl Scheduler {
                     overlap_blocks: overlap,
                     event_overlap_blocks: event,
                     predicted_overlap_blocks: predicted,
+                    offload_overlap_blocks: reach,
+                    scored_overlap_blocks: scored,
                     prefill_blocks: (load.prefill_tokens + new_tokens) as f64 / block_size as f64,
                     decode_blocks: (load.active_blocks + request_blocks) as f64,
                     cost: cost(limits, &load, new_tokens, overlap_tokens, request_blocks),
@@ -315,8 +350,8 @@ impl Scheduler {
             publishes_events: chosen.source == crate::registry::Source::Stream,
             overlap_blocks: score.overlap_blocks,
             request_blocks,
-            new_prefill_tokens: (query.prompt_tokens as u64)
-                .saturating_sub(score.overlap_blocks as u64 * block_size),
+            new_prefill_tokens: query.prompt_tokens as u64
+                - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size),
             scores,
         })
     }
@@ -359,7 +394,7 @@ impl Scheduler {
         let indexed = |s: &Score| {
             let key = WorkerKey::new(s.worker_id, s.dp_rank);
             match overlaps.get(&key) {
-                Some(&(_, _, blocks)) => blocks,
+                Some(&(_, _, _, blocks)) => blocks,
                 None => self.index.worker_blocks(key),
             }
         };
@@ -414,6 +449,17 @@ pub(crate) fn cost(
             prefill_tokens * per_token + limits.decode_seconds_per_block * decode_blocks
         }
     }
+}
+
+/// The overlap the cost counts (see the module docs): `device` blocks cached
+/// on the GPU, `reach` blocks covered by the GPU and offload tiers together.
+pub(crate) fn scored_overlap(device: u32, reach: u32, offload_weight: f64) -> f64 {
+    f64::from(device) + offload_weight * f64::from(reach.saturating_sub(device))
+}
+
+/// Prompt tokens a rank with `scored` blocks of overlap counts as cached.
+fn covered_tokens(prompt_tokens: usize, scored: f64, block_size: u64) -> u64 {
+    ((scored * block_size as f64).round() as u64).min(prompt_tokens as u64)
 }
 
 /// The share of a rank's cached overlap its cost counts as saved: all of it, or
@@ -483,6 +529,8 @@ mod tests {
             overlap_blocks,
             event_overlap_blocks: overlap_blocks,
             predicted_overlap_blocks: 0,
+            offload_overlap_blocks: overlap_blocks,
+            scored_overlap_blocks: f64::from(overlap_blocks),
             prefill_blocks: 0.0,
             decode_blocks: 0.0,
             cost,
@@ -659,5 +707,85 @@ mod tests {
         // 300 ms over its own 200 tokens and the 100 ahead of it.
         assert!((rank.queued_seconds_per_token.unwrap() - 1e-3).abs() < 1e-12);
         assert!((rank.prefill_seconds_per_token.unwrap() - 1.5e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_scored_overlap_counts_offload_only_blocks_at_the_offload_weight() {
+        // The reference, block by block: a GPU block counts 1, a block only
+        // the offload tier adds counts the weight, an uncovered one 0.
+        let reference = |device: u32, offload: u32, weight: f64| -> f64 {
+            (0..device.max(offload))
+                .map(|i| if i < device { 1.0 } else { weight })
+                .sum()
+        };
+        for _ in 0..2_000 {
+            let device = rand::random_range(0..40);
+            let offload = rand::random_range(0..40);
+            let weight = [0.0, 0.25, 0.5, 0.9, 1.0][rand::random_range(0..5)];
+            let reach = offload.max(device);
+            let scored = scored_overlap(device, reach, weight);
+            let expected = reference(device, offload, weight);
+            assert!(
+                (scored - expected).abs() < 1e-9,
+                "{device} {offload} {weight}: {scored} vs {expected}"
+            );
+        }
+    }
+
+    /// Worker 1 holds block 0 of a 4-block prompt on the GPU and all four in
+    /// its offload tier; worker 2 holds blocks 0 and 1 on the GPU. Both idle.
+    fn chosen_with_offload_weight(weight: f64) -> (u64, serde_json::Value) {
+        use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier};
+        let mut config = Config::default();
+        config.scheduler.offload_weight = weight;
+        let state = AppState::new(config, None).unwrap();
+        for id in [1, 2] {
+            state
+                .registry
+                .register(registration(id), Source::Stream)
+                .unwrap();
+        }
+        let tokens: Vec<u32> = (0..64).collect();
+        let locals =
+            kvroute_index::BlockHasher::new(state.config.block_size as usize).local_hashes(&tokens);
+        let chain = |event_id, worker: u64, n: usize| KvEvent {
+            event_id,
+            kind: EventKind::Stored {
+                parent_hash: None,
+                blocks: locals[..n]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &local)| StoredBlock {
+                        block_hash: worker * 100 + i as u64,
+                        tokens_hash: local,
+                    })
+                    .collect(),
+            },
+        };
+        let (w1, w2) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        state.tiers.apply(w1, Tier::Device, &chain(1, 1, 1));
+        state.tiers.apply(w1, Tier::Offload, &chain(2, 1, 4));
+        state.tiers.apply(w2, Tier::Device, &chain(1, 2, 2));
+        let routed = state
+            .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+            .unwrap()
+            .unwrap();
+        let scores = serde_json::to_value(&routed.decision.scores).unwrap();
+        (routed.decision.worker.worker_id, scores)
+    }
+
+    #[test]
+    fn offload_tier_blocks_past_the_gpu_prefix_count_at_the_offload_weight() {
+        // Off: 2 GPU blocks beat 1.
+        assert_eq!(chosen_with_offload_weight(0.0).0, 2);
+        // 1 + 0.25 × 3 = 1.75 blocks still lose to 2; 1 + 0.9 × 3 = 3.7 win.
+        assert_eq!(chosen_with_offload_weight(0.25).0, 2);
+        let (chosen, scores) = chosen_with_offload_weight(0.9);
+        assert_eq!(chosen, 1);
+        let first = &scores[0];
+        assert_eq!(first["worker_id"], 1);
+        assert_eq!(first["overlap_blocks"], 1);
+        assert_eq!(first["offload_overlap_blocks"], 4);
+        assert!((first["scored_overlap_blocks"].as_f64().unwrap() - 3.7).abs() < 1e-9);
     }
 }

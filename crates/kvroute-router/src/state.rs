@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvroute_index::{
-    BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex,
+    BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex, TieredIndex,
 };
 
 use crate::auth::Credentials;
@@ -28,7 +28,10 @@ pub struct AppState {
     pub config: Config,
     pub credentials: Credentials,
     pub registry: Arc<Registry>,
+    /// The device tier's index: `tiers.device`.
     pub index: Arc<KvIndex>,
+    /// Both tiers; events and dumps go through it (see kvroute-index's `tiers`).
+    pub tiers: TieredIndex,
     pub predicted: Arc<PredictedIndex>,
     pub scheduler: Scheduler,
     pub tokenizer: RouterTokenizer,
@@ -82,9 +85,15 @@ impl AppState {
             config.allow_tokenizer_mismatch,
         )?;
         let registry = Arc::new(Registry::new(Limits::from_config(&config)));
-        let index = Arc::new(KvIndex::new(IndexConfig {
-            max_blocks: Some(config.index.max_blocks),
-        }));
+        let tiers = TieredIndex::new(
+            IndexConfig {
+                max_blocks: Some(config.index.max_blocks),
+            },
+            IndexConfig {
+                max_blocks: Some(config.index.max_offload_blocks),
+            },
+        );
+        let index = Arc::clone(&tiers.device);
         let predicted = Arc::new(PredictedIndex::new(PredictedConfig {
             ttl: std::time::Duration::from_millis(config.scheduler.predicted_ttl_ms),
             max_blocks: config.scheduler.predicted_max_blocks,
@@ -107,6 +116,8 @@ impl AppState {
         let scheduler = Scheduler {
             registry: Arc::clone(&registry),
             index: Arc::clone(&index),
+            offload: Arc::clone(&tiers.offload),
+            offload_weight: config.scheduler.offload_weight,
             predicted: Arc::clone(&predicted),
             policy: config.scheduler.policy,
             temperature: config.scheduler.temperature,
@@ -118,6 +129,7 @@ impl AppState {
             config,
             registry,
             index,
+            tiers,
             predicted,
             scheduler,
             tokenizer,

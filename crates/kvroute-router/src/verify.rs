@@ -57,7 +57,7 @@ pub fn check(state: &AppState, key: WorkerKey, digest: &Digest, resyncing: bool)
         block_count: digest.block_count,
         block_set_hash: digest.block_set_hash,
     };
-    let indexed = state.index.digest(key);
+    let indexed = state.tiers.digest(key);
     let verdict = match indexed {
         _ if resyncing => Verdict::NotCurrent,
         None => Verdict::NotCurrent,

@@ -9,6 +9,7 @@
 //!      + prefill_per_token × prefill tokens actually computed
 //!      + decode_per_seq    × decoding sequences
 //!      + attention_per_kv_token × KV tokens the decoding sequences attend to
+//!      + offload_load_per_token × tokens loaded from the host tier
 //! ```
 //!
 //! - Cached prefix tokens are never computed, so they cost nothing: this is what
@@ -17,6 +18,13 @@
 //!   (attention reads every cached token of every decoding sequence).
 //! - Prefill attention's quadratic term is left out: it is small next to the
 //!   linear matmul cost at the prompt lengths of the bundled traces.
+//!
+//! - A block loaded from the host tier (`--offload-blocks`) is copied over PCIe
+//!   instead of computed. Its default cost is a tenth of prefill's: an 8B
+//!   model's KV is ~128 KiB per token (32 layers × K and V × 8 heads × 128 ×
+//!   2 bytes), which PCIe 4.0 x16 (~25 GB/s in practice) moves in ~5 µs,
+//!   against ~50 µs of prefill compute; PCIe 5.0 halves that. Cheap next to a
+//!   prefill, but not free.
 //!
 //! The defaults approximate an 8B-parameter model on one H100-class GPU:
 //! about 20,000 prefill tokens/s, a 25-sequence decode batch at 8k context in
@@ -35,6 +43,8 @@ pub struct CostModel {
     pub decode_per_seq_s: f64,
     /// Per KV token read by the decoding sequences' attention.
     pub attention_per_kv_token_s: f64,
+    /// Per prompt token loaded from the host tier instead of computed.
+    pub offload_load_per_token_s: f64,
     /// Divides every time above; 1 is real time.
     pub speedup: f64,
 }
@@ -46,6 +56,8 @@ impl Default for CostModel {
             prefill_per_token_s: 0.000_05,
             decode_per_seq_s: 0.000_15,
             attention_per_kv_token_s: 0.000_000_02,
+            // A tenth of prefill_per_token_s: see the module docs.
+            offload_load_per_token_s: 0.000_005,
             speedup: 1.0,
         }
     }
@@ -57,6 +69,8 @@ pub struct BatchShape {
     pub prefill_tokens: u64,
     pub decode_seqs: u64,
     pub decode_kv_tokens: u64,
+    /// Prompt tokens loaded from the host tier.
+    pub loaded_tokens: u64,
 }
 
 impl CostModel {
@@ -65,7 +79,8 @@ impl CostModel {
         let seconds = self.step_overhead_s
             + self.prefill_per_token_s * batch.prefill_tokens as f64
             + self.decode_per_seq_s * batch.decode_seqs as f64
-            + self.attention_per_kv_token_s * batch.decode_kv_tokens as f64;
+            + self.attention_per_kv_token_s * batch.decode_kv_tokens as f64
+            + self.offload_load_per_token_s * batch.loaded_tokens as f64;
         Duration::from_secs_f64(seconds / self.speedup)
     }
 }

@@ -47,6 +47,8 @@ pub struct EngineConfig {
     /// Whose prefix cache the pool imitates.
     pub kind: EngineKind,
     pub cost: CostModel,
+    /// Blocks of the host tier (see [`crate::host`]); 0: none.
+    pub offload_blocks: usize,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +61,7 @@ impl Default for EngineConfig {
             eviction: PolicyKind::Lru,
             kind: EngineKind::Vllm,
             cost: CostModel::default(),
+            offload_blocks: 0,
         }
     }
 }
@@ -94,6 +97,8 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     /// Prompt tokens that were prefix-cache hits.
     pub cached_tokens: u64,
+    /// Prompt tokens loaded from the host tier instead of computed.
+    pub offload_tokens: u64,
     pub computed_prompt_tokens: u64,
     pub generated_tokens: u64,
     pub preemptions: u64,
@@ -181,7 +186,8 @@ impl Engine {
         }
         Ok(Engine {
             hasher: BlockHasher::new(config.block_size),
-            pool: KvPool::new(config.kv_blocks, config.eviction, config.kind)?,
+            pool: KvPool::new(config.kv_blocks, config.eviction, config.kind)?
+                .with_host_tier(config.offload_blocks),
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -392,7 +398,7 @@ impl Engine {
                 break;
             }
             let seq = self.waiting.pop_front().expect("front exists");
-            self.admit(seq);
+            batch.loaded_tokens += self.admit(seq) as u64;
             let index = self.running.len() - 1;
             let seq = &self.running[index];
             let tokens = seq.prefill_left().min(budget).max(1);
@@ -471,8 +477,11 @@ impl Engine {
         })
     }
 
-    fn admit(&mut self, mut seq: Seq) {
+    /// Starts a waiting request: its GPU prefix hit is free, the blocks that
+    /// continue it in the host tier are loaded; returns the tokens loaded.
+    fn admit(&mut self, mut seq: Seq) -> usize {
         let bs = self.config.block_size;
+        let first_admission = !seq.counted;
         let hit = self.pool.match_prefix(&seq.blocks);
         // Blocks an eviction took that this request must prefill again.
         let lost = seq.blocks[hit..]
@@ -501,10 +510,17 @@ impl Engine {
         self.pool
             .acquire_prompt(&seq.blocks, seq.priority)
             .expect("admission checked that every block fits");
+        let loaded = self.pool.load_from_host(&seq.blocks, hit);
         seq.holds_blocks = true;
-        seq.published = hit;
-        seq.computed = (hit * bs).min(seq.prefill_target() - 1);
+        seq.published = hit + loaded;
+        let computed = ((hit + loaded) * bs).min(seq.prefill_target() - 1);
+        let loaded_tokens = computed.saturating_sub(hit * bs);
+        if first_admission {
+            self.stats.offload_tokens += loaded_tokens as u64;
+        }
+        seq.computed = computed;
         self.running.push(seq);
+        loaded_tokens
     }
 
     /// Makes room for `tokens` KV tokens of running request `index`,
@@ -669,8 +685,87 @@ mod tests {
                 PoolEvent::Stored { hash, .. } => assert!(view.insert(hash), "stored twice"),
                 PoolEvent::Removed { hash } => assert!(view.remove(&hash), "removed unknown"),
                 PoolEvent::Cleared => view.clear(),
+                // The host tier's: another set (see `evicted_blocks_are_loaded_from_the_host_tier`).
+                PoolEvent::HostStored { .. } | PoolEvent::HostRemoved { .. } => {}
             }
         }
+    }
+
+    #[test]
+    fn evicted_blocks_are_loaded_from_the_host_tier_instead_of_prefilled() {
+        for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+            host_tier_round_trip(kind);
+        }
+    }
+
+    fn host_tier_round_trip(kind: EngineKind) {
+        let with_host = |offload_blocks| {
+            Engine::new(EngineConfig {
+                offload_blocks,
+                kind,
+                ..config(4)
+            })
+            .unwrap()
+        };
+        let a = tokens(0..13); // 3 full blocks
+        let b = tokens(100..113);
+        let mut engine = with_host(8);
+        let mut plain = with_host(0);
+        for e in [&mut engine, &mut plain] {
+            e.submit(&a, 1).unwrap();
+            run(e);
+            // b's blocks take a's slots: a's are evicted.
+            e.submit(&b, 1).unwrap();
+            run(e);
+        }
+        let a_hashes = prompt_hashes(&engine, &a);
+        let events = engine.take_events();
+        // Each evicted block was copied to the host tier, parents first.
+        let copied: Vec<(Option<u64>, u64)> = events
+            .iter()
+            .filter_map(|e| match e {
+                PoolEvent::HostStored { parent, hash, .. } => Some((*parent, *hash)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            copied,
+            [
+                (None, a_hashes[0]),
+                (Some(a_hashes[0]), a_hashes[1]),
+                (Some(a_hashes[1]), a_hashes[2])
+            ]
+        );
+        engine.pool().check();
+        // a again: no GPU hit, its 3 blocks loaded, only the last token computed.
+        engine.submit(&a, 1).unwrap();
+        plain.submit(&a, 1).unwrap();
+        let step = engine.step().unwrap();
+        let plain_step = plain.step().unwrap();
+        assert_eq!(step.batch.loaded_tokens, 12);
+        assert_eq!(step.batch.prefill_tokens, 1);
+        assert_eq!(plain_step.batch.prefill_tokens, 13);
+        assert!(step.duration < plain_step.duration);
+        run(&mut engine);
+        assert_eq!(engine.stats().cached_tokens, 0);
+        assert_eq!(engine.stats().offload_tokens, 12);
+        // Loaded blocks are GPU blocks again, announced on the device tier.
+        let stored: Vec<u64> = engine
+            .take_events()
+            .iter()
+            .filter_map(|e| match e {
+                PoolEvent::Stored { hash, .. } => Some(*hash),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored, a_hashes[..3]);
+        // A dump holds both tiers.
+        let dump = engine.dump();
+        assert!(dump.contains(&PoolEvent::HostStored {
+            parent: None,
+            hash: a_hashes[0],
+            local: engine.hasher.local_hashes_with(&a, &ExtraKeys::default())[0],
+        }));
     }
 
     fn prompt_hashes(engine: &Engine, prompt: &[u32]) -> Vec<u64> {

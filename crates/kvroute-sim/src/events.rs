@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use kvroute_proto::{Cleared, KvEvent, Removed, Stored, StoredBlock, kv_event};
+use kvroute_proto::{Cleared, KvEvent, Removed, Stored, StoredBlock, Tier, kv_event};
 
 use crate::pool::PoolEvent;
 
@@ -41,21 +41,39 @@ impl EventLog {
         self.next_id - 1
     }
 
+    /// Appends a pool event; the host tier's go on the offload tier, in the
+    /// same id sequence.
     pub fn append(&mut self, event: PoolEvent) {
-        let kind = match event {
+        let removed = |hash| {
+            kv_event::Kind::Removed(Removed {
+                block_hashes: vec![hash],
+            })
+        };
+        let (tier, kind) = match event {
             PoolEvent::Stored {
                 parent,
                 hash,
                 local,
-            } => kv_event::Kind::Stored(stored(parent, hash, local)),
-            PoolEvent::Removed { hash } => kv_event::Kind::Removed(Removed {
-                block_hashes: vec![hash],
-            }),
-            PoolEvent::Cleared => kv_event::Kind::Cleared(Cleared {}),
+            } => (
+                Tier::Device,
+                kv_event::Kind::Stored(stored(parent, hash, local)),
+            ),
+            PoolEvent::Removed { hash } => (Tier::Device, removed(hash)),
+            PoolEvent::Cleared => (Tier::Device, kv_event::Kind::Cleared(Cleared {})),
+            PoolEvent::HostStored {
+                parent,
+                hash,
+                local,
+            } => (
+                Tier::Offload,
+                kv_event::Kind::Stored(stored(parent, hash, local)),
+            ),
+            PoolEvent::HostRemoved { hash } => (Tier::Offload, removed(hash)),
         };
         self.ring.push_back(KvEvent {
             event_id: self.next_id,
             kind: Some(kind),
+            tier: tier.into(),
         });
         self.next_id += 1;
         if self.ring.len() > self.capacity {

@@ -583,7 +583,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     };
     let usage = load.kv_blocks_used as f64 / load.kv_blocks_total.max(1) as f64;
     let worker = shared.config.worker_id;
-    let series: [(&str, &str, &str, f64); 16] = [
+    let series: [(&str, &str, &str, f64); 17] = [
         (
             "kvroute_sim_requests_total",
             "counter",
@@ -613,6 +613,12 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             "counter",
             "Prompt tokens found in the prefix cache",
             stats.cached_tokens as f64,
+        ),
+        (
+            "kvroute_sim_offload_loaded_prompt_tokens_total",
+            "counter",
+            "Prompt tokens loaded from the host tier (--offload-blocks) instead of prefilled",
+            stats.offload_tokens as f64,
         ),
         (
             "kvroute_sim_computed_prompt_tokens_total",

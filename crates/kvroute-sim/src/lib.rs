@@ -6,6 +6,8 @@
 //!   hashes, active (reference-counted) and inactive (cached) blocks, evicted
 //!   as vLLM does (a `kvroute-cache` policy, blocks given back tail first) or
 //!   as SGLang does (a radix tree, least recently used unlocked leaf first);
+//! - [`host`]: the optional host tier (`--offload-blocks`): blocks the pool
+//!   evicted, kept in CPU memory and loaded back instead of prefilled;
 //! - [`engine`]: continuous batching over the pool (max-num-seqs,
 //!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
 //!   [`Engine::step`], timed by the [`cost`] model and never by a clock;
@@ -21,6 +23,7 @@ pub mod cost;
 pub mod engine;
 pub mod events;
 pub mod eviction;
+pub mod host;
 pub mod http;
 pub mod pool;
 pub mod publisher;

@@ -35,6 +35,10 @@
 //! holds its slot but cannot be hit yet. Evicting a cached block announces
 //! `Removed`. [`KvPool::clear`] empties everything and announces `Cleared`.
 //!
+//! With a host tier ([`KvPool::with_host_tier`], `--offload-blocks`), an
+//! evicted published block is first copied to it (see [`crate::host`]), and
+//! [`KvPool::load_from_host`] brings blocks back instead of prefilling them.
+//!
 //! These are the events both engines publish (vLLM's and SGLang's
 //! `BlockStored` with the parent's hash, `BlockRemoved`, `AllBlocksCleared`),
 //! one block per event as SGLang sends them.
@@ -55,6 +59,7 @@ use kvroute_cache::{AccessHint, BlockCache, PolicyKind, Priority, RadixLru, S3Fi
 
 use crate::SimError;
 use crate::eviction::{EvictionRecord, EvictionStats, Reason};
+use crate::host::{Copied, HostTier};
 
 /// Whose prefix cache the engine imitates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -113,7 +118,18 @@ pub enum PoolEvent {
     Removed {
         hash: u64,
     },
+    /// Clears the host tier too.
     Cleared,
+    /// Copied to the host tier (the offload tier's `Stored`).
+    HostStored {
+        parent: Option<u64>,
+        hash: u64,
+        local: u64,
+    },
+    /// Evicted from the host tier.
+    HostRemoved {
+        hash: u64,
+    },
 }
 
 /// A full prompt block: its local (tokens) hash and its sequence hash.
@@ -151,6 +167,8 @@ pub struct KvPool {
     stats: EvictionStats,
     /// Eviction decisions since the last `take_eviction_log`, when logging.
     log: Option<Vec<EvictionRecord>>,
+    /// Evicted blocks kept in host memory; capacity 0: none.
+    host: HostTier,
 }
 
 impl KvPool {
@@ -167,7 +185,29 @@ impl KvPool {
             evictions: 0,
             stats: EvictionStats::new(policy, total),
             log: None,
+            host: HostTier::new(0),
         })
+    }
+
+    /// Gives the pool a host tier of `blocks` blocks (0: none).
+    pub fn with_host_tier(mut self, blocks: usize) -> Self {
+        self.host = HostTier::new(blocks);
+        self
+    }
+
+    /// Loads the blocks of a prompt that continue its GPU prefix hit (`from`
+    /// blocks) in the host tier: they must be referenced already (see
+    /// [`Self::acquire_prompt`]); they are published, as computed blocks are.
+    /// Returns how many.
+    pub fn load_from_host(&mut self, blocks: &[BlockKey], from: usize) -> usize {
+        let loaded = self.host.continues(blocks, from);
+        for block in &blocks[from..from + loaded] {
+            self.publish(block.hash);
+        }
+        if loaded > 0 {
+            self.host.touch(blocks[from + loaded - 1].hash);
+        }
+        loaded
     }
 
     pub fn policy(&self) -> PolicyKind {
@@ -450,6 +490,7 @@ impl KvPool {
         self.active = 0;
         self.private = 0;
         self.cached = build_cache(self.policy, self.kind, self.total)?;
+        self.host.clear();
         self.events.push(PoolEvent::Cleared);
         Ok(())
     }
@@ -461,7 +502,7 @@ impl KvPool {
 
     /// Every published block whose parent is also published, parents first:
     /// the state a router should know (a block whose parent was evicted can
-    /// never be part of a prefix hit).
+    /// never be part of a prefix hit); then the host tier's blocks.
     pub fn dump(&self) -> Vec<PoolEvent> {
         let mut blocks: Vec<(&u64, &Held)> =
             self.held.iter().filter(|(_, h)| h.published).collect();
@@ -478,6 +519,7 @@ impl KvPool {
                 });
             }
         }
+        out.extend(self.host.dump());
         out
     }
 
@@ -515,6 +557,7 @@ impl KvPool {
     }
 
     fn forget(&mut self, victim: u64, decision: Duration, reason: Reason) {
+        self.offload(victim);
         self.held.remove(&victim);
         self.evictions += 1;
         self.events.push(PoolEvent::Removed { hash: victim });
@@ -525,6 +568,38 @@ impl KvPool {
                 blocks_freed: 1,
                 reason,
             });
+        }
+    }
+
+    /// Copies an evicted block to the host tier with its ancestors not there
+    /// yet (all still published on the GPU); a block whose chain is broken on
+    /// both tiers could never be hit, so it is not copied.
+    fn offload(&mut self, victim: u64) {
+        if !self.host.enabled() {
+            return;
+        }
+        let mut chain = Vec::new();
+        let mut at = Some(victim);
+        while let Some(hash) = at {
+            if self.host.contains(hash) {
+                break;
+            }
+            let Some(held) = self.held.get(&hash).filter(|h| h.published) else {
+                return;
+            };
+            chain.push(Copied {
+                parent: held.parent,
+                hash,
+                local: held.local,
+                depth: held.depth,
+            });
+            at = held.parent;
+        }
+        chain.reverse();
+        if chain.is_empty() {
+            self.host.touch(victim);
+        } else {
+            self.host.copy_in(&chain, &mut self.events);
         }
     }
 
@@ -555,6 +630,7 @@ impl KvPool {
         assert_eq!(active, self.active);
         assert_eq!(cached, self.cached());
         assert!(self.active + self.private + self.cached() <= self.total);
+        self.host.check();
         if let Cached::Radix(tree) = &self.cached {
             assert_eq!(tree.len(), self.held.len());
         }

@@ -309,21 +309,25 @@ fn batch(events: Vec<KvEvent>) -> WorkerMessage {
 }
 
 fn dump_of(blocks: &[PoolEvent], last_event_id: u64) -> Dump {
-    let chains = blocks
-        .iter()
-        .filter_map(|event| match *event {
+    let mut dump = Dump {
+        dp_rank: 0,
+        last_event_id,
+        ..Dump::default()
+    };
+    for event in blocks {
+        match *event {
             PoolEvent::Stored {
                 parent,
                 hash,
                 local,
-            } => Some(stored(parent, hash, local)),
-            _ => None,
-        })
-        .collect();
-    Dump {
-        dp_rank: 0,
-        last_event_id,
-        chains,
-        more: false,
+            } => dump.chains.push(stored(parent, hash, local)),
+            PoolEvent::HostStored {
+                parent,
+                hash,
+                local,
+            } => dump.offload_chains.push(stored(parent, hash, local)),
+            _ => {}
+        }
     }
+    dump
 }

@@ -8,15 +8,20 @@
 //! the protocol's rules (a chain whose parent is not held is refused whole).
 //! Events the `DropEvents` fault swallows are applied too: the router gets them
 //! back through its resync before its view is at their ids.
+//!
+//! Two sets, one per tier (a chain's parent is looked up in its own tier); the
+//! digest is their sum, as the router's (kvroute-index's `tiers`).
 
 use std::collections::HashSet;
 
 use kvroute_index::BlockSetDigest;
-use kvroute_proto::{Digest, Dump, KvEvent, Stored, kv_event};
+use kvroute_proto::{Digest, Dump, KvEvent, Stored, Tier, kv_event};
 
 #[derive(Default)]
 pub(crate) struct RouterView {
-    held: HashSet<u64>,
+    /// Engine block hashes held, by tier: device, offload.
+    held: [HashSet<u64>; 2],
+    /// Of both tiers.
     digest: BlockSetDigest,
     last_event_id: u64,
     /// Events applied since the last digest was taken.
@@ -26,10 +31,13 @@ pub(crate) struct RouterView {
 impl RouterView {
     /// The router's state after `dump`: exactly its blocks.
     pub fn reset(&mut self, dump: &Dump) {
-        self.held.clear();
+        self.held = Default::default();
         self.digest = BlockSetDigest::default();
         for chain in &dump.chains {
-            self.store(chain);
+            self.store(0, chain);
+        }
+        for chain in &dump.offload_chains {
+            self.store(1, chain);
         }
         self.last_event_id = dump.last_event_id;
     }
@@ -42,17 +50,21 @@ impl RouterView {
             }
             self.last_event_id = event.event_id;
             self.since_digest += 1;
+            let tier = match event.tier() {
+                Tier::Device => 0,
+                Tier::Offload => 1,
+            };
             match &event.kind {
-                Some(kv_event::Kind::Stored(stored)) => self.store(stored),
+                Some(kv_event::Kind::Stored(stored)) => self.store(tier, stored),
                 Some(kv_event::Kind::Removed(removed)) => {
                     for hash in &removed.block_hashes {
-                        if self.held.remove(hash) {
+                        if self.held[tier].remove(hash) {
                             self.digest.remove(*hash);
                         }
                     }
                 }
                 Some(kv_event::Kind::Cleared(_)) => {
-                    self.held.clear();
+                    self.held = Default::default();
                     self.digest = BlockSetDigest::default();
                 }
                 None => {}
@@ -76,12 +88,13 @@ impl RouterView {
         }
     }
 
-    fn store(&mut self, stored: &Stored) {
-        if stored.parent_hash.is_some_and(|p| !self.held.contains(&p)) {
+    fn store(&mut self, tier: usize, stored: &Stored) {
+        let held = &mut self.held[tier];
+        if stored.parent_hash.is_some_and(|p| !held.contains(&p)) {
             return;
         }
         for block in &stored.blocks {
-            if self.held.insert(block.block_hash) {
+            if held.insert(block.block_hash) {
                 self.digest.insert(block.block_hash);
             }
         }
@@ -99,7 +112,43 @@ mod tests {
         KvEvent {
             event_id,
             kind: Some(kind),
+            tier: Tier::Device.into(),
         }
+    }
+
+    #[test]
+    fn each_tier_is_its_own_set_and_the_digest_sums_both() {
+        let mut view = RouterView::default();
+        let offload = |e: KvEvent| KvEvent {
+            tier: Tier::Offload.into(),
+            ..e
+        };
+        view.reset(&Dump {
+            dp_rank: 0,
+            last_event_id: 2,
+            chains: vec![stored(None, 1, 10)],
+            more: false,
+            offload_chains: vec![stored(None, 1, 10), stored(Some(1), 2, 20)],
+        });
+        view.apply(&[
+            // Its parent (3) is held on no tier: refused.
+            offload(event(3, kv_event::Kind::Stored(stored(Some(3), 4, 40)))),
+            offload(event(
+                4,
+                kv_event::Kind::Removed(Removed {
+                    block_hashes: vec![2],
+                }),
+            )),
+            event(5, kv_event::Kind::Stored(stored(Some(1), 2, 20))),
+        ]);
+        let digest = view.take_digest();
+        let expected = BlockSetDigest::of([1, 2]).plus(BlockSetDigest::of([1]));
+        assert_eq!(
+            (digest.block_count, digest.block_set_hash),
+            (expected.block_count, expected.block_set_hash)
+        );
+        view.apply(&[offload(event(6, kv_event::Kind::Cleared(Cleared {})))]);
+        assert_eq!(view.take_digest().block_count, 0);
     }
 
     #[test]
@@ -110,6 +159,7 @@ mod tests {
             last_event_id: 4,
             chains: vec![stored(None, 1, 10), stored(Some(1), 2, 20)],
             more: false,
+            offload_chains: Vec::new(),
         });
         view.apply(&[
             // Already covered by the dump: skipped.

@@ -157,6 +157,8 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         "workers": args.workers,
         "engine": engine.kind.name(),
         "kv_blocks": engine.kv_blocks,
+        "offload_blocks": engine.offload_blocks,
+        "offload_weight": router.scheduler.offload_weight,
         "block_size": engine.block_size,
         "evictions": evictions.iter().map(|e| e.name()).collect::<Vec<_>>(),
         "speedup": args.engine.speedup,

@@ -174,6 +174,7 @@ impl IngestProbe {
             let batch = EventBatch {
                 dp_rank: 0,
                 events: vec![KvEvent {
+                    tier: Default::default(),
                     event_id,
                     kind: Some(kv_event::Kind::Stored(Stored {
                         parent_hash,

@@ -115,6 +115,7 @@ impl SimWorker {
     fn event(&mut self, kind: kv_event::Kind) -> KvEvent {
         self.next_event += 1;
         KvEvent {
+            tier: Default::default(),
             event_id: self.next_event,
             kind: Some(kind),
         }

@@ -264,6 +264,7 @@ fn engine(speedup: f64) -> EngineConfig {
             speedup,
             ..CostModel::default()
         },
+        offload_blocks: 0,
     }
 }
 

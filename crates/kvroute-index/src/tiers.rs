@@ -1,0 +1,209 @@
+//! A rank's two caches: the device tier (GPU memory) and the offload tier (host
+//! memory or disk, from which the engine loads blocks instead of computing them).
+//!
+//! Each tier is its own [`KvIndex`], so the offload tier has its own memory
+//! bound and a lookup sees how deep each tier covers a request. The engine
+//! publishes both tiers' events on one stream with one id sequence per rank
+//! (as vLLM does), so gaps, acks, resyncs and dumps stay per rank: every event
+//! is applied to its own tier's index and *skipped* (taken in sequence, nothing
+//! applied) by the other, and both always stand at the same event id. A chain's
+//! parent is looked up in the chain's own tier. `Cleared` clears both.
+//!
+//! The rank's digest covers both tiers: the sum of the two tiers' digests, a
+//! hash held in both counted twice (see [`BlockSetDigest::plus`]).
+
+use std::sync::Arc;
+
+use crate::digest::IndexedDigest;
+use crate::event::{ApplyOutcome, EventKind, KvEvent, WorkerKey};
+use crate::index::{IndexConfig, KvIndex};
+
+/// Where a block's KV lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// GPU memory: a hit costs nothing.
+    #[default]
+    Device,
+    /// Host memory or disk: the worker loads the block instead of computing it.
+    Offload,
+}
+
+/// The device-tier and offload-tier indexes over one event sequence per rank.
+#[derive(Clone)]
+pub struct TieredIndex {
+    pub device: Arc<KvIndex>,
+    pub offload: Arc<KvIndex>,
+}
+
+/// A rank's whole state in both tiers, as `Stored` events, parents first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TieredDump {
+    pub last_event_id: Option<u64>,
+    pub device: Vec<EventKind>,
+    pub offload: Vec<EventKind>,
+}
+
+impl Default for TieredIndex {
+    fn default() -> Self {
+        Self::new(IndexConfig::default(), IndexConfig::default())
+    }
+}
+
+impl TieredIndex {
+    pub fn new(device: IndexConfig, offload: IndexConfig) -> Self {
+        Self {
+            device: Arc::new(KvIndex::new(device)),
+            offload: Arc::new(KvIndex::new(offload)),
+        }
+    }
+
+    pub fn tier(&self, tier: Tier) -> &KvIndex {
+        match tier {
+            Tier::Device => &self.device,
+            Tier::Offload => &self.offload,
+        }
+    }
+
+    /// Offers one event of `worker` on `tier` (ignored for `Cleared`, which
+    /// clears both); the outcome is judged on the rank's one sequence.
+    pub fn apply(&self, worker: WorkerKey, tier: Tier, event: &KvEvent) -> ApplyOutcome {
+        if matches!(event.kind, EventKind::Cleared) {
+            let outcome = self.device.apply(worker, event);
+            if matches!(outcome, ApplyOutcome::Applied { .. }) {
+                self.offload.apply(worker, event);
+            }
+            return outcome;
+        }
+        let (own, other) = match tier {
+            Tier::Device => (&self.device, &self.offload),
+            Tier::Offload => (&self.offload, &self.device),
+        };
+        let outcome = own.apply(worker, event);
+        if matches!(outcome, ApplyOutcome::Applied { .. }) {
+            other.skip(worker, event.event_id);
+        }
+        outcome
+    }
+
+    /// Replaces both tiers of `worker` with a dump as of `last_event_id`;
+    /// returns the blocks that could not be placed (see [`KvIndex::replace_worker`]).
+    pub fn replace_worker(
+        &self,
+        worker: WorkerKey,
+        last_event_id: u64,
+        device: &[EventKind],
+        offload: &[EventKind],
+    ) -> u64 {
+        self.device.replace_worker(worker, last_event_id, device)
+            + self.offload.replace_worker(worker, last_event_id, offload)
+    }
+
+    /// Forgets `worker` in both tiers.
+    pub fn remove_worker(&self, worker: WorkerKey) {
+        self.device.remove_worker(worker);
+        self.offload.remove_worker(worker);
+    }
+
+    pub fn last_event_id(&self, worker: WorkerKey) -> Option<u64> {
+        self.device.last_event_id(worker)
+    }
+
+    /// The digest of both tiers of `worker` (see the module docs).
+    pub fn digest(&self, worker: WorkerKey) -> Option<IndexedDigest> {
+        let device = self.device.digest(worker)?;
+        let Some(offload) = self.offload.digest(worker) else {
+            return Some(device);
+        };
+        Some(IndexedDigest {
+            last_event_id: device.last_event_id,
+            digest: device.digest.plus(offload.digest),
+            trimmed: device.trimmed || offload.trimmed,
+        })
+    }
+
+    /// Both tiers of `worker`, for a dump or a snapshot.
+    pub fn dump(&self, worker: WorkerKey) -> Option<TieredDump> {
+        let device = self.device.dump(worker)?;
+        let offload = self.offload.dump(worker).map(|d| d.events);
+        Some(TieredDump {
+            last_event_id: device.last_event_id,
+            device: device.events,
+            offload: offload.unwrap_or_default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::BlockSetDigest;
+    use crate::event::StoredBlock;
+
+    const W: WorkerKey = WorkerKey {
+        worker_id: 1,
+        dp_rank: 0,
+    };
+
+    fn stored(event_id: u64, parent: Option<u64>, hash: u64) -> KvEvent {
+        KvEvent {
+            event_id,
+            kind: EventKind::Stored {
+                parent_hash: parent,
+                blocks: vec![StoredBlock {
+                    block_hash: hash,
+                    tokens_hash: hash + 100,
+                }],
+            },
+        }
+    }
+
+    fn depth(index: &KvIndex, locals: &[u64]) -> u32 {
+        index.find_matches(locals).first().map_or(0, |m| m.depth)
+    }
+
+    #[test]
+    fn both_tiers_share_one_sequence_and_each_chain_stays_in_its_tier() {
+        let tiers = TieredIndex::default();
+        let ok = |o: ApplyOutcome| assert!(matches!(o, ApplyOutcome::Applied { .. }), "{o:?}");
+        ok(tiers.apply(W, Tier::Device, &stored(1, None, 1)));
+        ok(tiers.apply(W, Tier::Offload, &stored(2, None, 1)));
+        ok(tiers.apply(W, Tier::Offload, &stored(3, Some(1), 2)));
+        // Its parent (3) is held on the device only: refused in the offload tier.
+        let refused = tiers.apply(W, Tier::Offload, &stored(4, Some(3), 4));
+        assert_eq!(refused.status(), crate::EventStatus::Rejected);
+        assert_eq!(tiers.device.last_event_id(W), Some(4));
+        assert_eq!(tiers.offload.last_event_id(W), Some(4));
+        // A gap on either tier is a gap of the rank.
+        assert_eq!(
+            tiers.apply(W, Tier::Device, &stored(6, Some(1), 2)),
+            ApplyOutcome::Gap {
+                expected: 5,
+                got: 6
+            }
+        );
+        assert_eq!(depth(&tiers.device, &[101, 102]), 1);
+        assert_eq!(depth(&tiers.offload, &[101, 102]), 2);
+        // The digest covers both tiers, hash 1 (in both) twice.
+        let digest = tiers.digest(W).unwrap();
+        assert_eq!(digest.last_event_id, Some(4));
+        let both = BlockSetDigest::of([1]).plus(BlockSetDigest::of([1, 2]));
+        assert_eq!(digest.digest, both);
+        // The dump and a replacement by it keep each tier's blocks.
+        let dump = tiers.dump(W).unwrap();
+        let copy = TieredIndex::default();
+        assert_eq!(copy.replace_worker(W, 4, &dump.device, &dump.offload), 0);
+        assert_eq!(copy.digest(W), Some(digest));
+        assert_eq!(copy.dump(W), Some(dump));
+        // Cleared clears both.
+        let cleared = KvEvent {
+            event_id: 5,
+            kind: EventKind::Cleared,
+        };
+        ok(tiers.apply(W, Tier::Offload, &cleared));
+        assert_eq!(tiers.digest(W).unwrap().digest, BlockSetDigest::default());
+        assert_eq!(tiers.offload.last_event_id(W), Some(5));
+        tiers.remove_worker(W);
+        assert_eq!(tiers.digest(W), None);
+        assert_eq!(tiers.offload.worker_blocks(W), 0);
+    }
+}
