@@ -170,6 +170,18 @@ impl std::str::FromStr for Cost {
     }
 }
 
+/// The order of the router's own wait queue (see [`crate::queue`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueOrder {
+    /// Arrival order.
+    #[default]
+    Fifo,
+    /// The deepest cached prefix on a rank that can take it first, starvation
+    /// bounded by `queue_max_bypass`.
+    LongestPrefix,
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
@@ -198,6 +210,10 @@ pub struct SchedulerConfig {
     pub queue_timeout_ms: u64,
     /// Most requests waiting at once; more are refused with 503 at once.
     pub max_queued: usize,
+    /// Which waiter gets released capacity first: `fifo` or `longest_prefix`.
+    pub queue_order: QueueOrder,
+    /// `longest_prefix`: a waiter passed over by this many later arrivals goes next.
+    pub queue_max_bypass: u32,
     /// How long a routed prefix counts as cached on a chosen worker that
     /// publishes no events (static workers; every worker under `approx`).
     pub predicted_ttl_ms: u64,
@@ -425,6 +441,8 @@ impl Default for SchedulerConfig {
             busy_kv_ratio: 1.0,
             queue_timeout_ms: 2_000,
             max_queued: 1024,
+            queue_order: QueueOrder::Fifo,
+            queue_max_bypass: 8,
             predicted_ttl_ms: 120_000,
             predicted_bridge_ms: 10_000,
             predicted_max_blocks: 1 << 20,
@@ -858,6 +876,7 @@ mod tests {
                 ("KVROUTE_SCHEDULER__POLICY", "round_robin"),
                 ("KVROUTE_AUTH__ADMIN_TOKEN", "s3cret"),
                 ("KVROUTE_SCHEDULER__OVERLAP_WEIGHT", "4"),
+                ("KVROUTE_SCHEDULER__QUEUE_ORDER", "longest_prefix"),
                 ("KVROUTE_AUTH__INSECURE", "true"),
                 (
                     "KVROUTE_WORKERS",
@@ -870,6 +889,7 @@ mod tests {
         assert_eq!(config.block_size, 32);
         assert_eq!(config.scheduler.policy, Policy::RoundRobin);
         assert_eq!(config.scheduler.overlap_weight, 4.0);
+        assert_eq!(config.scheduler.queue_order, QueueOrder::LongestPrefix);
         assert_eq!(config.admin_token().expose(), "s3cret");
         assert!(config.auth.insecure);
         assert_eq!(config.workers[0].id, 3);
