@@ -182,6 +182,25 @@ pub enum QueueOrder {
     LongestPrefix,
 }
 
+impl QueueOrder {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueOrder::Fifo => "fifo",
+            QueueOrder::LongestPrefix => "longest_prefix",
+        }
+    }
+}
+
+impl std::str::FromStr for QueueOrder {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        QueueOrder::deserialize(
+            serde::de::value::StrDeserializer::<serde::de::value::Error>::new(s),
+        )
+        .map_err(|e| e.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {

@@ -120,6 +120,7 @@ impl<T> WaitQueue<T> {
             wake: Arc::clone(&wake),
         });
         ::metrics::gauge!(metrics::QUEUED).increment(1.0);
+        ::metrics::counter!(metrics::QUEUE_WAITS).increment(1);
         Some(Ticket {
             queue: self,
             seq,
