@@ -98,7 +98,9 @@ impl<T> WaitQueue<T> {
 
     /// Joins the queue; `None` when it holds `max_queued` waiters already.
     /// `key` ranks every waiter whenever this one starts or ends a sweep.
-    pub fn join<'a>(&'a self, item: T, key: Key<'a, T>) -> Option<Ticket<'a, T>> {
+    /// With `sweep`, a sweep starts if none is under way, so that the new
+    /// waiter gets a turn at once (in order).
+    pub fn join<'a>(&'a self, item: T, key: Key<'a, T>, sweep: bool) -> Option<Ticket<'a, T>> {
         let mut inner = self.lock();
         if inner.waiters.len() >= self.max_queued {
             return None;
@@ -121,6 +123,9 @@ impl<T> WaitQueue<T> {
         });
         ::metrics::gauge!(metrics::QUEUED).increment(1.0);
         ::metrics::counter!(metrics::QUEUE_WAITS).increment(1);
+        if sweep && !inner.sweeping {
+            self.start(&mut inner, key);
+        }
         Some(Ticket {
             queue: self,
             seq,
@@ -312,7 +317,9 @@ mod tests {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Arrive(Request),
+        /// A request joins; with `true` it did not try first (a sweep was
+        /// under way when it arrived) and asks for a sweep if none is.
+        Arrive(Request, bool),
         /// A slot on a rank is freed, and waiters are told.
         Release(usize),
         /// The waiter whose turn it is tries to route.
@@ -328,7 +335,7 @@ mod tests {
         )
             .prop_map(|(overlap, exclude)| Request { overlap, exclude });
         prop_oneof![
-            3 => request.prop_map(Op::Arrive),
+            3 => (request, proptest::bool::weighted(0.3)).prop_map(|(r, s)| Op::Arrive(r, s)),
             2 => (0..RANKS).prop_map(Op::Release),
             4 => Just(Op::Step),
             1 => (0usize..8).prop_map(Op::Leave),
@@ -340,7 +347,8 @@ mod tests {
     /// deepest overlap on a rank with a free slot (0 under fifo), then the
     /// waiters each try once, in order: those bypassed `max_bypass` times first
     /// and oldest first, then by key, deepest first, then oldest first. A
-    /// waiter arriving during a round takes part in it with its key at arrival.
+    /// waiter arriving during a round takes part in it with its key at arrival;
+    /// one that asks for a round when none is under way begins one.
     /// Serving a waiter bypasses every older one yet to try in that round.
     struct Model {
         max_bypass: u32,
@@ -409,10 +417,13 @@ mod tests {
 
         fn apply(&mut self, op: &Op) {
             match op {
-                Op::Arrive(r) => {
+                Op::Arrive(r, sweep) => {
                     let key = if self.round { self.key(r) } else { 0 };
                     self.waiting.insert(self.next, (r.clone(), key, 0, false));
                     self.next += 1;
+                    if *sweep && !self.round {
+                        self.begin_round();
+                    }
                 }
                 Op::Release(rank) => {
                     self.free[*rank] += 1;
@@ -476,8 +487,8 @@ mod tests {
         let mut seq = 0;
         for op in ops {
             match op {
-                Op::Arrive(r) => {
-                    tickets.insert(seq, queue.join(r.clone(), &key).unwrap());
+                Op::Arrive(r, sweep) => {
+                    tickets.insert(seq, queue.join(r.clone(), &key, *sweep).unwrap());
                     requests.insert(seq, r.clone());
                     seq += 1;
                 }
@@ -541,7 +552,7 @@ mod tests {
         let key = |r: &Request| r.overlap_now(&free.lock().unwrap());
         let tickets: Vec<_> = requests
             .iter()
-            .map(|r| queue.join(r.clone(), &key).unwrap())
+            .map(|r| queue.join(r.clone(), &key, false).unwrap())
             .collect();
         free.lock().unwrap()[0] = 1;
         queue.sweep(&key);
@@ -567,8 +578,8 @@ mod tests {
             overlap: [0; RANKS],
             exclude: Some(0),
         };
-        let a = queue.join(first, &key).unwrap();
-        let b = queue.join(request([0; RANKS]), &key).unwrap();
+        let a = queue.join(first, &key, false).unwrap();
+        let b = queue.join(request([0; RANKS]), &key, false).unwrap();
         queue.sweep(&key);
         assert_eq!(queue.turn(), Some(a.seq));
         a.pass();
@@ -582,19 +593,19 @@ mod tests {
     fn the_queue_is_bounded() {
         let queue = WaitQueue::new(QueueOrder::Fifo, 2, 0);
         let key = |_: &u32| 0;
-        let a = queue.join(1, &key).unwrap();
-        let _b = queue.join(2, &key).unwrap();
-        assert!(queue.join(3, &key).is_none());
+        let a = queue.join(1, &key, false).unwrap();
+        let _b = queue.join(2, &key, false).unwrap();
+        assert!(queue.join(3, &key, false).is_none());
         drop(a);
-        assert!(queue.join(3, &key).is_some());
+        assert!(queue.join(3, &key, false).is_some());
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_that_leaves_on_its_turn_passes_it_on() {
         let queue = WaitQueue::new(QueueOrder::Fifo, 16, 0);
         let key = |_: &u32| 0;
-        let a = queue.join(1, &key).unwrap();
-        let b = queue.join(2, &key).unwrap();
+        let a = queue.join(1, &key, false).unwrap();
+        let b = queue.join(2, &key, false).unwrap();
         queue.sweep(&key);
         a.turn().await;
         // `a` gives up (its queue timeout) holding the turn.

@@ -307,7 +307,8 @@ impl AppState {
         released.as_mut().enable();
         let mut probe_at = None;
         // During a sweep the waiters are being offered capacity: wait a turn like them.
-        if !self.queue.sweeping() {
+        let tried = !self.queue.sweeping();
+        if tried {
             match attempt()? {
                 Ok((decision, booking)) => {
                     return Ok(Routed {
@@ -330,7 +331,7 @@ impl AppState {
         };
         let ticket = self
             .queue
-            .join(waiting, &key)
+            .join(waiting, &key, !tried)
             .ok_or_else(|| self.unavailable("every worker is busy and the queue is full".into()))?;
         loop {
             // A breaker's cool-down ending releases nothing: wake for it too.
