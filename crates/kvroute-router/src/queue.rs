@@ -9,7 +9,11 @@
 //! use the freed capacity takes it, and a waiter that cannot (it excludes that
 //! worker after a failed attempt, or asks for another model) holds nobody up.
 //! A request arriving during a sweep joins the queue and gets its turn in that
-//! sweep, in order, rather than jumping it.
+//! sweep, in order, rather than jumping it. Waiters of one *class* (requests for
+//! the same model that neither pin nor exclude a worker) all get the answer the
+//! first of them got, so when one finds every worker busy the rest of its class
+//! are not asked again in that sweep: a sweep costs a try per class, not per
+//! waiter.
 //!
 //! The order (`scheduler.queue_order`):
 //! - `fifo`: arrival order.
@@ -65,8 +69,9 @@ struct Waiter<T> {
     /// Its key when the sweep started (or when it joined the sweep).
     overlap: u32,
     bypassed: u32,
-    /// Had its turn in this sweep and was not served.
+    /// Had its turn in this sweep and was not served, or one of its class did.
     tried: bool,
+    class: Option<String>,
     wake: Arc<Notify>,
 }
 
@@ -98,9 +103,16 @@ impl<T> WaitQueue<T> {
 
     /// Joins the queue; `None` when it holds `max_queued` waiters already.
     /// `key` ranks every waiter whenever this one starts or ends a sweep.
-    /// With `sweep`, a sweep starts if none is under way, so that the new
-    /// waiter gets a turn at once (in order).
-    pub fn join<'a>(&'a self, item: T, key: Key<'a, T>, sweep: bool) -> Option<Ticket<'a, T>> {
+    /// Waiters of one `class` (`None`: a class of its own) get the same
+    /// answer from the scheduler. With `sweep`, a sweep starts if none is
+    /// under way, so that the new waiter gets a turn at once (in order).
+    pub fn join<'a>(
+        &'a self,
+        item: T,
+        class: Option<String>,
+        key: Key<'a, T>,
+        sweep: bool,
+    ) -> Option<Ticket<'a, T>> {
         let mut inner = self.lock();
         if inner.waiters.len() >= self.max_queued {
             return None;
@@ -119,6 +131,7 @@ impl<T> WaitQueue<T> {
             overlap,
             bypassed: 0,
             tried: false,
+            class,
             wake: Arc::clone(&wake),
         });
         ::metrics::gauge!(metrics::QUEUED).increment(1.0);
@@ -196,8 +209,18 @@ impl<T> WaitQueue<T> {
         if inner.turn != Some(seq) {
             return;
         }
-        if let Some(w) = inner.waiters.iter_mut().find(|w| w.seq == seq) {
-            w.tried = true;
+        let class = inner
+            .waiters
+            .iter_mut()
+            .find(|w| w.seq == seq)
+            .and_then(|w| {
+                w.tried = true;
+                w.class.clone()
+            });
+        if let Some(class) = class {
+            for w in &mut inner.waiters {
+                w.tried |= w.class.as_ref() == Some(&class);
+            }
         }
         inner.turn = None;
         self.advance(&mut inner, key);
@@ -287,6 +310,11 @@ mod tests {
     }
 
     impl Request {
+        /// Requests that exclude no rank get the same answer: one class.
+        fn class(&self) -> Option<String> {
+            self.exclude.is_none().then(|| "any".to_string())
+        }
+
         fn usable(&self, rank: usize, free: &[u32; RANKS]) -> bool {
             free[rank] > 0 && self.exclude != Some(rank)
         }
@@ -349,7 +377,9 @@ mod tests {
     /// and oldest first, then by key, deepest first, then oldest first. A
     /// waiter arriving during a round takes part in it with its key at arrival;
     /// one that asks for a round when none is under way begins one.
-    /// Serving a waiter bypasses every older one yet to try in that round.
+    /// Serving a waiter bypasses every older one yet to try in that round. A
+    /// waiter that excludes no rank and is not served spares the others that
+    /// exclude none their try in that round (they would not be served either).
     struct Model {
         max_bypass: u32,
         longest: bool,
@@ -448,7 +478,10 @@ mod tests {
                             }
                         }
                     } else {
-                        self.waiting.get_mut(&seq).unwrap().3 = true;
+                        let everyone = request.exclude.is_none();
+                        for (&s, w) in self.waiting.iter_mut() {
+                            w.3 |= s == seq || (everyone && w.0.exclude.is_none());
+                        }
                     }
                     self.give_turn();
                 }
@@ -488,7 +521,7 @@ mod tests {
         for op in ops {
             match op {
                 Op::Arrive(r, sweep) => {
-                    tickets.insert(seq, queue.join(r.clone(), &key, *sweep).unwrap());
+                    tickets.insert(seq, queue.join(r.clone(), r.class(), &key, *sweep).unwrap());
                     requests.insert(seq, r.clone());
                     seq += 1;
                 }
@@ -552,7 +585,7 @@ mod tests {
         let key = |r: &Request| r.overlap_now(&free.lock().unwrap());
         let tickets: Vec<_> = requests
             .iter()
-            .map(|r| queue.join(r.clone(), &key, false).unwrap())
+            .map(|r| queue.join(r.clone(), r.class(), &key, false).unwrap())
             .collect();
         free.lock().unwrap()[0] = 1;
         queue.sweep(&key);
@@ -578,8 +611,8 @@ mod tests {
             overlap: [0; RANKS],
             exclude: Some(0),
         };
-        let a = queue.join(first, &key, false).unwrap();
-        let b = queue.join(request([0; RANKS]), &key, false).unwrap();
+        let a = queue.join(first, None, &key, false).unwrap();
+        let b = queue.join(request([0; RANKS]), None, &key, false).unwrap();
         queue.sweep(&key);
         assert_eq!(queue.turn(), Some(a.seq));
         a.pass();
@@ -593,19 +626,19 @@ mod tests {
     fn the_queue_is_bounded() {
         let queue = WaitQueue::new(QueueOrder::Fifo, 2, 0);
         let key = |_: &u32| 0;
-        let a = queue.join(1, &key, false).unwrap();
-        let _b = queue.join(2, &key, false).unwrap();
-        assert!(queue.join(3, &key, false).is_none());
+        let a = queue.join(1, None, &key, false).unwrap();
+        let _b = queue.join(2, None, &key, false).unwrap();
+        assert!(queue.join(3, None, &key, false).is_none());
         drop(a);
-        assert!(queue.join(3, &key, false).is_some());
+        assert!(queue.join(3, None, &key, false).is_some());
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_that_leaves_on_its_turn_passes_it_on() {
         let queue = WaitQueue::new(QueueOrder::Fifo, 16, 0);
         let key = |_: &u32| 0;
-        let a = queue.join(1, &key, false).unwrap();
-        let b = queue.join(2, &key, false).unwrap();
+        let a = queue.join(1, None, &key, false).unwrap();
+        let b = queue.join(2, None, &key, false).unwrap();
         queue.sweep(&key);
         a.turn().await;
         // `a` gives up (its queue timeout) holding the turn.

@@ -329,9 +329,12 @@ impl AppState {
             pin,
             exclude: exclude.to_vec(),
         };
+        // Requests for one model that neither pin nor exclude a worker all
+        // find the same workers busy or not.
+        let class = (pin.is_none() && exclude.is_empty()).then(|| name.to_string());
         let ticket = self
             .queue
-            .join(waiting, &key, !tried)
+            .join(waiting, class, &key, !tried)
             .ok_or_else(|| self.unavailable("every worker is busy and the queue is full".into()))?;
         loop {
             // A breaker's cool-down ending releases nothing: wake for it too.
