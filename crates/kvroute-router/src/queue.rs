@@ -13,7 +13,9 @@
 //! the same model that neither pin nor exclude a worker) all get the answer the
 //! first of them got, so when one finds every worker busy the rest of its class
 //! are not asked again in that sweep: a sweep costs a try per class, not per
-//! waiter.
+//! waiter. Only one waiter, the oldest, the *watcher*, listens for releases
+//! and starts the sweep; the rest sleep until their turn, so that a release
+//! wakes one task rather than the whole queue.
 //!
 //! The order (`scheduler.queue_order`):
 //! - `fifo`: arrival order.
@@ -61,6 +63,8 @@ struct Inner<T> {
     again: bool,
     /// The waiter whose turn it is; always one while sweeping.
     turn: Option<u64>,
+    /// The waiter that listens for releases: the oldest.
+    watcher: Option<u64>,
 }
 
 struct Waiter<T> {
@@ -87,6 +91,7 @@ impl<T> WaitQueue<T> {
                 sweeping: false,
                 again: false,
                 turn: None,
+                watcher: None,
             }),
         }
     }
@@ -136,6 +141,7 @@ impl<T> WaitQueue<T> {
         });
         ::metrics::gauge!(metrics::QUEUED).increment(1.0);
         ::metrics::counter!(metrics::QUEUE_WAITS).increment(1);
+        inner.watcher.get_or_insert(seq);
         if sweep && !inner.sweeping {
             self.start(&mut inner, key);
         }
@@ -239,6 +245,13 @@ impl<T> WaitQueue<T> {
                 w.bypassed += 1;
             }
         }
+        if inner.watcher == Some(seq) {
+            // The next oldest watches from now on: wake it to start listening.
+            inner.watcher = inner.waiters.first().map(|w| {
+                w.wake.notify_one();
+                w.seq
+            });
+        }
         if inner.turn == Some(seq) {
             inner.turn = None;
             self.advance(&mut inner, key);
@@ -268,9 +281,19 @@ pub struct Ticket<'a, T> {
 }
 
 impl<T> Ticket<'_, T> {
-    /// Resolves when it is this waiter's turn to try.
-    pub async fn turn(&self) {
+    /// Resolves when it is this waiter's turn to try, or when it has become
+    /// the watcher (and may sometimes resolve for nothing): check which.
+    pub async fn wake(&self) {
         self.wake.notified().await;
+    }
+
+    pub fn has_turn(&self) -> bool {
+        self.queue.lock().turn == Some(self.seq)
+    }
+
+    /// Whether this waiter is the one listening for releases.
+    pub fn watching(&self) -> bool {
+        self.queue.lock().watcher == Some(self.seq)
     }
 
     /// Tried on its turn and found no worker: the next waiter's turn.
@@ -639,12 +662,15 @@ mod tests {
         let key = |_: &u32| 0;
         let a = queue.join(1, None, &key, false).unwrap();
         let b = queue.join(2, None, &key, false).unwrap();
+        assert!(a.watching() && !b.watching(), "the oldest watches");
         queue.sweep(&key);
-        a.turn().await;
+        a.wake().await;
+        assert!(a.has_turn());
         // `a` gives up (its queue timeout) holding the turn.
         drop(a);
-        tokio::time::timeout(Duration::from_millis(1), b.turn())
+        tokio::time::timeout(Duration::from_millis(1), b.wake())
             .await
-            .expect("b's turn once a left");
+            .expect("b woken once a left");
+        assert!(b.has_turn() && b.watching(), "b has the turn and watches");
     }
 }

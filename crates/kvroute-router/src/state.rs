@@ -339,9 +339,15 @@ impl AppState {
         loop {
             // A breaker's cool-down ending releases nothing: wake for it too.
             let wake = probe_at.map_or(deadline, |at: tokio::time::Instant| at.min(deadline));
+            let watching = ticket.watching();
             tokio::select! {
                 biased;
-                () = ticket.turn() => {
+                () = ticket.wake() => {
+                    if !ticket.has_turn() {
+                        // Now the watcher: `released`, armed before this
+                        // waiter's last look, catches what came since.
+                        continue;
+                    }
                     released.set(self.registry.released.notified());
                     released.as_mut().enable();
                     match attempt()? {
@@ -360,7 +366,7 @@ impl AppState {
                         }
                     }
                 }
-                () = &mut released => {
+                () = &mut released, if watching => {
                     released.set(self.registry.released.notified());
                     released.as_mut().enable();
                     self.queue.sweep(&key);
