@@ -220,6 +220,9 @@ pub struct SchedulerConfig {
     /// Ranks whose cost is within this much of the cheapest (in the cost's
     /// units) count as tied on load, and the deepest overlap among them wins.
     pub overlap_slack: f64,
+    /// 0: off. Above 0: a rank's overlap credit is scaled by D / (D + its
+    /// prefill blocks in flight), halving when D blocks of prefill wait there.
+    pub overlap_decay_blocks: f64,
     /// 0: always the lowest cost; above 0: sample a softmax over normalised costs.
     pub temperature: f64,
     /// A worker with this many requests in flight is busy; 0: no limit.
@@ -456,6 +459,7 @@ impl Default for SchedulerConfig {
             prefill_seconds_per_token: 50e-6,
             decode_seconds_per_block: 0.8e-3,
             overlap_slack: 0.0,
+            overlap_decay_blocks: 0.0,
             temperature: 0.0,
             busy_max_inflight: 0,
             busy_kv_ratio: 1.0,
@@ -629,6 +633,7 @@ impl Config {
             ("prefill_seconds_per_token", s.prefill_seconds_per_token),
             ("decode_seconds_per_block", s.decode_seconds_per_block),
             ("overlap_slack", s.overlap_slack),
+            ("overlap_decay_blocks", s.overlap_decay_blocks),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return fail(format!("scheduler.{name} must be ≥ 0, got {value}"));

@@ -26,6 +26,10 @@
 //! conversation away from the rank that holds its history, which would both
 //! recompute it and duplicate it in a second cache.
 //!
+//! `overlap_decay_blocks` (off by default) is the opposite lever: the overlap a
+//! rank holds counts as saved prefill in full while the rank is idle and less
+//! as its prefill queue grows, so that a busy holder pulls less.
+//!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
 //! router's own bookings blended (max) with what the rank reports. Ties go to the
 //! rank with fewer indexed blocks, then at random; `temperature > 0` samples a
@@ -314,8 +318,8 @@ impl Scheduler {
                 let rank = fleet.ranks.get(&key)?;
                 let (event, predicted, _) = overlaps.get(&key).copied().unwrap_or_default();
                 let overlap = event.max(predicted).min(request_blocks as u32);
-                let new_tokens =
-                    (query.prompt_tokens as u64).saturating_sub(overlap as u64 * block_size);
+                let overlap_tokens = (overlap as u64 * block_size).min(query.prompt_tokens as u64);
+                let new_tokens = query.prompt_tokens as u64 - overlap_tokens;
                 let load = RankLoad::of(rank);
                 Some(Score {
                     worker_id: key.worker_id,
@@ -325,7 +329,7 @@ impl Scheduler {
                     predicted_overlap_blocks: predicted,
                     prefill_blocks: (load.prefill_tokens + new_tokens) as f64 / block_size as f64,
                     decode_blocks: (load.active_blocks + request_blocks) as f64,
-                    cost: cost(limits, &load, new_tokens, request_blocks),
+                    cost: cost(limits, &load, new_tokens, overlap_tokens, request_blocks),
                 })
             })
             .collect();
@@ -416,10 +420,17 @@ impl RankLoad {
     }
 }
 
-/// A rank's `kv` cost for a request that leaves `new_tokens` uncached and
-/// needs `request_blocks` blocks; see the module docs.
-pub(crate) fn cost(limits: &Limits, load: &RankLoad, new_tokens: u64, request_blocks: u64) -> f64 {
-    let prefill_tokens = (load.prefill_tokens + new_tokens) as f64;
+/// A rank's `kv` cost for a request that leaves `new_tokens` uncached, finds
+/// `overlap_tokens` cached and needs `request_blocks` blocks; see the module docs.
+pub(crate) fn cost(
+    limits: &Limits,
+    load: &RankLoad,
+    new_tokens: u64,
+    overlap_tokens: u64,
+    request_blocks: u64,
+) -> f64 {
+    let charged = new_tokens as f64 + overlap_tokens as f64 * (1.0 - overlap_credit(limits, load));
+    let prefill_tokens = load.prefill_tokens as f64 + charged;
     let decode_blocks = (load.active_blocks + request_blocks) as f64;
     match limits.cost {
         Cost::Blocks => {
@@ -432,6 +443,18 @@ pub(crate) fn cost(limits: &Limits, load: &RankLoad, new_tokens: u64, request_bl
             prefill_tokens * per_token + limits.decode_seconds_per_block * decode_blocks
         }
     }
+}
+
+/// The share of a rank's cached overlap its cost counts as saved: all of it, or
+/// with `overlap_decay_blocks` = D, D / (D + the rank's prefill blocks in flight),
+/// so that a busy holder of a prefix pulls less.
+fn overlap_credit(limits: &Limits, load: &RankLoad) -> f64 {
+    let decay = limits.overlap_decay_blocks;
+    if decay <= 0.0 {
+        return 1.0;
+    }
+    let queued_blocks = load.prefill_tokens as f64 / limits.block_size as f64;
+    decay / (decay + queued_blocks)
 }
 
 /// Among `scores` (sorted by cost) within `slack` of the cheapest, the one
@@ -503,9 +526,9 @@ mod tests {
             seconds_per_token: None,
         };
         // 32 × (160 + 32) / 16 + (6 + 4)
-        assert_eq!(cost(&limits(Cost::Blocks), &load, 32, 4), 394.0);
+        assert_eq!(cost(&limits(Cost::Blocks), &load, 32, 0, 4), 394.0);
         // (160 + 32) tokens at the prior 50 µs, and 0.8 ms for each of 10 blocks.
-        let prior = cost(&limits(Cost::Seconds), &load, 32, 4);
+        let prior = cost(&limits(Cost::Seconds), &load, 32, 0, 4);
         assert!(
             (prior - (192.0 * 50e-6 + 10.0 * 0.8e-3)).abs() < 1e-12,
             "{prior}"
@@ -515,11 +538,46 @@ mod tests {
             seconds_per_token: Some(1e-3),
             ..load
         };
-        let slow = cost(&limits(Cost::Seconds), &measured, 32, 4);
+        let slow = cost(&limits(Cost::Seconds), &measured, 32, 0, 4);
         assert!(
             (slow - (192.0 * 1e-3 + 10.0 * 0.8e-3)).abs() < 1e-12,
             "{slow}"
         );
+    }
+
+    #[test]
+    fn overlap_credit_decays_with_the_ranks_queued_prefill() {
+        let mut limits = limits(Cost::Blocks);
+        let idle = RankLoad::default();
+        let busy = RankLoad {
+            prefill_tokens: 64 * 16,
+            ..RankLoad::default()
+        };
+        // Off: every cached token is saved, whatever the queue.
+        for load in [idle, busy] {
+            assert_eq!(
+                cost(&limits, &load, 16, 48, 4),
+                cost(&limits, &load, 16, 0, 4)
+            );
+        }
+        // D = 64 blocks: an idle rank keeps the whole credit; one with 64 blocks
+        // queued keeps half: 24 of its 48 cached tokens are charged.
+        limits.overlap_decay_blocks = 64.0;
+        assert_eq!(
+            cost(&limits, &idle, 16, 48, 4),
+            cost(&limits, &idle, 16, 0, 4)
+        );
+        assert_eq!(
+            cost(&limits, &busy, 16, 48, 4),
+            32.0 * (64.0 * 16.0 + 16.0 + 24.0) / 16.0 + 4.0
+        );
+        // So a deep overlap on a busy rank loses to the same overlap on an idle one by more.
+        let spread = |l: &Limits| cost(l, &busy, 16, 48, 4) - cost(l, &idle, 16, 48, 4);
+        let undecayed = Limits {
+            overlap_decay_blocks: 0.0,
+            ..limits.clone()
+        };
+        assert!(spread(&limits) > spread(&undecayed));
     }
 
     /// The reference: of the ranks at most `slack` dearer than the cheapest,
