@@ -192,6 +192,8 @@ pub struct PolicyReport {
     pub classes: Vec<ClassReport>,
     pub requests: usize,
     pub failed: usize,
+    /// Requests that found every worker busy and waited in the router's queue.
+    pub queued: u64,
     pub duration_s: f64,
     pub throughput_rps: f64,
     pub output_tokens_per_s: f64,
@@ -231,17 +233,20 @@ pub async fn run(
     replay: Replay,
 ) -> anyhow::Result<PolicyReport> {
     let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
-    let predicted_before = token_sums(&fleet.router.state.render_metrics());
+    let before = fleet.router.state.render_metrics();
     let (outcomes, duration_s) = replay_through(&[url], trace, replay).await;
-    let predicted_after = token_sums(&fleet.router.state.render_metrics());
-    Ok(report(
+    let after = fleet.router.state.render_metrics();
+    let mut report = report(
         policy,
         &fleet.workers,
         &outcomes,
         duration_s,
-        predicted_before,
-        predicted_after,
-    ))
+        token_sums(&before),
+        token_sums(&after),
+    );
+    report.queued = (counter(&after, "kvroute_queue_waits_total")
+        - counter(&before, "kvroute_queue_waits_total")) as u64;
+    Ok(report)
 }
 
 /// Replays `trace` at its timestamps, request `i` to `urls[i % urls.len()]`;
@@ -367,15 +372,17 @@ pub(crate) async fn send(
 /// (predicted cached tokens, routed prompt tokens) so far, from a router's
 /// metrics text.
 pub(crate) fn token_sums(text: &str) -> (f64, f64) {
-    let value = |name: &str| {
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     (
-        value("kvroute_predicted_cached_tokens_total"),
-        value("kvroute_routed_prompt_tokens_total"),
+        counter(text, "kvroute_predicted_cached_tokens_total"),
+        counter(text, "kvroute_routed_prompt_tokens_total"),
     )
+}
+
+/// An unlabelled counter's value in a router's metrics text (0 if absent).
+fn counter(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
 }
 
 fn percentiles(mut values: Vec<f64>) -> Percentiles {
@@ -475,6 +482,7 @@ pub(crate) fn report(
         classes,
         requests: outcomes.len(),
         failed: outcomes.len() - ok.len(),
+        queued: 0,
         duration_s,
         throughput_rps: ok.len() as f64 / duration_s,
         output_tokens_per_s: output as f64 / duration_s,
@@ -524,7 +532,7 @@ pub fn table(reports: &[PolicyReport], with_eviction: bool) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     type Cell<'a> = &'a dyn Fn(&PolicyReport) -> String;
-    let base: [(&str, Cell); 12] = [
+    let base: [(&str, Cell); 13] = [
         ("prefix hit rate (workers)", &|r| {
             format!("{:.1}%", r.worker_hit_rate * 100.0)
         }),
@@ -543,6 +551,7 @@ pub fn table(reports: &[PolicyReport], with_eviction: bool) -> String {
             format!("{:.0}", r.output_tokens_per_s)
         }),
         ("failed requests", &|r| r.failed.to_string()),
+        ("queued in the router", &|r| r.queued.to_string()),
         ("Jain fairness (work)", &|r| {
             format!("{:.3}", r.jain_fairness)
         }),

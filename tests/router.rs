@@ -1547,3 +1547,87 @@ async fn the_workers_cached_tokens_are_recorded_beside_the_prediction() {
     let worst = (predicted - actual as f64).abs() / 64.0;
     assert!((0.0..=worst).contains(&gap), "gap {gap}, worst {worst}");
 }
+
+/// Both workers busy (`busy_max_inflight = 1`), worker 1 caching a prefix: an
+/// unrelated request queues, then one sharing worker 1's prefix. When worker
+/// 1's request ends, which waiter does the queue give it to?
+async fn first_served_from_the_queue(order: &str) -> Vec<u32> {
+    let (router, workers, mut grpc) = router_with_fleet(
+        &format!(
+            "[scheduler]\nbusy_max_inflight = 1\nqueue_timeout_ms = 30000\nqueue_order = \"{order}\"\n"
+        ),
+        2,
+    )
+    .await;
+    let cached = tokens(1000, 64);
+    grpc[0].store(&cached).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", router.http);
+    let send = |pin: Option<&'static str>, body: serde_json::Value| {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            let headers: Vec<(&str, &str)> =
+                pin.map(|p| ("x-kvroute-worker", p)).into_iter().collect();
+            http.call("POST", &url, &headers, body.to_string())
+                .await
+                .status
+        })
+    };
+    // Worker 1 streams for a while (about 1 s); worker 2 holds its request.
+    let mut streaming = completion("m", &tokens(5000, 32));
+    streaming["stream"] = json!(true);
+    streaming["max_tokens"] = json!(10);
+    streaming["chunk_delay_ms"] = json!(100);
+    workers[1].set_mode(Mode::Hold);
+    let busy = [
+        send(Some("1"), streaming),
+        send(Some("2"), completion("m", &tokens(6000, 32))),
+    ];
+    eventually("both workers are busy", || async {
+        workers[0].inflight() == 1 && workers[1].inflight() == 1
+    })
+    .await;
+    // What reaches worker 1 next stays there.
+    workers[0].set_mode(Mode::Hold);
+    let unrelated = send(None, completion("m", &tokens(9000, 64)));
+    eventually("the unrelated request is queued", || async {
+        scrape(&router, "kvroute_queued_requests").await == 1.0
+    })
+    .await;
+    let mut sharing_prompt = cached.clone();
+    sharing_prompt.extend(tokens(2000, 16));
+    let sharing = send(None, completion("m", &sharing_prompt));
+    eventually("both are queued", || async {
+        scrape(&router, "kvroute_queued_requests").await == 2.0
+    })
+    .await;
+    eventually("worker 1 took a queued request", || async {
+        workers[0].received() == 2
+    })
+    .await;
+    let first = workers[0].state.last_body.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        scrape(&router, "kvroute_queued_requests").await,
+        1.0,
+        "the other still waits"
+    );
+    workers[0].release();
+    workers[1].release();
+    for request in busy.into_iter().chain([unrelated, sharing]) {
+        assert_eq!(request.await.unwrap(), 200);
+    }
+    serde_json::from_value(first["prompt"].clone()).unwrap()
+}
+
+#[tokio::test]
+async fn longest_prefix_serves_a_queued_request_sharing_a_free_workers_cache_before_an_earlier_one()
+{
+    let first = first_served_from_the_queue("longest_prefix").await;
+    assert_eq!(
+        first[..64],
+        tokens(1000, 64)[..],
+        "the request sharing the prefix"
+    );
+    let first = first_served_from_the_queue("fifo").await;
+    assert_eq!(first, tokens(9000, 64), "the earlier request");
+}

@@ -27,6 +27,7 @@ pub mod ingest;
 pub mod limits;
 pub mod metrics;
 pub mod proxy;
+pub mod queue;
 pub mod registry;
 pub mod replica;
 pub mod scheduler;

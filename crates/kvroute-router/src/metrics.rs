@@ -40,6 +40,7 @@ pub const BREAKER_STATE: &str = "kvroute_breaker_state";
 pub const HEALTH_CHECKS: &str = "kvroute_health_checks_total";
 pub const HTTP_RESPONSES: &str = "kvroute_http_responses_total";
 pub const QUEUED: &str = "kvroute_queued_requests";
+pub const QUEUE_WAITS: &str = "kvroute_queue_waits_total";
 pub const CANCELLED: &str = "kvroute_cancelled_requests_total";
 pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
 pub const UNTOKENIZED: &str = "kvroute_untokenized_requests_total";
@@ -150,6 +151,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (HEALTH_CHECKS, "Health checks of quiet workers, by result"),
     (HTTP_RESPONSES, "HTTP responses, by status code"),
     (QUEUED, "Requests waiting for a non-busy worker"),
+    (
+        QUEUE_WAITS,
+        "Requests that found every worker busy and joined the queue",
+    ),
     (
         CANCELLED,
         "Proxied responses the client abandoned before the end",

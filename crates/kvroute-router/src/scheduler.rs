@@ -174,6 +174,35 @@ impl Scheduler {
         chosen
     }
 
+    /// The deepest cached prefix (in blocks, capped at the prompt's) the query
+    /// has on a rank that could take it now: what the wait queue's
+    /// `longest_prefix` order ranks waiters by (see [`crate::queue`]).
+    pub fn overlap_now(&self, query: &RouteQuery<'_>) -> u32 {
+        let now = Instant::now();
+        let overlaps = self.overlaps(query.local_hashes, now.into_std());
+        if overlaps.is_empty() {
+            return 0;
+        }
+        let limits = &self.registry.limits;
+        let request_blocks = (query.prompt_tokens as u64).div_ceil(limits.block_size as u64);
+        let fleet = self.registry.lock();
+        let Some(group) = fleet.groups.get(query.name) else {
+            return 0;
+        };
+        overlaps
+            .iter()
+            .filter(|&(&key, _)| {
+                group.members.binary_search(&key).is_ok()
+                    && query.pin.is_none_or(|pin| pin == key.worker_id)
+                    && !query.exclude.contains(&key.worker_id)
+                    && fleet.available(key, limits, now)
+            })
+            .map(|(_, &(event, predicted, _))| event.max(predicted))
+            .max()
+            .unwrap_or(0)
+            .min(request_blocks.min(u32::MAX as u64) as u32)
+    }
+
     fn timed_overlaps(&self, query: &RouteQuery<'_>, now: Instant) -> Overlaps {
         let started = std::time::Instant::now();
         let overlaps = self.overlaps(query.local_hashes, now.into_std());

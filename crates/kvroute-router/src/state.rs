@@ -3,7 +3,6 @@
 //! decide the same way.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvroute_index::{
@@ -15,6 +14,7 @@ use crate::booking::Booking;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
 use crate::metrics;
+use crate::queue::WaitQueue;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
 use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
@@ -44,8 +44,8 @@ pub struct AppState {
     /// Set once at start with `[cluster]` sharing load: where this replica's
     /// predictions go for the others ([`crate::shared_load`]).
     pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
-    /// Requests currently waiting for a non-busy worker.
-    queued: AtomicUsize,
+    /// Requests waiting for a non-busy worker.
+    queue: WaitQueue<Waiting>,
     /// A test hook: while a test holds it for writing, event batches and dumps
     /// wait in their queues instead of being applied, so that a full queue
     /// is reached without racing the index. Nothing else takes it for writing.
@@ -124,6 +124,11 @@ impl AppState {
         };
         let upstream = Upstream::new(&config.upstream)?;
         let faults = crate::faults::Faults::new(config.index.test_faults);
+        let queue = WaitQueue::new(
+            config.scheduler.queue_order,
+            config.scheduler.max_queued,
+            config.scheduler.queue_max_bypass,
+        );
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -138,7 +143,7 @@ impl AppState {
             writers: Writers::default(),
             replica: std::sync::OnceLock::new(),
             shared_predictions: std::sync::OnceLock::new(),
-            queued: AtomicUsize::new(0),
+            queue,
             ingest_gate: tokio::sync::RwLock::new(()),
             faults,
         }))
@@ -203,25 +208,7 @@ impl AppState {
         exclude: &[u64],
         choose: impl FnOnce(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Result<Routed<B>, NoWorker>, RouterError> {
-        let kind = self
-            .registry
-            .name_kind(name)
-            .ok_or_else(|| RouterError::UnknownModel(name.to_string()))?;
-        let block_size = self.config.block_size as usize;
-        let started = Instant::now();
-        // An adapter's blocks hash with its seed, so base-model blocks never count for it.
-        let hasher = match kind {
-            NameKind::Lora => BlockHasher::with_lora(block_size, name),
-            NameKind::Model => BlockHasher::new(block_size),
-        };
-        let (local_hashes, prompt_tokens) = match input {
-            RouteInput::Tokens(tokens) => (hasher.local_hashes(tokens), tokens.len()),
-            RouteInput::Prompt { tokens, extra } => {
-                (hasher.local_hashes_with(tokens, extra), tokens.len())
-            }
-            RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
-        };
-        metrics::observe_phase("hash", started);
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
         let query = RouteQuery {
             name,
             prompt_tokens,
@@ -235,6 +222,35 @@ impl AppState {
             prompt_tokens,
             booking,
         }))
+    }
+
+    /// The prompt's local block hashes and its length in tokens; 404 for a
+    /// name nobody serves.
+    fn hash_prompt(
+        &self,
+        name: &str,
+        input: RouteInput<'_>,
+    ) -> Result<(Vec<u64>, usize), RouterError> {
+        let kind = self
+            .registry
+            .name_kind(name)
+            .ok_or_else(|| RouterError::UnknownModel(name.to_string()))?;
+        let block_size = self.config.block_size as usize;
+        let started = Instant::now();
+        // An adapter's blocks hash with its seed, so base-model blocks never count for it.
+        let hasher = match kind {
+            NameKind::Lora => BlockHasher::with_lora(block_size, name),
+            NameKind::Model => BlockHasher::new(block_size),
+        };
+        let hashed = match input {
+            RouteInput::Tokens(tokens) => (hasher.local_hashes(tokens), tokens.len()),
+            RouteInput::Prompt { tokens, extra } => {
+                (hasher.local_hashes_with(tokens, extra), tokens.len())
+            }
+            RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
+        };
+        metrics::observe_phase("hash", started);
+        Ok(hashed)
     }
 
     /// Like [`Self::route_now`], but when every worker is busy waits up to the
@@ -267,8 +283,10 @@ impl AppState {
         .await
     }
 
-    /// Routes with `choose`, waiting in the queue while every worker is busy:
-    /// until load is released, a breaker's cool-down ends or the queue timeout.
+    /// Routes with `choose`, waiting in the queue ([`crate::queue`]) while
+    /// every worker is busy: a waiter tries again on its turn, which comes
+    /// when load is released or a breaker's cool-down ends, until the queue
+    /// timeout.
     async fn route_queued<B>(
         &self,
         name: &str,
@@ -278,34 +296,103 @@ impl AppState {
         choose: impl Fn(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Routed<B>, RouterError> {
         let deadline = tokio::time::Instant::now() + self.config.scheduler.queue_timeout();
-        let mut waiting: Option<QueueSlot<'_>> = None;
-        loop {
-            // Register for the wake-up before looking, so a release in between is not missed.
-            let released = self.registry.released.notified();
-            let probe_at = match self.try_route(name, input, pin, exclude, &choose)? {
-                Ok(routed) => return Ok(routed),
-                Err(NoWorker::NoneRoutable) => {
-                    return Err(self.unavailable(format!(
-                        "no routable worker serves `{name}`{}",
-                        pin.map_or(String::new(), |p| format!(" as worker {p}"))
-                    )));
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
+        let query = RouteQuery {
+            name,
+            prompt_tokens,
+            local_hashes: &local_hashes,
+            pin,
+            exclude,
+        };
+        // Ok(Ok): routed; Ok(Err(probe_at)): every worker is busy.
+        let attempt = || match choose(&query) {
+            Ok(chosen) => Ok(Ok(chosen)),
+            Err(NoWorker::AllBusy { probe_at }) => Ok(Err(probe_at)),
+            Err(NoWorker::NoneRoutable) => Err(self.unavailable(format!(
+                "no routable worker serves `{name}`{}",
+                pin.map_or(String::new(), |p| format!(" as worker {p}"))
+            ))),
+        };
+        // Registered before each look, so that a release in between is not missed.
+        let released = self.registry.released.notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        let mut probe_at = None;
+        // During a sweep the waiters are being offered capacity: wait a turn like them.
+        let tried = !self.queue.sweeping();
+        if tried {
+            match attempt()? {
+                Ok((decision, booking)) => {
+                    return Ok(Routed {
+                        decision,
+                        local_hashes,
+                        prompt_tokens,
+                        booking,
+                    });
                 }
-                Err(NoWorker::AllBusy { probe_at }) => probe_at,
-            };
-            if waiting.is_none() {
-                waiting = Some(QueueSlot::enter(self).ok_or_else(|| {
-                    self.unavailable("every worker is busy and the queue is full".into())
-                })?);
+                Err(at) => probe_at = at,
             }
+        }
+        let key = |w: &Waiting| self.scheduler.overlap_now(&w.query());
+        let waiting = Waiting {
+            name: name.to_string(),
+            prompt_tokens,
+            local_hashes: local_hashes.clone(),
+            pin,
+            exclude: exclude.to_vec(),
+        };
+        // Requests for one model that neither pin nor exclude a worker all
+        // find the same workers busy or not.
+        let class = (pin.is_none() && exclude.is_empty()).then(|| name.to_string());
+        let ticket = self
+            .queue
+            .join(waiting, class, &key, !tried)
+            .ok_or_else(|| self.unavailable("every worker is busy and the queue is full".into()))?;
+        loop {
             // A breaker's cool-down ending releases nothing: wake for it too.
-            let wake = probe_at.map_or(deadline, |at| at.min(deadline));
-            if tokio::time::timeout_at(wake, released).await.is_err()
-                && tokio::time::Instant::now() >= deadline
-            {
-                return Err(self.unavailable(format!(
-                    "every worker serving `{name}` stayed busy for {} ms",
-                    self.config.scheduler.queue_timeout_ms
-                )));
+            let wake = probe_at.map_or(deadline, |at: tokio::time::Instant| at.min(deadline));
+            let watching = ticket.watching();
+            tokio::select! {
+                biased;
+                () = ticket.wake() => {
+                    if !ticket.has_turn() {
+                        // Now the watcher: `released`, armed before this
+                        // waiter's last look, catches what came since.
+                        continue;
+                    }
+                    released.set(self.registry.released.notified());
+                    released.as_mut().enable();
+                    match attempt()? {
+                        Ok((decision, booking)) => {
+                            ticket.served();
+                            return Ok(Routed {
+                                decision,
+                                local_hashes,
+                                prompt_tokens,
+                                booking,
+                            });
+                        }
+                        Err(at) => {
+                            probe_at = at;
+                            ticket.pass();
+                        }
+                    }
+                }
+                () = &mut released, if watching => {
+                    released.set(self.registry.released.notified());
+                    released.as_mut().enable();
+                    self.queue.sweep(&key);
+                }
+                () = tokio::time::sleep_until(wake) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(self.unavailable(format!(
+                            "every worker serving `{name}` stayed busy for {} ms",
+                            self.config.scheduler.queue_timeout_ms
+                        )));
+                    }
+                    probe_at = None;
+                    self.queue.sweep(&key);
+                }
             }
         }
     }
@@ -352,29 +439,24 @@ impl AppState {
     }
 }
 
-/// A place in the bounded queue of requests waiting for a worker.
-struct QueueSlot<'a> {
-    state: &'a AppState,
+/// A request in the wait queue: what ranks it (see [`Scheduler::overlap_now`]).
+struct Waiting {
+    name: String,
+    prompt_tokens: usize,
+    local_hashes: Vec<u64>,
+    pin: Option<u64>,
+    exclude: Vec<u64>,
 }
 
-impl<'a> QueueSlot<'a> {
-    fn enter(state: &'a AppState) -> Option<Self> {
-        let max = state.config.scheduler.max_queued;
-        state
-            .queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()?;
-        ::metrics::gauge!(metrics::QUEUED).increment(1.0);
-        Some(Self { state })
-    }
-}
-
-impl Drop for QueueSlot<'_> {
-    fn drop(&mut self) {
-        self.state.queued.fetch_sub(1, Ordering::AcqRel);
-        ::metrics::gauge!(metrics::QUEUED).decrement(1.0);
+impl Waiting {
+    fn query(&self) -> RouteQuery<'_> {
+        RouteQuery {
+            name: &self.name,
+            prompt_tokens: self.prompt_tokens,
+            local_hashes: &self.local_hashes,
+            pin: self.pin,
+            exclude: &self.exclude,
+        }
     }
 }
 
@@ -383,6 +465,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::config::QueueOrder;
 
     fn registration(worker_id: u64) -> Registration {
         Registration {
@@ -537,5 +620,119 @@ mod tests {
             Duration::from_secs(10),
             "routed when the cool-down ended"
         );
+    }
+
+    /// Two workers, each busy with one pinned request (`busy_max_inflight = 1`);
+    /// worker 1 holds the prefix `cached` (a prediction).
+    fn busy_pair(order: QueueOrder, cached: &[u32]) -> (Arc<AppState>, Vec<Booking>) {
+        let mut config = Config::default();
+        config.scheduler.busy_max_inflight = 1;
+        config.scheduler.queue_timeout_ms = 60_000;
+        config.scheduler.queue_order = order;
+        let state = AppState::new(config, None).unwrap();
+        for id in [1, 2] {
+            state
+                .registry
+                .register(registration(id), Source::Static)
+                .unwrap();
+        }
+        let routed = state
+            .route_now("m", RouteInput::Tokens(cached), Some(1), &[])
+            .unwrap()
+            .unwrap();
+        state.record_prediction(&routed);
+        let holds = [1, 2]
+            .map(|id| {
+                state
+                    .try_route("m", RouteInput::Tokens(&[7; 64]), Some(id), &[], |q| {
+                        state.scheduler.choose_and_book(q)
+                    })
+                    .unwrap()
+                    .unwrap()
+                    .booking
+            })
+            .into();
+        (state, holds)
+    }
+
+    /// The worker a queued request was routed to, and its booking (held).
+    type Queued = tokio::task::JoinHandle<Result<(u64, Booking), RouterError>>;
+
+    /// Starts a request for `tokens` and waits until it is queued.
+    async fn enqueue(state: &Arc<AppState>, tokens: Vec<u32>, exclude: Vec<u64>) -> Queued {
+        let before = state.queue.len();
+        let queued = tokio::spawn({
+            let state = Arc::clone(state);
+            async move {
+                state
+                    .route_and_book("m", RouteInput::Tokens(&tokens), None, &exclude)
+                    .await
+                    .map(|r| (r.decision.worker.worker_id, r.booking))
+            }
+        });
+        while state.queue.len() == before {
+            tokio::task::yield_now().await;
+        }
+        queued
+    }
+
+    async fn settle() {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Frees worker 1 while an unrelated request and then one sharing worker
+    /// 1's cached prefix wait: which is served?
+    async fn served_on_release(order: QueueOrder) -> (Option<u64>, Option<u64>) {
+        let cached: Vec<u32> = (100..164).collect();
+        let (state, mut holds) = busy_pair(order, &cached);
+        let unrelated = enqueue(&state, (500..564).collect(), Vec::new()).await;
+        let sharing = enqueue(&state, cached, Vec::new()).await;
+        holds.remove(0); // worker 1's request ends
+        settle().await;
+        let done = |q: &Queued| q.is_finished();
+        let result = (done(&unrelated), done(&sharing));
+        assert!(result.0 != result.1, "exactly one is served: {result:?}");
+        let first = if result.0 { unrelated } else { sharing };
+        let (served, _booking) = first.await.unwrap().unwrap();
+        assert_eq!(served, 1);
+        (result.0.then_some(served), result.1.then_some(served))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn longest_prefix_gives_a_freed_worker_to_the_waiter_sharing_its_cached_prefix() {
+        assert_eq!(
+            served_on_release(QueueOrder::LongestPrefix).await,
+            (None, Some(1))
+        );
+        assert_eq!(served_on_release(QueueOrder::Fifo).await, (Some(1), None));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_excluding_the_freed_worker_does_not_hold_up_the_next() {
+        let (state, mut holds) = busy_pair(QueueOrder::Fifo, &[1; 64]);
+        let retry = enqueue(&state, (0..64).collect(), vec![1]).await;
+        let next = enqueue(&state, (0..64).collect(), Vec::new()).await;
+        holds.remove(0);
+        assert_eq!(next.await.unwrap().unwrap().0, 1);
+        settle().await;
+        assert!(!retry.is_finished());
+        holds.clear(); // worker 2 is free too
+        assert_eq!(retry.await.unwrap().unwrap().0, 2);
+        assert_eq!(state.queue.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_request_gets_503_at_the_queue_timeout_and_leaves_the_queue() {
+        let (state, _holds) = busy_pair(QueueOrder::LongestPrefix, &[1; 64]);
+        let start = tokio::time::Instant::now();
+        let queued = enqueue(&state, (0..64).collect(), Vec::new()).await;
+        let Err(err) = queued.await.unwrap() else {
+            panic!("routed while every worker was busy");
+        };
+        assert!(matches!(err, RouterError::Unavailable { .. }), "{err:?}");
+        assert_eq!(start.elapsed(), Duration::from_secs(60));
+        assert_eq!(state.queue.len(), 0);
     }
 }

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_router::config::{Cost, Policy};
+use kvroute_router::config::{Cost, Policy, QueueOrder};
 use serde_json::json;
 
 use kvroute_sim::EngineConfig;
@@ -54,6 +54,11 @@ pub struct E2eArgs {
     /// `overlap_weight`, no slack) and `seconds` (the config's knobs).
     #[arg(long, value_delimiter = ',', default_value = "blocks,seconds")]
     kv_costs: Vec<Cost>,
+    /// The `kv` policy runs once per order of the router's own queue
+    /// (`fifo`, `longest_prefix`; it matters only when a busy limit makes
+    /// requests queue); default: the configuration's.
+    #[arg(long, value_delimiter = ',')]
+    queue_orders: Vec<QueueOrder>,
     /// Router configuration (config/router.toml's format; `KVROUTE_...`
     /// variables apply too) for every run; the bench sets its addresses, block
     /// size and policy.
@@ -114,7 +119,9 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
                     ..engine.clone()
                 };
                 for &policy in &args.policies {
-                    for (label, router) in variants(policy, &router, &args.kv_costs) {
+                    for (label, router) in
+                        variants(policy, &router, &args.kv_costs, &args.queue_orders)
+                    {
                         eprintln!(
                             "bench e2e: {} requests at rate {rate} under {label} on {} engines, \
                              evicting with {eviction} ...",
@@ -185,32 +192,42 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The runs `policy` makes: `kv` one per cost (labelled `kv:COST` when there
-/// are several), the others one each.
+/// The runs `policy` makes: `kv` one per cost and queue order (labelled
+/// `kv:COST:ORDER` with the parts that vary), the others one each.
 fn variants(
     policy: Policy,
     router: &kvroute_router::Config,
     costs: &[Cost],
+    orders: &[QueueOrder],
 ) -> Vec<(String, kvroute_router::Config)> {
     if policy != Policy::Kv {
         return vec![(policy.as_str().to_string(), router.clone())];
     }
-    costs
-        .iter()
-        .map(|&cost| {
+    let orders = if orders.is_empty() {
+        &[router.scheduler.queue_order][..]
+    } else {
+        orders
+    };
+    let mut out = Vec::new();
+    for &cost in costs {
+        for &order in orders {
             let mut config = router.clone();
             config.scheduler.cost = cost;
+            config.scheduler.queue_order = order;
             if cost == Cost::Blocks {
                 config.scheduler.overlap_slack = 0.0;
             }
-            let label = if costs.len() > 1 {
-                format!("kv:{}", cost.as_str())
-            } else {
-                "kv".to_string()
-            };
-            (label, config)
-        })
-        .collect()
+            let mut label = "kv".to_string();
+            if costs.len() > 1 {
+                label += &format!(":{}", cost.as_str());
+            }
+            if orders.len() > 1 {
+                label += &format!(":{}", order.as_str());
+            }
+            out.push((label, config));
+        }
+    }
+    out
 }
 
 /// Each `kv` run's goals against round robin's run at the same rate and
