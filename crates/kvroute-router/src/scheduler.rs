@@ -197,7 +197,7 @@ impl Scheduler {
                     && !query.exclude.contains(&key.worker_id)
                     && fleet.available(key, limits, now)
             })
-            .map(|(_, &(event, predicted, _))| event.max(predicted))
+            .map(|(_, &(event, predicted, _, _))| event.max(predicted))
             .max()
             .unwrap_or(0)
             .min(request_blocks.min(u32::MAX as u64) as u32)
