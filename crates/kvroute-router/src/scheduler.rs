@@ -688,13 +688,8 @@ mod tests {
         }
     }
 
-    /// Worker 1 holds the whole 4-block prompt but has 80 tokens (5 blocks)
-    /// waiting for prefill; worker 2 is idle. The old cost recomputes the
-    /// prompt on worker 2; within the slack it stays on worker 1.
-    fn chosen_with(cost: Cost, slack: f64) -> u64 {
-        let mut config = Config::default();
-        config.scheduler.cost = cost;
-        config.scheduler.overlap_slack = slack;
+    /// A router with workers 1 and 2 registered as event-publishing streams.
+    fn two_stream_workers(config: Config) -> Arc<AppState> {
         let state = AppState::new(config, None).unwrap();
         for id in [1, 2] {
             state
@@ -702,6 +697,17 @@ mod tests {
                 .register(registration(id), Source::Stream)
                 .unwrap();
         }
+        state
+    }
+
+    /// Worker 1 holds the whole 4-block prompt but has 80 tokens (5 blocks)
+    /// waiting for prefill; worker 2 is idle. The old cost recomputes the
+    /// prompt on worker 2; within the slack it stays on worker 1.
+    fn chosen_with(cost: Cost, slack: f64) -> u64 {
+        let mut config = Config::default();
+        config.scheduler.cost = cost;
+        config.scheduler.overlap_slack = slack;
+        let state = two_stream_workers(config);
         let tokens: Vec<u32> = (0..64).collect();
         let input = RouteInput::Tokens(&tokens);
         let pinned = state.route_now("m", input, Some(1), &[]).unwrap().unwrap();
@@ -767,13 +773,7 @@ mod tests {
         use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier};
         let mut config = Config::default();
         config.scheduler.offload_weight = weight;
-        let state = AppState::new(config, None).unwrap();
-        for id in [1, 2] {
-            state
-                .registry
-                .register(registration(id), Source::Stream)
-                .unwrap();
-        }
+        let state = two_stream_workers(config);
         let tokens: Vec<u32> = (0..64).collect();
         let locals =
             kvroute_index::BlockHasher::new(state.config.block_size as usize).local_hashes(&tokens);
