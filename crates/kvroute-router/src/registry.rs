@@ -46,6 +46,22 @@ pub struct Registration {
     pub total_kv_blocks: u64,
 }
 
+impl Registration {
+    /// For tests: worker `worker_id` with one rank serving model "m" at a
+    /// loopback URL of its own.
+    #[cfg(test)]
+    pub(crate) fn for_test(worker_id: u64) -> Self {
+        Self {
+            worker_id,
+            dp_ranks: vec![0],
+            models: vec!["m".into()],
+            lora_names: Vec::new(),
+            base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
+            total_kv_blocks: 1024,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Source {

@@ -677,24 +677,13 @@ mod tests {
         }
     }
 
-    fn registration(worker_id: u64) -> Registration {
-        Registration {
-            worker_id,
-            dp_ranks: vec![0],
-            models: vec!["m".into()],
-            lora_names: Vec::new(),
-            base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
-            total_kv_blocks: 1024,
-        }
-    }
-
     /// A router with workers 1 and 2 registered as event-publishing streams.
     fn two_stream_workers(config: Config) -> Arc<AppState> {
         let state = AppState::new(config, None).unwrap();
         for id in [1, 2] {
             state
                 .registry
-                .register(registration(id), Source::Stream)
+                .register(Registration::for_test(id), Source::Stream)
                 .unwrap();
         }
         state
@@ -733,7 +722,9 @@ mod tests {
     #[test]
     fn a_ranks_rate_is_measured_over_the_tokens_it_prefilled_up_to_the_first_token() {
         let registry = Arc::new(Registry::new(limits(Cost::Seconds)));
-        registry.register(registration(1), Source::Stream).unwrap();
+        registry
+            .register(Registration::for_test(1), Source::Stream)
+            .unwrap();
         let key = WorkerKey::new(1, 0);
         let _ahead = registry.book(key, 100, 1);
         let mut second = registry.book(key, 200, 1);

@@ -467,17 +467,6 @@ mod tests {
     use super::*;
     use crate::config::QueueOrder;
 
-    fn registration(worker_id: u64) -> Registration {
-        Registration {
-            worker_id,
-            dp_ranks: vec![0],
-            models: vec!["m".into()],
-            lora_names: Vec::new(),
-            base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
-            total_kv_blocks: 1024,
-        }
-    }
-
     /// Whether worker `id` still has a predicted prefix of `hashes` after `elapsed`.
     fn predicted_after(state: &AppState, hashes: &[u64], id: u64, elapsed: Duration) -> bool {
         state
@@ -496,11 +485,11 @@ mod tests {
         let state = AppState::new(config, None).unwrap();
         state
             .registry
-            .register(registration(1), Source::Stream)
+            .register(Registration::for_test(1), Source::Stream)
             .unwrap();
         state
             .registry
-            .register(registration(2), Source::Static)
+            .register(Registration::for_test(2), Source::Static)
             .unwrap();
         let tokens: Vec<u32> = (0..64).collect();
         for pin in [1, 2] {
@@ -549,7 +538,7 @@ mod tests {
         for id in 1..=3 {
             state
                 .registry
-                .register(registration(id), Source::Stream)
+                .register(Registration::for_test(id), Source::Stream)
                 .unwrap();
         }
         let tokens: Vec<u32> = (0..64).collect();
@@ -592,7 +581,7 @@ mod tests {
         let state = AppState::new(config, None).unwrap();
         state
             .registry
-            .register(registration(1), Source::Stream)
+            .register(Registration::for_test(1), Source::Stream)
             .unwrap();
         state.registry.record_outcome(1, false);
         let tokens: Vec<u32> = (0..64).collect();
@@ -633,7 +622,7 @@ mod tests {
         for id in [1, 2] {
             state
                 .registry
-                .register(registration(id), Source::Static)
+                .register(Registration::for_test(id), Source::Static)
                 .unwrap();
         }
         let routed = state
