@@ -36,7 +36,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
-use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey, WorkerMatch};
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
@@ -446,7 +446,7 @@ fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
 thread_local! {
     /// Each replay thread's buffer for kvroute's lookups, kept across lookups
     /// as a router keeps one per routing thread (`KvIndex::find_matches_into`).
-    static MATCHES: std::cell::RefCell<Vec<WorkerMatch>> = const { std::cell::RefCell::new(Vec::new()) };
+    static MATCHES: std::cell::RefCell<Matches> = std::cell::RefCell::new(Matches::default());
 }
 
 enum Live {
@@ -473,9 +473,12 @@ impl Live {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(worker, event));
             }
+            // Every matching worker as an (index, depth) pair, and the key of
+            // the deepest resolved: what a decision needs named.
             (Live::Kvroute(index), Op::Match(hashes)) => MATCHES.with_borrow_mut(|matches| {
                 index.find_matches_into(hashes, matches);
-                std::hint::black_box(matches);
+                let best = matches.deepest().and_then(|m| index.resolve(matches, m));
+                std::hint::black_box((matches.pairs(), best));
             }),
             (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(worker, event),
             (Live::Dashmap(index), Op::Match(hashes)) => {

@@ -53,6 +53,37 @@ pub struct WorkerMatch {
     pub total_blocks: u64,
 }
 
+/// One worker's match as a lookup finds it: the worker's interned index (see
+/// [`KvIndex::resolve`]) and its depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexMatch {
+    pub idx: u32,
+    /// Leading blocks of the request that the worker holds.
+    pub depth: u32,
+}
+
+/// A lookup's answer ([`KvIndex::find_matches_into`]), in a buffer the caller
+/// keeps across lookups: one pair per live worker holding block 0, in no
+/// particular order.
+#[derive(Clone, Debug, Default)]
+pub struct Matches {
+    pairs: Vec<IndexMatch>,
+    /// The cells' epoch the walk saw throughout; its pairs resolve to the
+    /// workers of that epoch.
+    epoch: u64,
+}
+
+impl Matches {
+    pub fn pairs(&self) -> &[IndexMatch] {
+        &self.pairs
+    }
+
+    /// A pair of the greatest depth, if any worker matched.
+    pub fn deepest(&self) -> Option<IndexMatch> {
+        self.pairs.iter().copied().max_by_key(|m| m.depth)
+    }
+}
+
 /// A worker's whole state, as `Stored` events, parents before children.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerDump {
@@ -538,7 +569,7 @@ impl KvIndex {
     /// last one held.
     fn free_idx(&self, idx: u32) {
         let mut indices = self.indices.lock().unwrap();
-        self.cells.change(|cells| cells.set_live(idx, false));
+        self.cells.change(|cells| cells.free(idx));
         indices.by_idx[idx as usize] = None;
         indices.free.push(Reverse(idx));
     }
@@ -620,16 +651,31 @@ impl KvIndex {
 
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
+    /// Resolves every match; a router that needs only some keys calls
+    /// [`Self::find_matches_into`] and [`Self::resolve`].
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        let mut matches = Vec::new();
-        self.find_matches_into(local_hashes, &mut matches);
-        matches
+        let mut matches = Matches::default();
+        loop {
+            self.find_matches_into(local_hashes, &mut matches);
+            let resolved: Option<Vec<WorkerMatch>> = matches
+                .pairs()
+                .iter()
+                .map(|&m| self.resolve_unchecked(m))
+                .collect();
+            if let Some(resolved) = resolved
+                && self.cells.unchanged(matches.epoch)
+            {
+                return resolved;
+            }
+        }
     }
 
-    /// [`Self::find_matches`] into a buffer the caller keeps: at fleet scale a
-    /// lookup returns thousands of workers, and allocating (and faulting in) the
-    /// result each time was a large share of it.
-    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) {
+    /// The workers holding a prefix of `local_hashes`, as (interned index,
+    /// depth) pairs, into a buffer the caller keeps. At fleet scale a lookup
+    /// matches thousands of workers; writing each one's key and size (a 32-byte
+    /// [`WorkerMatch`], one cell read each) was most of the lookup, and a
+    /// decision needs few of them: [`Self::resolve`] names the ones it ranks.
+    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Matches) {
         // Walked again if a dump was swapped in or an index changed hands
         // meanwhile: the walk would otherwise show a dump's hidden bits, read
         // half built, as the worker's, or one worker's depth as another's.
@@ -638,20 +684,44 @@ impl KvIndex {
                 std::thread::yield_now();
                 continue;
             };
-            matches.clear();
-            let seqs = self.walk(local_hashes, matches);
+            matches.pairs.clear();
+            let seqs = self.walk(local_hashes, &mut matches.pairs);
+            if self.cells.any_hidden() {
+                matches.pairs.retain(|m| self.cells.is_live(m.idx));
+            }
             if self.cells.unchanged(epoch) {
+                matches.epoch = epoch;
                 break seqs;
             }
         };
         if let Some(eviction) = &self.eviction {
-            let deepest = matches.iter().map(|m| m.depth).max().unwrap_or(0);
+            let deepest = matches.deepest().map_or(0, |m| m.depth);
             eviction
                 .lock()
                 .unwrap()
                 .lru
                 .touch(&seqs[..deepest as usize]);
         }
+    }
+
+    /// The worker and size behind one pair of `matches`, as of the lookup that
+    /// filled it; `None` once an index changed hands or a dump was swapped in
+    /// since (rare: look up again). The size is read now, as a lookup always
+    /// read it (it may lag its worker's event in flight).
+    pub fn resolve(&self, matches: &Matches, m: IndexMatch) -> Option<WorkerMatch> {
+        let resolved = self.resolve_unchecked(m)?;
+        self.cells.unchanged(matches.epoch).then_some(resolved)
+    }
+
+    /// [`Self::resolve`] without the epoch check, for callers that check it
+    /// once after resolving many.
+    fn resolve_unchecked(&self, m: IndexMatch) -> Option<WorkerMatch> {
+        let cell = self.cells.get(m.idx)?;
+        Some(WorkerMatch {
+            worker: cell.live_worker()?,
+            depth: m.depth,
+            total_blocks: cell.held.load(Ordering::Relaxed),
+        })
     }
 
     /// Protects the blocks of a request's path from eviction until the guard is
@@ -744,22 +814,13 @@ impl KvIndex {
     /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
     /// intersected with each block's holders by a merge when both are long.
     /// A worker's match is written as it drops out, without a list between.
-    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) -> Vec<u64> {
+    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<IndexMatch>) -> Vec<u64> {
         enum Active {
             Bits(u64),
             Ids(Vec<u32>),
         }
-        let cells = &self.cells;
-        let emit = |matches: &mut Vec<WorkerMatch>, idx: u32, depth: u32| {
-            if let Some(cell) = cells.get(idx)
-                && let Some(worker) = cell.live_worker()
-            {
-                matches.push(WorkerMatch {
-                    worker,
-                    depth,
-                    total_blocks: cell.held.load(Ordering::Relaxed),
-                });
-            }
+        let emit = |matches: &mut Vec<IndexMatch>, idx: u32, depth: u32| {
+            matches.push(IndexMatch { idx, depth });
         };
         let keep_path = self.eviction.is_some();
         let mut path = Vec::new();
@@ -1243,6 +1304,79 @@ mod tests {
         assert!(before < seen.len(), "no batch after the swap: {seen:?}");
         assert_eq!(depth(&index, &new, dumper), 1000);
         assert_eq!(index.worker_blocks(dumper), 20_000);
+    }
+
+    /// A lookup's pairs name live workers only: while a dump is built, the
+    /// hidden slot's bits (here a shorter match on the same path) are left out,
+    /// and once it is swapped in and the old state released no index is hidden.
+    #[test]
+    fn pairs_leave_out_a_dump_being_built() {
+        let index = KvIndex::default();
+        let worker = WorkerKey::new(1, 0);
+        let path: Vec<u64> = (1..=8).collect();
+        index.apply(
+            worker,
+            &KvEvent {
+                event_id: 1,
+                kind: chain(1, 8, None),
+            },
+        );
+        let dump: Vec<EventKind> = (1..=4)
+            .map(|h| chain(h, 1, (h > 1).then(|| h - 1)))
+            .collect();
+        let mut seen = Vec::new();
+        let mut pace = Pace {
+            batch: 1,
+            between: &mut || {
+                let mut matches = Matches::default();
+                index.find_matches_into(&path, &mut matches);
+                let named: Vec<_> = matches
+                    .pairs()
+                    .iter()
+                    .map(|&m| index.resolve(&matches, m).unwrap())
+                    .map(|m| (m.worker, m.depth))
+                    .collect();
+                seen.push(named);
+            },
+        };
+        assert_eq!(index.replace_worker_with(worker, 1, &dump, &mut pace), 0);
+        assert!(seen.len() >= 4, "{seen:?}");
+        for named in &seen {
+            assert!(
+                *named == [(worker, 8)] || *named == [(worker, 4)],
+                "{seen:?}"
+            );
+        }
+        assert_eq!(seen[0], [(worker, 8)]);
+        assert_eq!(seen.last().unwrap(), &[(worker, 4)]);
+        assert!(!index.cells.any_hidden());
+    }
+
+    /// A pair resolves to the worker that held its index when the lookup ran:
+    /// once the index changed hands since, it resolves to nothing (look up
+    /// again), never to the index's next worker.
+    #[test]
+    fn a_pair_never_resolves_to_its_index_next_worker() {
+        let index = KvIndex::default();
+        let (first, next) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let stored = KvEvent {
+            event_id: 1,
+            kind: chain(1, 3, None),
+        };
+        index.apply(first, &stored);
+        let mut matches = Matches::default();
+        index.find_matches_into(&[1, 2, 3], &mut matches);
+        let pair = matches.deepest().unwrap();
+        assert_eq!(pair, IndexMatch { idx: 0, depth: 3 });
+        let resolved = index.resolve(&matches, pair).unwrap();
+        assert_eq!((resolved.worker, resolved.total_blocks), (first, 3));
+        index.remove_worker(first);
+        index.apply(next, &stored);
+        assert_eq!(index.resolve(&matches, pair), None);
+        let mut again = Matches::default();
+        index.find_matches_into(&[1, 2, 3], &mut again);
+        assert_eq!(again.pairs(), [pair]);
+        assert_eq!(index.resolve(&again, pair).unwrap().worker, next);
     }
 
     /// A worker removed while its dump is built stays removed: the dump is

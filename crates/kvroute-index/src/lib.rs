@@ -35,7 +35,8 @@ pub use hash::{
     sequence_hashes,
 };
 pub use index::{
-    IndexConfig, IndexStats, KvIndex, OwnedPinnedPath, PinnedPath, WorkerDump, WorkerMatch,
+    IndexConfig, IndexMatch, IndexStats, KvIndex, Matches, OwnedPinnedPath, PinnedPath, WorkerDump,
+    WorkerMatch,
 };
 pub use predicted::{PredictedConfig, PredictedIndex};
 pub use tiers::{Tier, TieredDump, TieredIndex};
