@@ -63,14 +63,18 @@ pub struct IndexMatch {
 }
 
 /// A lookup's answer ([`KvIndex::find_matches_into`]), in a buffer the caller
-/// keeps across lookups: one pair per live worker holding block 0, in no
-/// particular order.
+/// keeps across lookups: one pair per live worker holding block 0, shallowest
+/// first (the walk writes a worker's pair when it drops out, so depths never
+/// decrease), so the deepest matches, the ones a decision ranks first, are at
+/// the end.
 #[derive(Clone, Debug, Default)]
 pub struct Matches {
     pairs: Vec<IndexMatch>,
     /// The cells' epoch the walk saw throughout; its pairs resolve to the
     /// workers of that epoch.
     epoch: u64,
+    /// The walk's list of workers still matching, kept for the next lookup.
+    scratch: Vec<u32>,
 }
 
 impl Matches {
@@ -80,7 +84,7 @@ impl Matches {
 
     /// A pair of the greatest depth, if any worker matched.
     pub fn deepest(&self) -> Option<IndexMatch> {
-        self.pairs.iter().copied().max_by_key(|m| m.depth)
+        self.pairs.last().copied()
     }
 }
 
@@ -685,7 +689,7 @@ impl KvIndex {
                 continue;
             };
             matches.pairs.clear();
-            let seqs = self.walk(local_hashes, &mut matches.pairs);
+            let seqs = self.walk(local_hashes, &mut matches.pairs, &mut matches.scratch);
             if self.cells.any_hidden() {
                 matches.pairs.retain(|m| self.cells.is_live(m.idx));
             }
@@ -814,45 +818,51 @@ impl KvIndex {
     /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
     /// intersected with each block's holders by a merge when both are long.
     /// A worker's match is written as it drops out, without a list between.
-    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<IndexMatch>) -> Vec<u64> {
-        enum Active {
+    fn walk(
+        &self,
+        local_hashes: &[u64],
+        matches: &mut Vec<IndexMatch>,
+        scratch: &mut Vec<u32>,
+    ) -> Vec<u64> {
+        enum Active<'s> {
             Bits(u64),
-            Ids(Vec<u32>),
+            Ids(&'s mut Vec<u32>),
         }
         let emit = |matches: &mut Vec<IndexMatch>, idx: u32, depth: u32| {
             matches.push(IndexMatch { idx, depth });
         };
         let keep_path = self.eviction.is_some();
         let mut path = Vec::new();
+        let Some(&first) = local_hashes.first() else {
+            return path;
+        };
         let mut reader = ShardReader::new(&self.table);
-        let mut parent = None;
-        let mut active = Active::Bits(0);
-        for (depth, &local) in local_hashes.iter().enumerate() {
-            let r = BlockRef::child_of(parent, local);
+        let mut parent = BlockRef::child_of(None, first);
+        if keep_path {
+            path.push(parent.key());
+        }
+        // The result is sized once, from the holders of block 0.
+        let mut active = match reader.shard(parent.shard()).holders(parent.key()) {
+            HolderSet::Bits(0) => return path,
+            HolderSet::Bits(b) => Active::Bits(b),
+            other => {
+                scratch.clear();
+                other.ids_into(scratch);
+                Active::Ids(scratch)
+            }
+        };
+        matches.reserve(match &active {
+            Active::Bits(b) => b.count_ones() as usize,
+            Active::Ids(ids) => ids.len(),
+        });
+        for (depth, &local) in local_hashes.iter().enumerate().skip(1) {
+            let r = BlockRef::child_of(Some(parent), local);
             if keep_path {
                 path.push(r.key());
             }
-            parent = Some(r);
+            parent = r;
             let holders = reader.shard(r.shard()).holders(r.key());
             let depth = depth as u32;
-            if depth == 0 {
-                // The result is sized once, from the holders of block 0.
-                active = match holders {
-                    HolderSet::Bits(b) => Active::Bits(b),
-                    other => Active::Ids(other.ids()),
-                };
-                let holding = match &active {
-                    Active::Bits(b) => b.count_ones() as usize,
-                    Active::Ids(ids) => ids.len(),
-                };
-                matches.reserve(holding);
-                if matches!(&active, Active::Bits(0))
-                    || matches!(&active, Active::Ids(ids) if ids.is_empty())
-                {
-                    return path;
-                }
-                continue;
-            }
             let left = match &mut active {
                 Active::Bits(set) => {
                     let still = holders.mask(*set);
@@ -862,6 +872,9 @@ impl KvIndex {
                 }
                 Active::Ids(ids) => {
                     match holders {
+                        _ if holders.len() * 8 < ids.len() => holders.keep_held(ids, |run| {
+                            matches.extend(run.iter().map(|&idx| IndexMatch { idx, depth }));
+                        }),
                         HolderSet::Spilled(held) => {
                             // Both sorted: a merge, or a search in what is left of
                             // the holders per id when those are far more.
@@ -900,7 +913,7 @@ impl KvIndex {
         let full = local_hashes.len() as u32;
         match active {
             Active::Bits(set) => bits(set, 0).for_each(|i| emit(matches, i, full)),
-            Active::Ids(ids) => ids.into_iter().for_each(|i| emit(matches, i, full)),
+            Active::Ids(ids) => ids.iter().for_each(|&i| emit(matches, i, full)),
         }
         path
     }

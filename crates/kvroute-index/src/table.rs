@@ -213,14 +213,57 @@ impl HolderSet<'_> {
         }
     }
 
-    /// All holders, ascending.
-    pub fn ids(&self) -> Vec<u32> {
+    /// All holders, ascending, appended to `out`.
+    pub fn ids_into(&self, out: &mut Vec<u32>) {
         match self {
-            HolderSet::Bits(b) => bits(*b, 0).collect(),
-            HolderSet::List(h) => h.listed().collect(),
-            HolderSet::Spilled(ids) => ids.to_vec(),
+            HolderSet::Bits(b) => out.extend(bits(*b, 0)),
+            HolderSet::List(h) => out.extend(h.listed()),
+            HolderSet::Spilled(ids) => out.extend_from_slice(ids),
         }
     }
+
+    /// How many hold the block.
+    pub fn len(&self) -> usize {
+        match self {
+            HolderSet::Bits(b) => b.count_ones() as usize,
+            HolderSet::List(h) => h.listed().count(),
+            HolderSet::Spilled(ids) => ids.len(),
+        }
+    }
+
+    /// Keeps in `ids` (ascending) those that hold the block and passes the
+    /// runs of the others, in order, to `dropped`, with one search of `ids` per
+    /// holder: for when the holders are far fewer than `ids` (block 0 held by
+    /// the whole fleet, block 1 by one to three workers), where testing every
+    /// id against the holders cost a branchy probe per id.
+    pub fn keep_held(&self, ids: &mut Vec<u32>, dropped: impl FnMut(&[u32])) {
+        match self {
+            HolderSet::Bits(b) => keep_listed(ids, bits(*b, 0), dropped),
+            HolderSet::List(h) => keep_listed(ids, h.listed(), dropped),
+            HolderSet::Spilled(held) => keep_listed(ids, held.iter().copied(), dropped),
+        }
+    }
+}
+
+/// [`HolderSet::keep_held`] over the holders, ascending.
+fn keep_listed(
+    ids: &mut Vec<u32>,
+    holders: impl Iterator<Item = u32>,
+    mut dropped: impl FnMut(&[u32]),
+) {
+    let (mut kept, mut from) = (0, 0);
+    for h in holders {
+        if let Ok(at) = ids[from..].binary_search(&h) {
+            let at = from + at;
+            dropped(&ids[from..at]);
+            // `kept` <= `at` < the new `from`: nothing still to be read.
+            ids[kept] = h;
+            kept += 1;
+            from = at + 1;
+        }
+    }
+    dropped(&ids[from..]);
+    ids.truncate(kept);
 }
 
 /// Sequence hashes are already uniform: use them as their own hash, rotated so
@@ -504,5 +547,44 @@ impl<'a> ShardReader<'a> {
             self.current = Some((shard, self.table.read(shard)));
         }
         &self.current.as_ref().unwrap().1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Keeping the holders by searching for each one leaves what testing
+        /// every id leaves, and drops the others in order.
+        #[test]
+        fn keep_held_keeps_the_holders_and_drops_the_rest_in_order(
+            ids in prop::collection::btree_set(0..300u32, 0..120),
+            held in prop::collection::btree_set(0..300u32, 0..12),
+        ) {
+            let held: Vec<u32> = held.into_iter().collect();
+            let holders = HolderSet::Spilled(&held);
+            let mut kept: Vec<u32> = ids.iter().copied().collect();
+            let mut dropped = Vec::new();
+            holders.keep_held(&mut kept, |run| dropped.extend_from_slice(run));
+            let (expect_kept, expect_dropped): (Vec<u32>, Vec<u32>) =
+                ids.iter().partition(|i| held.contains(i));
+            prop_assert_eq!(kept, expect_kept);
+            prop_assert_eq!(dropped, expect_dropped);
+            let bits: u64 = held.iter().filter(|&&i| i < 63).fold(0, |w, &i| w | 1 << i);
+            let mut kept: Vec<u32> = ids.iter().copied().collect();
+            HolderSet::Bits(bits).keep_held(&mut kept, |_| ());
+            let in_bits: BTreeSet<u32> = bits_of(bits);
+            prop_assert!(kept.iter().all(|i| in_bits.contains(i) && ids.contains(i)));
+            prop_assert_eq!(kept.len(), ids.intersection(&in_bits).count());
+        }
+    }
+
+    fn bits_of(b: u64) -> BTreeSet<u32> {
+        bits(b, 0).collect()
     }
 }
