@@ -1,8 +1,9 @@
 //! What a lookup reads of each interned worker index, without a lock.
 //!
 //! Blocks name their holders by small interned indices (see [`crate::table`]); a
-//! lookup turns the indices it matched into worker keys and sizes, thousands of
-//! them per lookup at fleet scale. These cells used to sit in growable arrays
+//! lookup's caller turns the indices it ranks into worker keys and sizes
+//! ([`crate::index::KvIndex::resolve`]), every one of thousands for the
+//! scheduler at fleet scale. These cells used to sit in growable arrays
 //! behind a lock that lookups held for reading over their whole walk, so every
 //! new worker waited for the lookups in flight, and every later lookup waited
 //! for it. Here they live in buckets that never move (bucket `b` holds 64·2^b
