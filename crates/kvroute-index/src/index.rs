@@ -1416,8 +1416,10 @@ mod tests {
             assert!(index.find_matches(&[1, 2, 3]).is_empty());
             let stats = index.stats();
             assert_eq!((stats.blocks, stats.memberships), (8, 8));
-            // The removed worker's interned index and the dump's are free again.
+            // The removed worker's interned index and the dump's are free again,
+            // and no index counts as hidden.
             assert_eq!(index.indices.lock().unwrap().free.len(), 2);
+            assert!(!index.cells.any_hidden());
             if let Some(eviction) = &index.eviction {
                 assert_eq!(eviction.lock().unwrap().memberships, 8);
             }
