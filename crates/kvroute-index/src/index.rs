@@ -220,6 +220,10 @@ type EngineMap = HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>;
 /// that long for it.
 const DUMP_BATCH: usize = 512;
 
+/// Blocks ahead of the one probed whose slots a walk or a stored chain
+/// prefetches.
+const PREFETCH_AHEAD: usize = 16;
+
 /// Shards of the worker registry: ingest threads applying different workers'
 /// events then rarely share the lock's cache line.
 const REGISTRY_SHARDS: usize = 16;
@@ -594,7 +598,7 @@ impl KvIndex {
             if !shard.holds(r.key(), slot.idx) {
                 continue;
             }
-            let Some(&entry) = shard.entries.get(&r.key()) else {
+            let Some(&entry) = shard.entries.get(r.key()) else {
                 continue;
             };
             let names = blocks.entry(r.key()).or_default();
@@ -855,13 +859,37 @@ impl KvIndex {
             Active::Bits(b) => b.count_ones() as usize,
             Active::Ids(ids) => ids.len(),
         });
+        // The slot of the block PREFETCH_AHEAD further on is on its way while
+        // this one is probed (chain keys need no table): a long match in a
+        // large table misses the cache once per block.
+        let mut ahead = parent;
+        for &local in local_hashes.iter().skip(1).take(PREFETCH_AHEAD) {
+            ahead = BlockRef::child_of(Some(ahead), local);
+        }
         for (depth, &local) in local_hashes.iter().enumerate().skip(1) {
             let r = BlockRef::child_of(Some(parent), local);
             if keep_path {
                 path.push(r.key());
             }
             parent = r;
-            let holders = reader.shard(r.shard()).holders(r.key());
+            let shard = reader.shard(r.shard());
+            if depth == 1 {
+                // The anchor's shard is read from here on: the blocks up to
+                // `ahead` now, the later ones as the walk reaches them.
+                let mut early = r;
+                for &local in local_hashes.iter().skip(2).take(PREFETCH_AHEAD - 1) {
+                    early = BlockRef::child_of(Some(early), local);
+                    shard.entries.prefetch(early.key());
+                }
+            }
+            if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
+                ahead = BlockRef::child_of(Some(ahead), local);
+                // Deeper blocks live in their anchor's shard, the one read now.
+                if ahead.shard() == r.shard() {
+                    shard.entries.prefetch(ahead.key());
+                }
+            }
+            let holders = shard.holders(r.key());
             let depth = depth as u32;
             let left = match &mut active {
                 Active::Bits(set) => {
@@ -1015,9 +1043,32 @@ impl KvIndex {
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
-                        for block in blocks {
+                        // New chains are mostly new blocks, a cache miss each:
+                        // their slots are fetched ahead, as a walk's are.
+                        let mut ahead = parent;
+                        for block in blocks.iter().take(PREFETCH_AHEAD) {
+                            ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
+                        }
+                        for (i, block) in blocks.iter().enumerate() {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
                             let seq = r.key();
+                            if i == 0 {
+                                let shard = writer.shard(r.shard());
+                                let mut early = r;
+                                for block in blocks.iter().skip(1).take(PREFETCH_AHEAD - 1) {
+                                    early = BlockRef::child_of(Some(early), block.tokens_hash);
+                                    if early.shard() == r.shard() {
+                                        shard.entries.prefetch(early.key());
+                                    }
+                                }
+                            }
+                            if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
+                                let next = BlockRef::child_of(ahead, later.tokens_hash);
+                                ahead = Some(next);
+                                if next.shard() == r.shard() {
+                                    writer.shard(r.shard()).entries.prefetch(next.key());
+                                }
+                            }
                             match state.blocks.insert(block.block_hash, r) {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {

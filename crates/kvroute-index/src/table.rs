@@ -12,9 +12,11 @@
 //! (a conversation, typically) therefore shares a shard, so a lookup takes at most
 //! two read locks and a writer's chain segment is applied under one write lock.
 
-use std::collections::{HashMap, hash_map};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::blocks::BlockMap;
 
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
@@ -287,7 +289,7 @@ pub(crate) type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 
 #[derive(Default)]
 pub(crate) struct Shard {
-    pub entries: SeqMap<Entry>,
+    pub entries: BlockMap,
     /// Sorted holder indices of the blocks whose holders are spilled.
     pub spilled: SeqMap<Vec<u32>>,
 }
@@ -297,17 +299,11 @@ impl Shard {
     /// new to the block, whether the block is new).
     pub fn insert(&mut self, seq: u64, tokens_hash: u64, parent: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        let (entry, created) = match entries.entry(seq) {
-            hash_map::Entry::Occupied(o) => (o.into_mut(), false),
-            hash_map::Entry::Vacant(v) => (
-                v.insert(Entry {
-                    workers: Holders::NONE,
-                    tokens_hash,
-                    parent,
-                }),
-                true,
-            ),
-        };
+        let (entry, created) = entries.get_or_insert(seq, || Entry {
+            workers: Holders::NONE,
+            tokens_hash,
+            parent,
+        });
         if let Some(b) = entry.workers.bitset()
             && worker < BITSET_IDS
         {
@@ -343,10 +339,9 @@ impl Shard {
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
         // One probe for the lookup and the removal.
-        let hash_map::Entry::Occupied(mut occupied) = entries.entry(seq) else {
+        let Some((at, entry)) = entries.find_mut(seq) else {
             return (false, false);
         };
-        let entry = occupied.get_mut();
         let held = if let Some(b) = entry.workers.bitset() {
             let held = worker < BITSET_IDS && b & 1 << worker != 0;
             if held {
@@ -381,18 +376,16 @@ impl Shard {
         };
         let empty = entry.workers == Holders::NONE;
         if empty {
-            occupied.remove();
-            shrink_sparse(entries);
+            entries.remove_at(at);
         }
         (held, empty)
     }
 
     /// Drops the block for every worker; returns the worker indices that held it.
     pub fn evict(&mut self, seq: u64) -> Vec<u32> {
-        let Some(entry) = self.entries.remove(&seq) else {
+        let Some(entry) = self.entries.remove(seq) else {
             return Vec::new();
         };
-        shrink_sparse(&mut self.entries);
         if entry.workers.is_spilled() {
             let ids = self.spilled.remove(&seq).unwrap_or_default();
             shrink_sparse(&mut self.spilled);
@@ -405,7 +398,7 @@ impl Shard {
     /// The block's holders (none if the block is absent).
     #[inline]
     pub fn holders(&self, seq: u64) -> HolderSet<'_> {
-        let workers = self.entries.get(&seq).map_or(Holders::NONE, |e| e.workers);
+        let workers = self.entries.get(seq).map_or(Holders::NONE, |e| e.workers);
         match workers.bitset() {
             Some(b) => HolderSet::Bits(b),
             None if workers.is_spilled() => {
@@ -484,7 +477,7 @@ impl Table {
         (0..SHARDS as u16)
             .map(|s| {
                 let shard = self.read(s);
-                map_bytes(&shard.entries)
+                shard.entries.heap_bytes()
                     + map_bytes(&shard.spilled)
                     + shard
                         .spilled
