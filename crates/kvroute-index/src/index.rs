@@ -30,10 +30,10 @@ use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
+use crate::flat::FlatMap;
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs,
-    shrink_sparse,
+    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
 
 /// Limits of the index.
@@ -213,7 +213,7 @@ struct WorkerState {
     counters: Counters,
 }
 
-type EngineMap = HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>;
+type EngineMap = FlatMap<BlockRef>;
 
 /// Blocks a dump stores, a replaced state releases or an eviction after a dump
 /// drops per critical section: lookups and other workers' events wait at most
@@ -462,7 +462,7 @@ impl KvIndex {
             };
             let mut parent = match parent_hash {
                 None => None,
-                Some(p) => match state.blocks.get(p) {
+                Some(p) => match state.blocks.get(*p) {
                     Some(&r) => Some(r),
                     None => {
                         // Rejected whole, as one event would be.
@@ -560,7 +560,7 @@ impl KvIndex {
     /// Takes the memberships of a slot that is no longer live away in batches,
     /// then frees its interned index.
     fn retire(&self, slot: &WorkerSlot, blocks: EngineMap, pace: &mut Pace<'_>) {
-        let mut refs: Vec<BlockRef> = blocks.into_values().collect();
+        let mut refs: Vec<BlockRef> = blocks.iter().map(|(_, r)| r).collect();
         refs.sort_unstable_by_key(|r| r.shard());
         for part in refs.chunks(pace.batch) {
             let mut eviction = self.lock_eviction();
@@ -587,7 +587,7 @@ impl KvIndex {
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
         let slot = self.find_slot(worker)?;
         let state = slot.state.lock().unwrap();
-        let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
+        let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().collect();
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
@@ -771,7 +771,7 @@ impl KvIndex {
         let slots = self.slots();
         let workers: u64 = slots
             .iter()
-            .map(|s| size_of::<WorkerSlot>() as u64 + map_bytes(&s.state.lock().unwrap().blocks))
+            .map(|s| size_of::<WorkerSlot>() as u64 + s.state.lock().unwrap().blocks.heap_bytes())
             .sum();
         let eviction = self
             .eviction
@@ -1036,7 +1036,7 @@ impl KvIndex {
             } => {
                 let parent = match parent_hash {
                     None => Some(None),
-                    Some(p) => state.blocks.get(p).map(|&r| Some(r)),
+                    Some(p) => state.blocks.get(*p).map(|&r| Some(r)),
                 };
                 match parent {
                     None => rejected_blocks = blocks.len() as u64,
@@ -1104,7 +1104,7 @@ impl KvIndex {
             }
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
-                    match state.blocks.remove(hash) {
+                    match state.blocks.remove(*hash) {
                         Some(r) => {
                             state.digest.remove(*hash);
                             held_delta -= self.unhold(&mut writer, slot, r, eviction);
@@ -1112,7 +1112,6 @@ impl KvIndex {
                         None => unknown_removals += 1,
                     }
                 }
-                shrink_sparse(&mut state.blocks);
             }
             EventKind::Cleared => {
                 drop(writer);
@@ -1133,11 +1132,11 @@ impl KvIndex {
         state: &mut WorkerState,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
     ) {
-        let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
+        let mut refs: Vec<BlockRef> = state.blocks.iter().map(|(_, r)| r).collect();
+        state.blocks = EngineMap::default();
         refs.sort_unstable_by_key(|r| r.shard());
         let released = self.unhold_all(slot, &refs, eviction);
         slot.add_held(-released);
-        state.blocks.shrink_to_fit();
         state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
         slot.trimmed.store(false, Ordering::Relaxed);
@@ -1242,7 +1241,6 @@ impl KvIndex {
         state
             .blocks
             .retain(|_, r| reader.shard(r.shard()).holds(r.key(), slot.idx));
-        state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }
 }

@@ -16,10 +16,10 @@
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
 //!   that publish no events and for requests that race the engine's first event.
 
-mod blocks;
 mod cells;
 pub mod digest;
 pub mod event;
+mod flat;
 pub mod hash;
 pub mod index;
 mod lru;

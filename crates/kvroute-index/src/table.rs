@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::blocks::BlockMap;
+use crate::flat::FlatMap;
 
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
@@ -54,7 +54,7 @@ pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
 /// with its low seven bits replaced by the block's shard and a depth-0 flag, so
 /// a worker's engine-hash map needs one word per block (57 bits of hash are
 /// plenty to tell blocks apart).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BlockRef(u64);
 
 const FLAG_BITS: u64 = 0x7F;
@@ -110,7 +110,7 @@ pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
 }
 
 /// One distinct block.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Entry {
     /// The workers holding the block, in one word (see [`Holders`]).
     pub workers: Holders,
@@ -141,7 +141,7 @@ const SPILLED: u64 = u64::MAX;
 ///
 /// The form is a function of the set (each change re-encodes it), so equal sets
 /// are equal words and an empty set is 0.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Holders(u64);
 
 impl Holders {
@@ -289,7 +289,7 @@ pub(crate) type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 
 #[derive(Default)]
 pub(crate) struct Shard {
-    pub entries: BlockMap,
+    pub entries: FlatMap<Entry>,
     /// Sorted holder indices of the blocks whose holders are spilled.
     pub spilled: SeqMap<Vec<u32>>,
 }
@@ -338,8 +338,7 @@ impl Shard {
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        // One probe for the lookup and the removal.
-        let Some((at, entry)) = entries.find_mut(seq) else {
+        let Some(entry) = entries.get_mut(seq) else {
             return (false, false);
         };
         let held = if let Some(b) = entry.workers.bitset() {
@@ -376,7 +375,7 @@ impl Shard {
         };
         let empty = entry.workers == Holders::NONE;
         if empty {
-            entries.remove_at(at);
+            entries.remove(seq);
         }
         (held, empty)
     }
