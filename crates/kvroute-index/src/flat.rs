@@ -15,7 +15,7 @@
 /// Marks an empty slot; the entry of key 0 is kept beside the slots.
 const EMPTY: u64 = 0;
 /// Slots of the smallest table.
-const MIN_SLOTS: usize = 16;
+const MIN_SLOTS: usize = 4;
 /// Most slots in use, in eighths of the table.
 const MAX_EIGHTHS: usize = 7;
 
