@@ -148,12 +148,12 @@ struct Pool {
 
 struct Host {
     target: Arc<Target>,
-    idle: Vec<(Conn, Instant)>,
+    idle: Vec<(Box<Conn>, Instant)>,
 }
 
 impl Pool {
     /// The worker's address and its most recently used idle connection, if any.
-    fn take(&self, base_url: &Arc<str>) -> Result<(Arc<Target>, Option<Conn>), String> {
+    fn take(&self, base_url: &Arc<str>) -> Result<(Arc<Target>, Option<Box<Conn>>), String> {
         let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
         let host = match hosts.get_mut(&**base_url) {
             Some(host) => host,
@@ -174,7 +174,7 @@ impl Pool {
     /// Keeps a connection whose response ended for the worker's next request,
     /// and closes connections idle for too long (of every worker: one that
     /// left the fleet gets no more requests to close them at).
-    fn put(&self, base_url: &str, conn: Conn) {
+    fn put(&self, base_url: &str, conn: Box<Conn>) {
         if conn.closed || conn.send.is_closed() {
             return;
         }
@@ -222,8 +222,9 @@ impl Upstream {
         self.idle_timeout
     }
 
-    /// A new connection to the worker.
-    async fn connect(&self, target: &Target) -> Result<Conn, Failure> {
+    /// A new connection to the worker. Boxed, as it moves from the request to
+    /// the response body and the idle list (and it is large).
+    async fn connect(&self, target: &Target) -> Result<Box<Conn>, Failure> {
         let io = self
             .connector
             .clone()
@@ -233,11 +234,11 @@ impl Upstream {
         let (send, driver) = http1::handshake(io)
             .await
             .map_err(|e| Failure::Connect(format!("{e:?}")))?;
-        Ok(Conn {
+        Ok(Box::new(Conn {
             send,
             driver,
             closed: false,
-        })
+        }))
     }
 
     /// Sends `request` on an idle connection to the worker, or a new one, and
@@ -251,7 +252,7 @@ impl Upstream {
         path: &'static str,
         headers: Option<&HeaderMap>,
         body: Bytes,
-    ) -> Result<(Response<Incoming>, Conn), Failure> {
+    ) -> Result<(Response<Incoming>, Box<Conn>), Failure> {
         let (target, mut idle) = self.pool.take(base_url).map_err(Failure::Connect)?;
         let mut request = Request::new(Full::new(body));
         *request.method_mut() = method;
@@ -276,7 +277,8 @@ impl Upstream {
                     }
                     conn
                 }
-                None => self.connect(&target).await?,
+                // Boxed: rare, and its future would make every request's larger.
+                None => Box::pin(self.connect(&target)).await?,
             };
             let mut response = std::pin::pin!(conn.send.try_send_request(request));
             let result = poll_fn(|cx| {
@@ -332,13 +334,13 @@ impl Upstream {
 pub struct WorkerBody {
     body: Incoming,
     // `None` once back in the pool, or closed.
-    conn: Option<Conn>,
+    conn: Option<Box<Conn>>,
     pool: Arc<Pool>,
     base_url: Arc<str>,
 }
 
 impl WorkerBody {
-    fn new(body: Incoming, conn: Conn, pool: Arc<Pool>, base_url: Arc<str>) -> Self {
+    fn new(body: Incoming, conn: Box<Conn>, pool: Arc<Pool>, base_url: Arc<str>) -> Self {
         let mut body = Self {
             body,
             conn: Some(conn),
