@@ -19,7 +19,6 @@
 //! `https://` workers get rustls (trusting the system's roots and
 //! `upstream.ca_file`); `http://` ones never touch TLS.
 
-use std::collections::HashMap;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -37,6 +36,7 @@ use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
 use kvroute_index::OwnedPinnedPath;
+use rustc_hash::FxHashMap;
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tower::Service;
@@ -143,7 +143,7 @@ impl Target {
 /// Each worker's address and idle connections, most recently used last.
 #[derive(Default)]
 struct Pool {
-    hosts: Mutex<HashMap<Arc<str>, Host>>,
+    hosts: Mutex<FxHashMap<Arc<str>, Host>>,
 }
 
 struct Host {
