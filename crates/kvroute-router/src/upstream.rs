@@ -141,54 +141,77 @@ impl Target {
 }
 
 /// Each worker's address and idle connections, most recently used last.
-#[derive(Default)]
 struct Pool {
-    hosts: Mutex<FxHashMap<Arc<str>, Host>>,
+    /// How long a connection may wait unused before it is closed.
+    idle_for: Duration,
+    hosts: Mutex<Hosts>,
+}
+
+#[derive(Default)]
+struct Hosts {
+    by_url: FxHashMap<Arc<str>, Host>,
+    /// When idle connections are next looked over, on every worker.
+    next_sweep: Option<Instant>,
 }
 
 struct Host {
     target: Arc<Target>,
     idle: Vec<(Box<Conn>, Instant)>,
+    /// When a request last took a connection to it.
+    used: Instant,
 }
 
 impl Pool {
+    fn new(idle_for: Duration) -> Self {
+        Self {
+            idle_for,
+            hosts: Mutex::default(),
+        }
+    }
+
     /// The worker's address and its most recently used idle connection, if any.
     fn take(&self, base_url: &Arc<str>) -> Result<(Arc<Target>, Option<Box<Conn>>), String> {
+        let now = Instant::now();
         let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        let host = match hosts.get_mut(&**base_url) {
+        let host = match hosts.by_url.get_mut(&**base_url) {
             Some(host) => host,
-            None => hosts.entry(Arc::clone(base_url)).or_insert(Host {
+            None => hosts.by_url.entry(Arc::clone(base_url)).or_insert(Host {
                 target: Arc::new(Target::parse(base_url)?),
                 idle: Vec::new(),
+                used: now,
             }),
         };
-        let now = Instant::now();
+        host.used = now;
         while let Some((conn, since)) = host.idle.pop() {
-            if now.duration_since(since) < IDLE_CONNECTION {
+            if now.duration_since(since) < self.idle_for {
                 return Ok((Arc::clone(&host.target), Some(conn)));
             }
         }
         Ok((Arc::clone(&host.target), None))
     }
 
-    /// Keeps a connection whose response ended for the worker's next request,
-    /// and closes connections idle for too long (of every worker: one that
-    /// left the fleet gets no more requests to close them at).
+    /// Keeps a connection whose response ended for the worker's next request.
+    /// Every half idle period it also closes the connections idle for too long
+    /// and forgets the workers nothing used meanwhile, of the whole fleet: a
+    /// worker that left gets no more requests to do it at, and its address
+    /// may never come back.
     fn put(&self, base_url: &str, conn: Box<Conn>) {
         if conn.closed || conn.send.is_closed() {
             return;
         }
         let now = Instant::now();
         let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(host) = hosts.get_mut(base_url) {
+        if let Some(host) = hosts.by_url.get_mut(base_url) {
             host.idle.push((conn, now));
-            // The oldest come first.
-            if host.idle[0].1 + IDLE_CONNECTION < now {
-                for host in hosts.values_mut() {
-                    host.idle
-                        .retain(|(_, since)| now.duration_since(*since) < IDLE_CONNECTION);
-                }
-            }
+        }
+        if hosts.next_sweep.is_none_or(|at| at <= now) {
+            let idle_for = self.idle_for;
+            hosts.by_url.retain(|_, host| {
+                host.idle
+                    .retain(|(_, since)| now.duration_since(*since) < idle_for);
+                !host.idle.is_empty() || now.duration_since(host.used) < idle_for
+            });
+            hosts.next_sweep = Some(now + idle_for / 2);
         }
     }
 }
@@ -211,7 +234,7 @@ impl Upstream {
             .wrap_connector(connector);
         Ok(Self {
             connector,
-            pool: Arc::default(),
+            pool: Arc::new(Pool::new(IDLE_CONNECTION)),
             first_byte_timeout: Duration::from_millis(config.first_byte_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             health_timeout: Duration::from_millis(config.health_timeout_ms),
@@ -647,6 +670,7 @@ mod tests {
                     loop {
                         let mut chunk = [0; 4096];
                         let Ok(n @ 1..) = tcp.read(&mut chunk).await else {
+                            let _ = seen.send("hung up".into());
                             return;
                         };
                         buf.extend_from_slice(&chunk[..n]);
@@ -721,5 +745,34 @@ mod tests {
         // The idle connection is closed by now: the request goes on a new one.
         assert_eq!(post(&upstream, &url).await, "ok");
         assert_eq!(events.recv().await.unwrap(), "accepted");
+    }
+
+    #[tokio::test]
+    async fn a_departed_workers_idle_connection_is_closed_and_the_worker_forgotten() {
+        let (gone, mut gone_events) = raw_worker(false).await;
+        let (staying, _staying_events) = raw_worker(false).await;
+        let mut upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        upstream.pool = Arc::new(super::Pool::new(std::time::Duration::from_millis(50)));
+        assert_eq!(post(&upstream, &gone).await, "ok");
+        assert_eq!(gone_events.recv().await.unwrap(), "accepted");
+        assert!(gone_events.recv().await.unwrap().starts_with("POST"));
+        // Only requests to the other worker end from now on.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            assert_eq!(post(&upstream, &staying).await, "ok");
+            let known = upstream
+                .pool
+                .hosts
+                .lock()
+                .unwrap()
+                .by_url
+                .contains_key(&*gone);
+            if !known {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "never forgotten");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gone_events.recv().await.unwrap(), "hung up");
     }
 }
