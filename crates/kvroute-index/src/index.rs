@@ -708,7 +708,7 @@ impl KvIndex {
                 .lock()
                 .unwrap()
                 .lru
-                .touch(&seqs[..deepest as usize]);
+                .touch_later(&seqs[..deepest as usize]);
         }
     }
 

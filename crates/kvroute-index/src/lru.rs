@@ -10,10 +10,20 @@
 //! scan meets a chain's leaf before its ancestors. The eviction scan resumes from a
 //! cursor after each victim instead of restarting at the tail, so evicting M blocks
 //! past K skipped ones (pinned or not leaves) visits M + K nodes.
+//!
+//! A lookup's touch is only written down ([`Lru::touch_later`]) and done before
+//! the order is next read or changed (the next store, removal or eviction scan):
+//! moving a routed prompt's few hundred blocks is a few cache misses each, which
+//! the routing decision need not wait for. Done in arrival order before anything
+//! else, the deferred touches leave the same order as touching at once.
 
 use crate::table::{NO_PARENT, SeqMap, map_bytes};
 
 const NIL: u32 = u32::MAX;
+
+/// Deferred touches kept at most, in blocks (512 KiB); past it a lookup
+/// does the touches itself.
+const MAX_PENDING: usize = 1 << 16;
 
 struct Node {
     seq: u64,
@@ -32,6 +42,9 @@ pub(crate) struct Lru {
     index: SeqMap<u32>,
     head: Option<u32>,
     tail: Option<u32>,
+    /// Blocks to move to the head, in order: the deferred touches' paths, each
+    /// leaf first.
+    pending: Vec<u64>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -56,12 +69,15 @@ impl Lru {
     }
 
     pub fn heap_bytes(&self) -> u64 {
-        (self.nodes.capacity() * size_of::<Node>() + self.free.capacity() * 4) as u64
+        (self.nodes.capacity() * size_of::<Node>()
+            + self.free.capacity() * 4
+            + self.pending.capacity() * 8) as u64
             + map_bytes(&self.index)
     }
 
     /// Adds a block as the newest; no-op if present.
     pub fn insert(&mut self, seq: u64, parent: u64) {
+        self.apply_pending();
         if self.index.contains_key(&seq) {
             return;
         }
@@ -92,6 +108,7 @@ impl Lru {
 
     /// Forgets a block (nobody holds it any more).
     pub fn remove(&mut self, seq: u64) {
+        self.apply_pending();
         if let Some(id) = self.index.remove(&seq) {
             self.unlink(id);
             let parent = self.nodes[id as usize].parent;
@@ -107,12 +124,28 @@ impl Lru {
 
     /// Marks a path (block keys from the root) as just used: root newest.
     pub fn touch(&mut self, path: &[u64]) {
-        for seq in path.iter().rev() {
+        self.touch_later(path);
+        self.apply_pending();
+    }
+
+    /// [`Self::touch`], done before the order is next read or changed.
+    pub fn touch_later(&mut self, path: &[u64]) {
+        if self.pending.len() + path.len() > MAX_PENDING {
+            self.apply_pending();
+        }
+        self.pending.extend(path.iter().rev());
+    }
+
+    fn apply_pending(&mut self) {
+        let mut pending = std::mem::take(&mut self.pending);
+        for seq in &pending {
             if let Some(&id) = self.index.get(seq) {
                 self.unlink(id);
                 self.push_head(id);
             }
         }
+        pending.clear();
+        self.pending = pending;
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
@@ -128,6 +161,7 @@ impl Lru {
     /// The next evictable block (an unpinned leaf) from `cursor` toward the head,
     /// removed from the order; none when the scan reached the head.
     pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
+        self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
             Cursor::At { id, seq } if self.index.get(&seq) == Some(&id) => Some(id),
@@ -245,5 +279,64 @@ mod tests {
         lru.pin(&[7], -1);
         assert_eq!(evict(&mut lru, 10), vec![1, 7]);
         assert_eq!(lru.len(), 0);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(u64),
+        Remove(u64),
+        TouchLater(Vec<u64>),
+        Evict,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..12u64).prop_map(Op::Insert),
+            (0..12u64).prop_map(Op::Remove),
+            proptest::collection::vec(0..12u64, 0..5).prop_map(Op::TouchLater),
+            Just(Op::Evict),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Deferred touches against a model that moves each touched block to
+        /// the front of a list at once (root blocks only: the order alone).
+        #[test]
+        fn deferred_touches_evict_as_touches_done_at_once(
+            ops in proptest::collection::vec(op(), 1..80)
+        ) {
+            let mut lru = Lru::default();
+            // Newest first.
+            let mut model: Vec<u64> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Insert(seq) => {
+                        lru.insert(seq, NO_PARENT);
+                        if !model.contains(&seq) {
+                            model.insert(0, seq);
+                        }
+                    }
+                    Op::Remove(seq) => {
+                        lru.remove(seq);
+                        model.retain(|&s| s != seq);
+                    }
+                    Op::TouchLater(path) => {
+                        lru.touch_later(&path);
+                        for seq in path.iter().rev() {
+                            if let Some(at) = model.iter().position(|s| s == seq) {
+                                model.remove(at);
+                                model.insert(0, *seq);
+                            }
+                        }
+                    }
+                    Op::Evict => {
+                        let victim = lru.next_victim(&mut Cursor::default());
+                        proptest::prop_assert_eq!(victim, model.pop());
+                    }
+                }
+            }
+            proptest::prop_assert_eq!(evict(&mut lru, 100), model.into_iter().rev().collect::<Vec<_>>());
+        }
     }
 }
