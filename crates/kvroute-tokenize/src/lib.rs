@@ -34,6 +34,7 @@ mod prompt;
 mod spec;
 mod split;
 mod tiktoken;
+mod vocab;
 
 pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;

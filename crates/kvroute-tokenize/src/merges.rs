@@ -25,6 +25,8 @@
 use rustc_hash::FxHashMap;
 use serde_json::Value;
 
+use crate::vocab::TokenIds;
+
 /// The longest piece [`MergeTable::merge_into`] encodes.
 pub(crate) const MAX_MERGED_BYTES: usize = 64;
 
@@ -33,7 +35,7 @@ pub(crate) struct MergeTable {
     /// The token of each byte.
     byte_tokens: [u32; 256],
     /// The pieces that are one token, by their bytes.
-    tokens: FxHashMap<Box<[u8]>, u32>,
+    tokens: TokenIds,
     /// How each pair of adjacent tokens merges, keyed by [`pair_key`].
     pairs: FxHashMap<u64, Merge>,
 }
@@ -86,7 +88,12 @@ impl MergeTable {
         }
         Some(MergeTable {
             byte_tokens: byte_tokens(|byte| ids.get(&[byte][..]).copied())?,
-            tokens: ids,
+            tokens: TokenIds::new(
+                tokens
+                    .iter()
+                    .enumerate()
+                    .map(|(id, &token)| (token, id as u32)),
+            ),
             pairs,
         })
     }
@@ -131,13 +138,14 @@ impl MergeTable {
                     .get(byte_chars[byte as usize].encode_utf8(&mut [0; 4]) as &str)
                     .copied()
             })?,
-            tokens: FxHashMap::default(),
+            tokens: TokenIds::new(std::iter::empty()),
             pairs,
         };
         let byte_of: FxHashMap<char, u8> = (0..=255u8)
             .map(|byte| (byte_chars[byte as usize], byte))
             .collect();
         let mut merged = Vec::new();
+        let mut whole = Vec::new();
         for (token, &id) in &vocab {
             let Some(bytes) = token
                 .chars()
@@ -150,15 +158,17 @@ impl MergeTable {
             // merging them gives it.
             merged.clear();
             if ignore_merges || (table.merge_into(&bytes, &mut merged) && merged == [id]) {
-                table.tokens.insert(bytes, id);
+                whole.push((bytes, id));
             }
         }
+        table.tokens = TokenIds::new(whole.iter().map(|(bytes, id)| (&**bytes, *id)));
         Some(table)
     }
 
     /// The token `piece` is as a whole, if it is one (before any merging).
+    #[inline]
     pub(crate) fn token(&self, piece: &[u8]) -> Option<u32> {
-        self.tokens.get(piece).copied()
+        self.tokens.get(piece)
     }
 
     /// Appends the tokens of `piece` to `out`, merging pairs from single
