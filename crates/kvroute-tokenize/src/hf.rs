@@ -244,27 +244,27 @@ impl Pieces {
             let piece = &text.as_bytes()[start..end];
             match self.merges.as_ref().and_then(|merges| merges.token(piece)) {
                 Some(token) => ids.push(token),
-                None => {
-                    cache.encode_into(piece, &mut ids, |piece| self.encode_piece(model, piece))?
-                }
+                None => cache.encode_into(piece, &mut ids, |piece, ids| {
+                    self.encode_piece(model, piece, ids)
+                })?,
             }
             start = end;
         }
         Ok(ids)
     }
 
-    /// The tokens of `piece` by BPE: merged by the [`MergeTable`] when it can,
-    /// else by `model`.
+    /// Appends the tokens of `piece` by BPE: merged by the [`MergeTable`]
+    /// when it can, else by `model`.
     fn encode_piece(
         &self,
         model: &tokenizers::ModelWrapper,
         piece: &[u8],
-    ) -> Result<Vec<u32>, TokenizeError> {
-        let mut ids = Vec::new();
+        ids: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
         if let Some(merges) = &self.merges
-            && merges.merge_into(piece, &mut ids)
+            && merges.merge_into(piece, ids)
         {
-            return Ok(ids);
+            return Ok(());
         }
         let spelled: String = piece
             .iter()
@@ -275,7 +275,8 @@ impl Pieces {
             .map_err(|error| TokenizeError::Encode {
                 message: error.to_string(),
             })?;
-        Ok(tokens.into_iter().map(|token| token.id).collect())
+        ids.extend(tokens.into_iter().map(|token| token.id));
+        Ok(())
     }
 }
 

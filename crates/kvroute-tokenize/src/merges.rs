@@ -120,12 +120,16 @@ impl MergeTable {
             .map(|(token, id)| Some((token.as_str(), u32::try_from(id.as_u64()?).ok()?)))
             .collect::<Option<_>>()?;
         let mut pairs = FxHashMap::default();
+        let mut joined = String::new();
         for (priority, merge) in model.get("merges")?.as_array()?.iter().enumerate() {
             let [left, right] = merge.as_array()?.as_slice() else {
                 return None;
             };
             let (left, right) = (left.as_str()?, right.as_str()?);
-            let merged = *vocab.get(format!("{left}{right}").as_str())?;
+            joined.clear();
+            joined.push_str(left);
+            joined.push_str(right);
+            let merged = *vocab.get(joined.as_str())?;
             let merge = Merge {
                 priority: u32::try_from(priority).ok()?,
                 token: merged,

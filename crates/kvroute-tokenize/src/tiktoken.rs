@@ -119,8 +119,9 @@ impl TiktokenTokenizer {
             match self.merges.and_then(|merges| merges.token(piece)) {
                 Some(token) => ids.push(token),
                 None => {
-                    let Ok(()) = pieces.encode_into::<Infallible>(piece, &mut ids, |piece| {
-                        Ok(self.encode_piece(piece))
+                    let Ok(()) = pieces.encode_into::<Infallible>(piece, &mut ids, |piece, ids| {
+                        self.encode_piece(piece, ids);
+                        Ok(())
                     });
                 }
             }
@@ -129,13 +130,12 @@ impl TiktokenTokenizer {
         ids
     }
 
-    /// The tokens of `piece` by BPE: merged here when it is short enough,
-    /// else by `bpe_openai`.
-    fn encode_piece(&self, piece: &[u8]) -> Vec<u32> {
-        let mut ids = Vec::new();
+    /// Appends the tokens of `piece` by BPE: merged here when it is short
+    /// enough, else by `bpe_openai`.
+    fn encode_piece(&self, piece: &[u8], ids: &mut Vec<u32>) {
         match self.merges {
-            Some(merges) if merges.merge_into(piece, &mut ids) => ids,
-            _ => self.bpe.bpe.encode_via_backtracking(piece),
+            Some(merges) if merges.merge_into(piece, ids) => {}
+            _ => ids.extend(self.bpe.bpe.encode_via_backtracking(piece)),
         }
     }
 

@@ -99,16 +99,22 @@ impl TokenIds {
 }
 
 /// The bytes of `piece` (at most [`INLINE_KEY_BYTES`]) as two little-endian
-/// words, zero after its end, read with a few possibly overlapping loads.
+/// words, zero after its end.
 #[inline]
 fn inline_key(piece: &[u8]) -> [u64; 2] {
     debug_assert!(piece.len() <= INLINE_KEY_BYTES);
-    if piece.len() >= 8 {
-        let (first, rest) = piece.split_at(8);
-        [word(first), partial_word(rest)]
-    } else {
-        [partial_word(piece), 0]
+    words(piece)
+}
+
+/// The bytes of `piece` (at most `8 * N`) as `N` little-endian words, zero
+/// after its end, read with a few possibly overlapping loads.
+#[inline]
+pub(crate) fn words<const N: usize>(piece: &[u8]) -> [u64; N] {
+    let mut words = [0; N];
+    for (word, chunk) in words.iter_mut().zip(piece.chunks(8)) {
+        *word = partial_word(chunk);
     }
+    words
 }
 
 /// `bytes` (at most 8) as a little-endian word, zero after its end.
