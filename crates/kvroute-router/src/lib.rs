@@ -4,7 +4,7 @@
 //! the global index (`kvroute-index`) and tracks who can take requests and how
 //! loaded each worker is ([`registry`], with its [`booking`]s and [`breaker`]s).
 //! For every OpenAI-style request the HTTP API ([`api`]) tokenizes the prompt
-//! ([`tokenize`]), hashes it into blocks, asks the [`scheduler`] for the worker
+//! ([`tokenize`], on [`low_priority`] threads), hashes it into blocks, asks the [`scheduler`] for the worker
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
@@ -25,6 +25,7 @@ pub mod error;
 pub mod faults;
 pub mod ingest;
 pub mod limits;
+pub mod low_priority;
 pub mod metrics;
 pub mod proxy;
 pub mod queue;

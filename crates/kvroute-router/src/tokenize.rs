@@ -13,15 +13,16 @@
 //! Tokenizing a long prompt takes milliseconds of CPU. Done on the async
 //! runtime's threads it would hold up everything else they run (event ingest,
 //! streamed responses, health checks), so [`RouterTokenizer::run`] tokenizes on
-//! tokio's blocking threads, at most `tokenize_threads` at once; requests
-//! beyond that wait for a permit without holding a thread.
+//! `tokenize_threads` threads of its own, below the runtime's priority
+//! ([`crate::low_priority`]); requests beyond that wait in line without
+//! holding a thread.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::low_priority::LowPriorityPool;
 use kvroute_index::MultimodalItem;
 use kvroute_tokenize::{TokenizeError, TokenizerSpec};
 use serde_json::Value;
-use tokio::sync::Semaphore;
 
 pub use kvroute_tokenize::Prompt;
 
@@ -103,8 +104,8 @@ pub struct RouterTokenizer {
     loaded: OnceLock<Tokenizer>,
     /// The cache size of a tokenizer loaded here, configured or adopted.
     cache_tokens: u64,
-    /// Permits to tokenize, one per thread that may tokenize at once.
-    pool: Arc<Semaphore>,
+    /// The threads that tokenize.
+    pool: LowPriorityPool,
     allow_mismatch: bool,
     /// Why there is no tokenizer, while there is none.
     missing: Mutex<String>,
@@ -129,7 +130,7 @@ impl RouterTokenizer {
         Ok(Self {
             loaded,
             cache_tokens,
-            pool: Arc::new(Semaphore::new(threads)),
+            pool: LowPriorityPool::new("kvroute-tokenize", threads)?,
             allow_mismatch,
             missing: Mutex::new(
                 "the router has no tokenizer (tokenizer = \"none\") and no worker has declared one"
@@ -143,8 +144,8 @@ impl RouterTokenizer {
         self.loaded.get()
     }
 
-    /// Runs `work` with the tokenizer in use on a blocking thread, once one of
-    /// the pool's permits is free; `None` if there is no tokenizer.
+    /// Runs `work` with the tokenizer in use on a tokenizing thread, once one
+    /// is free; `None` if there is no tokenizer.
     pub async fn run<T: Send + 'static>(
         &self,
         work: impl FnOnce(&Tokenizer) -> Result<T, RouterError> + Send + 'static,
@@ -152,19 +153,11 @@ impl RouterTokenizer {
         let Some(tokenizer) = self.get().cloned() else {
             return Ok(None);
         };
-        // Held by the blocking task: a request abandoned meanwhile still
-        // counts until its tokenization ends.
-        let permit = Arc::clone(&self.pool)
-            .acquire_owned()
+        self.pool
+            .run(move || work(&tokenizer))
             .await
-            .expect("the pool's semaphore is never closed");
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            work(&tokenizer)
-        })
-        .await
-        .map_err(|e| RouterError::Io(std::io::Error::other(format!("tokenizing failed: {e}"))))?
-        .map(Some)
+            .map_err(|e| RouterError::Io(std::io::Error::other(format!("tokenizing failed: {e}"))))?
+            .map(Some)
     }
 
     /// Why text cannot be tokenized now (meaningful while [`Self::get`] is `None`).
@@ -305,10 +298,10 @@ mod tests {
     }
 
     /// The runtime has one thread; a tokenization that blocks it would stop
-    /// the other task from answering. The pool has one permit, so a second
+    /// the other task from answering. The pool has one thread, so a second
     /// tokenization waits for the first to end.
     #[tokio::test(flavor = "current_thread")]
-    async fn tokenizing_runs_off_the_runtime_one_per_permit() {
+    async fn tokenizing_runs_off_the_runtime_one_per_thread() {
         let router = Arc::new(
             RouterTokenizer::new(&"tiktoken:cl100k_base".parse().unwrap(), 0, 1, false).unwrap(),
         );
@@ -337,8 +330,7 @@ mod tests {
             async move { router.run(|t| t.encode("second")).await }
         });
         tokio::task::yield_now().await;
-        assert_eq!(router.pool.available_permits(), 0, "the first holds it");
-        assert!(!second.is_finished());
+        assert!(!second.is_finished(), "the first holds the one thread");
         release.send(()).unwrap();
         assert!(first.await.unwrap().unwrap().is_some());
         assert!(second.await.unwrap().unwrap().is_some());

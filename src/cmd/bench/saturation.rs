@@ -227,6 +227,9 @@ pub(super) async fn sse_while_tokenizing(
     let worker = streaming_stub(epoch).await?;
     let mut config = proxy_config(&format!("http://{worker}"));
     config.tokenizer = "tiktoken:cl100k_base".parse()?;
+    // No cache of recent prompts: the load repeats a few prompts, and each
+    // must be tokenized whole to load the tokenizing threads as fresh text would.
+    config.tokenizer_cache_tokens = 0;
     let router = server::start(config).await?;
     let url = format!("http://{}/v1/completions", router.http_addr);
     let client = pooled_client();

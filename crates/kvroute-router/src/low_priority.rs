@@ -1,0 +1,154 @@
+//! Threads that run CPU-heavy work (tokenizing long prompts) below the async
+//! runtime's scheduling priority.
+//!
+//! Off the runtime's threads, tokenizing no longer holds up a task, but at
+//! full rate it keeps every core busy, and the kernel shares each core fairly
+//! between the tokenizing threads and the runtime's: a streamed chunk or an
+//! event batch waits for its time slice behind a prompt. These threads raise
+//! their own nice value by [`NICE_INCREMENT`] when they start (Linux keeps a
+//! nice value per thread), so the kernel runs a runtime thread first whenever
+//! one is runnable, and the tokenizers still get every cycle nothing else wants.
+//!
+//! They are threads of their own, not tokio's blocking threads: an
+//! unprivileged process cannot lower a nice value again, and tokio's blocking
+//! threads also run work that must not wait behind tokenizing.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex, mpsc};
+
+/// How far below the rest of the process these threads run: nice 10 has a
+/// tenth of nice 0's weight, so a busy runtime thread gets ~90% of a core
+/// it shares with a tokenizer.
+const NICE_INCREMENT: libc::c_int = 10;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A fixed set of low-priority threads taking jobs in arrival order. Dropping
+/// the pool lets the threads finish the jobs queued and exit.
+pub struct LowPriorityPool {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl LowPriorityPool {
+    /// Starts `threads` threads (at least one) named `{name}-{i}`.
+    pub fn new(name: &str, threads: usize) -> std::io::Result<Self> {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let queue = Arc::new(Mutex::new(queue));
+        for i in 0..threads.max(1) {
+            let queue = Arc::clone(&queue);
+            std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || {
+                    lower_this_threads_priority();
+                    loop {
+                        // The lock is held only while waiting for a job (a
+                        // `while let` would hold it through the job too). Jobs
+                        // catch their own panics, so it is never poisoned.
+                        let next = queue.lock().expect("never poisoned").recv();
+                        let Ok(job) = next else { return };
+                        job();
+                    }
+                })?;
+        }
+        Ok(Self { jobs })
+    }
+
+    /// Runs `work` on one of the threads once it is free. `Err` carries the
+    /// panic message if `work` panicked. Work whose caller went away still
+    /// runs to its end, so the threads stay the bound on work in progress.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        let (done, result) = tokio::sync::oneshot::channel();
+        let job: Job = Box::new(move || {
+            let _ = done.send(std::panic::catch_unwind(AssertUnwindSafe(work)));
+        });
+        self.jobs
+            .send(job)
+            .map_err(|_| "the pool's threads are gone".to_string())?;
+        match result.await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(panic)) => Err(panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panicked".into())),
+            Err(_) => Err("the pool's thread stopped".into()),
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn lower_this_threads_priority() {
+    // On Linux `nice` changes the calling thread's value only. It fails only
+    // where a policy forbids it; the work then runs at the usual priority.
+    // SAFETY: `nice` takes an int and touches only the calling thread.
+    if unsafe { libc::nice(NICE_INCREMENT) } == -1 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "cannot lower the tokenizing threads' priority"
+        );
+    }
+}
+
+/// Elsewhere `nice` would lower the whole process.
+#[cfg(not(target_os = "linux"))]
+fn lower_this_threads_priority() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn this_threads_nice() -> libc::c_int {
+        // SAFETY: reads the calling thread's nice value (Linux: per thread).
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn work_runs_below_the_callers_priority() {
+        let pool = LowPriorityPool::new("test", 1).unwrap();
+        let ours = this_threads_nice();
+        let theirs = pool.run(this_threads_nice).await.unwrap();
+        assert_eq!(theirs, (ours + NICE_INCREMENT).min(19));
+        assert_eq!(
+            this_threads_nice(),
+            ours,
+            "the caller's thread is unchanged"
+        );
+    }
+
+    /// Each job waits for the other to start: they finish only if both
+    /// threads run at once.
+    #[tokio::test]
+    async fn its_threads_run_jobs_at_the_same_time() {
+        let pool = LowPriorityPool::new("test", 2).unwrap();
+        let (a_started, a_seen) = mpsc::channel();
+        let (b_started, b_seen) = mpsc::channel();
+        let a = pool.run(move || {
+            a_started.send(()).unwrap();
+            b_seen.recv().unwrap()
+        });
+        let b = pool.run(move || {
+            b_started.send(()).unwrap();
+            a_seen.recv().unwrap()
+        });
+        let both = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            tokio::join!(a, b)
+        });
+        assert_eq!(
+            both.await,
+            Ok((Ok(()), Ok(()))),
+            "one job waited for the other"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panic_is_returned_and_the_thread_goes_on() {
+        let pool = LowPriorityPool::new("test", 1).unwrap();
+        let err = pool.run(|| -> u32 { panic!("boom") }).await.unwrap_err();
+        assert_eq!(err, "boom");
+        assert_eq!(pool.run(|| 7).await, Ok(7));
+    }
+}
