@@ -293,9 +293,10 @@ mod tests {
             vocab.insert(spell(&[byte]), vocab.len().into());
         }
         let mut merged: Vec<String> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for (left, right) in merges {
             let token = spell(&[left.as_slice(), right].concat());
-            if !merged.contains(&token) && !vocab.contains_key(&token) {
+            if !vocab.contains_key(&token) && seen.insert(token.clone()) {
                 merged.push(token);
             }
         }
