@@ -11,7 +11,7 @@
 //! itself does first; each thread remembers the ids of recent pieces of
 //! several tokens (`pieces` module); and only the rest is merged, by this
 //! crate's BPE (`merges` module; `bpe-openai`'s for pieces longer than it
-//! takes). On the router bench's prompts that is 1.9M instructions per
+//! takes). On the router bench's prompts that is 2.0M instructions per
 //! 8.2k-token prompt, from 4.2M with `bpe-openai` merging the pieces the cache
 //! missed (callgrind).
 //!
