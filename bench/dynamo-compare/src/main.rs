@@ -36,7 +36,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
-use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey, WorkerMatch};
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
@@ -71,6 +71,8 @@ struct Args {
     /// Requests of the trace used (all unless quick).
     requests: Option<usize>,
     only: Option<String>,
+    /// The indexes run (all three unless `--index`, for profiling one).
+    indexers: Vec<Indexer>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -82,6 +84,7 @@ fn parse_args() -> Result<Args, String> {
         rounds: 3,
         requests: None,
         only: None,
+        indexers: Indexer::ALL.to_vec(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -100,9 +103,17 @@ fn parse_args() -> Result<Args, String> {
             }
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),
+            "--index" => {
+                let name = value("--index")?;
+                let indexer = Indexer::ALL
+                    .into_iter()
+                    .find(|i| i.name() == name)
+                    .ok_or("--index must be kvroute, dynamo or dashmap")?;
+                args.indexers = vec![indexer];
+            }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap]"
                 ));
             }
         }
@@ -143,7 +154,7 @@ fn main() {
         {
             continue;
         }
-        compare(&runtime, &requests, workers, args.rounds);
+        compare(&runtime, &requests, workers, args.rounds, &args.indexers);
     }
 }
 
@@ -154,6 +165,7 @@ fn compare(
     requests: &[Vec<u64>],
     workers: usize,
     rounds: usize,
+    indexers: &[Indexer],
 ) {
     let ops = derive_timeline(requests.iter().map(Vec::as_slice), workers, 512);
     let shape = Shape::of(&ops);
@@ -164,12 +176,12 @@ fn compare(
         shape.events,
         100.0 * shape.removes as f64 / shape.ops() as f64
     );
-    let mut results: Vec<Totals> = Indexer::ALL.iter().map(|_| Totals::new()).collect();
+    let mut results: Vec<Totals> = indexers.iter().map(|_| Totals::new()).collect();
     for round in 0..rounds {
-        let mut order = Indexer::ALL.to_vec();
-        order.rotate_left(round % Indexer::ALL.len());
+        let mut order = indexers.to_vec();
+        order.rotate_left(round % indexers.len());
         for indexer in order {
-            let i = Indexer::ALL.iter().position(|&x| x == indexer).unwrap();
+            let i = indexers.iter().position(|&x| x == indexer).unwrap();
             let run = replay(runtime, indexer, &ops);
             results[i].add(run, shape.ops());
             let settled = settled_lookups(runtime, indexer, &ops, &mut results[i].preempted);
@@ -187,7 +199,7 @@ fn compare(
     if shared.is_some() {
         memory.push(("every block on every worker", Vec::new()));
     }
-    for indexer in Indexer::ALL {
+    for &indexer in indexers {
         memory[0]
             .1
             .push(bytes_per_membership(runtime, indexer, &unbounded));
@@ -202,7 +214,7 @@ fn compare(
         "{:<8} {:>12} {:>14} {:>9} {:>9} {:>9}",
         "index", "ops/s", "ops/CPU-s", "p50 us", "p99 us", "p999 us"
     );
-    for (indexer, t) in Indexer::ALL.iter().zip(&results) {
+    for (indexer, t) in indexers.iter().zip(&results) {
         println!(
             "{:<8} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}   ({} of {} lookups preempted, left out)",
             indexer.name(),
@@ -218,7 +230,7 @@ fn compare(
     for (name, per) in &memory {
         println!(
             "heap B per membership, {name}: {}",
-            Indexer::ALL
+            indexers
                 .iter()
                 .zip(per)
                 .map(|(i, b)| format!("{} {b:.1}", i.name()))
@@ -226,7 +238,9 @@ fn compare(
                 .join(", ")
         );
     }
-    let (k, d, m) = (&results[0], &results[1], &results[2]);
+    let [k, d, m] = &results[..] else {
+        return;
+    };
     println!(
         "ratios kvroute/dynamo: ops/s {:.2}x, ops/CPU-s {:.2}x, p50 {:.2}, p99 {:.2}, p999 {:.2}, memory {} (lower is better except ops)",
         k.ops_per_s() / d.ops_per_s(),
@@ -446,7 +460,7 @@ fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
 thread_local! {
     /// Each replay thread's buffer for kvroute's lookups, kept across lookups
     /// as a router keeps one per routing thread (`KvIndex::find_matches_into`).
-    static MATCHES: std::cell::RefCell<Vec<WorkerMatch>> = const { std::cell::RefCell::new(Vec::new()) };
+    static MATCHES: std::cell::RefCell<Matches> = std::cell::RefCell::new(Matches::default());
 }
 
 enum Live {
@@ -473,9 +487,12 @@ impl Live {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(worker, event));
             }
+            // Every matching worker as an (index, depth) pair, and the key of
+            // the deepest resolved: what a decision needs named.
             (Live::Kvroute(index), Op::Match(hashes)) => MATCHES.with_borrow_mut(|matches| {
                 index.find_matches_into(hashes, matches);
-                std::hint::black_box(matches);
+                let best = matches.deepest().and_then(|m| index.resolve(matches, m));
+                std::hint::black_box((matches.pairs(), best));
             }),
             (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(worker, event),
             (Live::Dashmap(index), Op::Match(hashes)) => {

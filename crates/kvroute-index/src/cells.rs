@@ -1,8 +1,9 @@
 //! What a lookup reads of each interned worker index, without a lock.
 //!
 //! Blocks name their holders by small interned indices (see [`crate::table`]); a
-//! lookup turns the indices it matched into worker keys and sizes, thousands of
-//! them per lookup at fleet scale. These cells used to sit in growable arrays
+//! lookup's caller turns the indices it ranks into worker keys and sizes
+//! ([`crate::index::KvIndex::resolve`]), every one of thousands for the
+//! scheduler at fleet scale. These cells used to sit in growable arrays
 //! behind a lock that lookups held for reading over their whole walk, so every
 //! new worker waited for the lookups in flight, and every later lookup waited
 //! for it. Here they live in buckets that never move (bucket `b` holds 64·2^b
@@ -14,6 +15,12 @@
 //! the change, seqlock style, and a lookup that saw the epoch move walks again.
 //! Giving out an index does not bump it: a new index holds no block until its
 //! worker's first event, which reaches lookups through the table's shard locks.
+//!
+//! A lookup answers with bare (index, depth) pairs and reads a cell only for the
+//! indices its caller resolves (see [`crate::index::Matches`]). So that it need
+//! not read every matched index's cell to leave out hidden ones (a dump being
+//! built, a state being released), the cells count the hidden indices: while
+//! there are none, which is nearly always, every index a walk meets is live.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::{Arc, OnceLock};
@@ -70,6 +77,10 @@ pub(crate) struct Cells {
     buckets: [OnceLock<Arc<[Cell]>>; BUCKETS],
     /// Odd while a change is under way; see [`Cells::change`].
     epoch: AtomicU64,
+    /// Indices given out and not live. Raised when a hidden index is given out
+    /// (before its first block is stored, which reaches lookups through the
+    /// table's locks) or hidden by a change; lowered only by changes.
+    hidden: AtomicU64,
 }
 
 impl Default for Cells {
@@ -77,6 +88,7 @@ impl Default for Cells {
         Cells {
             buckets: std::array::from_fn(|_| OnceLock::new()),
             epoch: AtomicU64::new(0),
+            hidden: AtomicU64::new(0),
         }
     }
 }
@@ -103,6 +115,9 @@ impl Cells {
         cell.worker_id.store(worker.worker_id, Ordering::Release);
         cell.dp_rank.store(worker.dp_rank, Ordering::Release);
         cell.live.store(live, Ordering::Release);
+        if !live {
+            self.hidden.fetch_add(1, Ordering::Release);
+        }
         (Arc::clone(bucket), at)
     }
 
@@ -132,10 +147,41 @@ impl Cells {
         self.epoch.store(epoch + 2, Ordering::Release);
     }
 
+    /// Shows or hides a given-out index; inside [`Cells::change`].
     pub fn set_live(&self, idx: u32, live: bool) {
-        if let Some(cell) = self.get(idx) {
-            cell.live.store(live, Ordering::Relaxed);
+        if let Some(cell) = self.get(idx)
+            && cell.live.swap(live, Ordering::Relaxed) != live
+        {
+            if live {
+                self.hidden.fetch_sub(1, Ordering::Relaxed);
+            } else {
+                self.hidden.fetch_add(1, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// Takes index `idx` back from its worker, live or hidden; inside
+    /// [`Cells::change`].
+    pub fn free(&self, idx: u32) {
+        if let Some(cell) = self.get(idx)
+            && !cell.live.swap(false, Ordering::Relaxed)
+        {
+            self.hidden.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether some given-out index is hidden. A walk asks after reading the
+    /// table: a hidden index whose bits it met was counted before them.
+    #[inline]
+    pub fn any_hidden(&self) -> bool {
+        self.hidden.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether lookups report index `idx`.
+    #[inline]
+    pub fn is_live(&self, idx: u32) -> bool {
+        self.get(idx)
+            .is_some_and(|c| c.live.load(Ordering::Relaxed))
     }
 }
 

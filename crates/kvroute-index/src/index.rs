@@ -30,10 +30,10 @@ use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
+use crate::flat::FlatMap;
 use crate::lru::{Cursor, Lru};
 use crate::table::{
-    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, map_bytes, path_refs,
-    shrink_sparse,
+    BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
 
 /// Limits of the index.
@@ -51,6 +51,41 @@ pub struct WorkerMatch {
     pub depth: u32,
     /// All blocks the worker holds, for tie-breaks.
     pub total_blocks: u64,
+}
+
+/// One worker's match as a lookup finds it: the worker's interned index (see
+/// [`KvIndex::resolve`]) and its depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexMatch {
+    pub idx: u32,
+    /// Leading blocks of the request that the worker holds.
+    pub depth: u32,
+}
+
+/// A lookup's answer ([`KvIndex::find_matches_into`]), in a buffer the caller
+/// keeps across lookups: one pair per live worker holding block 0, shallowest
+/// first (the walk writes a worker's pair when it drops out, so depths never
+/// decrease), so the deepest matches, the ones a decision ranks first, are at
+/// the end.
+#[derive(Clone, Debug, Default)]
+pub struct Matches {
+    pairs: Vec<IndexMatch>,
+    /// The cells' epoch the walk saw throughout; its pairs resolve to the
+    /// workers of that epoch.
+    epoch: u64,
+    /// The walk's list of workers still matching, kept for the next lookup.
+    scratch: Vec<u32>,
+}
+
+impl Matches {
+    pub fn pairs(&self) -> &[IndexMatch] {
+        &self.pairs
+    }
+
+    /// A pair of the greatest depth, if any worker matched.
+    pub fn deepest(&self) -> Option<IndexMatch> {
+        self.pairs.last().copied()
+    }
 }
 
 /// A worker's whole state, as `Stored` events, parents before children.
@@ -178,12 +213,16 @@ struct WorkerState {
     counters: Counters,
 }
 
-type EngineMap = HashMap<u64, BlockRef, BuildHasherDefault<EngineHasher>>;
+type EngineMap = FlatMap<BlockRef>;
 
 /// Blocks a dump stores, a replaced state releases or an eviction after a dump
 /// drops per critical section: lookups and other workers' events wait at most
 /// that long for it.
 const DUMP_BATCH: usize = 512;
+
+/// Blocks ahead of the one probed whose slots a walk or a stored chain
+/// prefetches.
+const PREFETCH_AHEAD: usize = 16;
 
 /// Shards of the worker registry: ingest threads applying different workers'
 /// events then rarely share the lock's cache line.
@@ -423,7 +462,7 @@ impl KvIndex {
             };
             let mut parent = match parent_hash {
                 None => None,
-                Some(p) => match state.blocks.get(p) {
+                Some(p) => match state.blocks.get(*p) {
                     Some(&r) => Some(r),
                     None => {
                         // Rejected whole, as one event would be.
@@ -521,7 +560,7 @@ impl KvIndex {
     /// Takes the memberships of a slot that is no longer live away in batches,
     /// then frees its interned index.
     fn retire(&self, slot: &WorkerSlot, blocks: EngineMap, pace: &mut Pace<'_>) {
-        let mut refs: Vec<BlockRef> = blocks.into_values().collect();
+        let mut refs: Vec<BlockRef> = blocks.iter().map(|(_, r)| r).collect();
         refs.sort_unstable_by_key(|r| r.shard());
         for part in refs.chunks(pace.batch) {
             let mut eviction = self.lock_eviction();
@@ -538,7 +577,7 @@ impl KvIndex {
     /// last one held.
     fn free_idx(&self, idx: u32) {
         let mut indices = self.indices.lock().unwrap();
-        self.cells.change(|cells| cells.set_live(idx, false));
+        self.cells.change(|cells| cells.free(idx));
         indices.by_idx[idx as usize] = None;
         indices.free.push(Reverse(idx));
     }
@@ -548,7 +587,7 @@ impl KvIndex {
     pub fn dump(&self, worker: WorkerKey) -> Option<WorkerDump> {
         let slot = self.find_slot(worker)?;
         let state = slot.state.lock().unwrap();
-        let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().map(|(&e, &r)| (e, r)).collect();
+        let mut held: Vec<(u64, BlockRef)> = state.blocks.iter().collect();
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
@@ -559,7 +598,7 @@ impl KvIndex {
             if !shard.holds(r.key(), slot.idx) {
                 continue;
             }
-            let Some(&entry) = shard.entries.get(&r.key()) else {
+            let Some(&entry) = shard.entries.get(r.key()) else {
                 continue;
             };
             let names = blocks.entry(r.key()).or_default();
@@ -620,16 +659,31 @@ impl KvIndex {
 
     /// Per worker with at least one matching block: the matched depth of
     /// `local_hashes` (a request's local block hashes from block 0) and its size.
+    /// Resolves every match; a router that needs only some keys calls
+    /// [`Self::find_matches_into`] and [`Self::resolve`].
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        let mut matches = Vec::new();
-        self.find_matches_into(local_hashes, &mut matches);
-        matches
+        let mut matches = Matches::default();
+        loop {
+            self.find_matches_into(local_hashes, &mut matches);
+            let resolved: Option<Vec<WorkerMatch>> = matches
+                .pairs()
+                .iter()
+                .map(|&m| self.resolve_unchecked(m))
+                .collect();
+            if let Some(resolved) = resolved
+                && self.cells.unchanged(matches.epoch)
+            {
+                return resolved;
+            }
+        }
     }
 
-    /// [`Self::find_matches`] into a buffer the caller keeps: at fleet scale a
-    /// lookup returns thousands of workers, and allocating (and faulting in) the
-    /// result each time was a large share of it.
-    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) {
+    /// The workers holding a prefix of `local_hashes`, as (interned index,
+    /// depth) pairs, into a buffer the caller keeps. At fleet scale a lookup
+    /// matches thousands of workers; writing each one's key and size (a 32-byte
+    /// [`WorkerMatch`], one cell read each) was most of the lookup, and a
+    /// decision needs few of them: [`Self::resolve`] names the ones it ranks.
+    pub fn find_matches_into(&self, local_hashes: &[u64], matches: &mut Matches) {
         // Walked again if a dump was swapped in or an index changed hands
         // meanwhile: the walk would otherwise show a dump's hidden bits, read
         // half built, as the worker's, or one worker's depth as another's.
@@ -638,20 +692,44 @@ impl KvIndex {
                 std::thread::yield_now();
                 continue;
             };
-            matches.clear();
-            let seqs = self.walk(local_hashes, matches);
+            matches.pairs.clear();
+            let seqs = self.walk(local_hashes, &mut matches.pairs, &mut matches.scratch);
+            if self.cells.any_hidden() {
+                matches.pairs.retain(|m| self.cells.is_live(m.idx));
+            }
             if self.cells.unchanged(epoch) {
+                matches.epoch = epoch;
                 break seqs;
             }
         };
         if let Some(eviction) = &self.eviction {
-            let deepest = matches.iter().map(|m| m.depth).max().unwrap_or(0);
+            let deepest = matches.deepest().map_or(0, |m| m.depth);
             eviction
                 .lock()
                 .unwrap()
                 .lru
                 .touch(&seqs[..deepest as usize]);
         }
+    }
+
+    /// The worker and size behind one pair of `matches`, as of the lookup that
+    /// filled it; `None` once an index changed hands or a dump was swapped in
+    /// since (rare: look up again). The size is read now, as a lookup always
+    /// read it (it may lag its worker's event in flight).
+    pub fn resolve(&self, matches: &Matches, m: IndexMatch) -> Option<WorkerMatch> {
+        let resolved = self.resolve_unchecked(m)?;
+        self.cells.unchanged(matches.epoch).then_some(resolved)
+    }
+
+    /// [`Self::resolve`] without the epoch check, for callers that check it
+    /// once after resolving many.
+    fn resolve_unchecked(&self, m: IndexMatch) -> Option<WorkerMatch> {
+        let cell = self.cells.get(m.idx)?;
+        Some(WorkerMatch {
+            worker: cell.live_worker()?,
+            depth: m.depth,
+            total_blocks: cell.held.load(Ordering::Relaxed),
+        })
     }
 
     /// Protects the blocks of a request's path from eviction until the guard is
@@ -693,7 +771,7 @@ impl KvIndex {
         let slots = self.slots();
         let workers: u64 = slots
             .iter()
-            .map(|s| size_of::<WorkerSlot>() as u64 + map_bytes(&s.state.lock().unwrap().blocks))
+            .map(|s| size_of::<WorkerSlot>() as u64 + s.state.lock().unwrap().blocks.heap_bytes())
             .sum();
         let eviction = self
             .eviction
@@ -744,54 +822,75 @@ impl KvIndex {
     /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
     /// intersected with each block's holders by a merge when both are long.
     /// A worker's match is written as it drops out, without a list between.
-    fn walk(&self, local_hashes: &[u64], matches: &mut Vec<WorkerMatch>) -> Vec<u64> {
-        enum Active {
+    fn walk(
+        &self,
+        local_hashes: &[u64],
+        matches: &mut Vec<IndexMatch>,
+        scratch: &mut Vec<u32>,
+    ) -> Vec<u64> {
+        enum Active<'s> {
             Bits(u64),
-            Ids(Vec<u32>),
+            Ids(&'s mut Vec<u32>),
         }
-        let cells = &self.cells;
-        let emit = |matches: &mut Vec<WorkerMatch>, idx: u32, depth: u32| {
-            if let Some(cell) = cells.get(idx)
-                && let Some(worker) = cell.live_worker()
-            {
-                matches.push(WorkerMatch {
-                    worker,
-                    depth,
-                    total_blocks: cell.held.load(Ordering::Relaxed),
-                });
-            }
+        let emit = |matches: &mut Vec<IndexMatch>, idx: u32, depth: u32| {
+            matches.push(IndexMatch { idx, depth });
         };
         let keep_path = self.eviction.is_some();
         let mut path = Vec::new();
+        let Some(&first) = local_hashes.first() else {
+            return path;
+        };
         let mut reader = ShardReader::new(&self.table);
-        let mut parent = None;
-        let mut active = Active::Bits(0);
-        for (depth, &local) in local_hashes.iter().enumerate() {
-            let r = BlockRef::child_of(parent, local);
+        let mut parent = BlockRef::child_of(None, first);
+        if keep_path {
+            path.push(parent.key());
+        }
+        // The result is sized once, from the holders of block 0.
+        let mut active = match reader.shard(parent.shard()).holders(parent.key()) {
+            HolderSet::Bits(0) => return path,
+            HolderSet::Bits(b) => Active::Bits(b),
+            other => {
+                scratch.clear();
+                other.ids_into(scratch);
+                Active::Ids(scratch)
+            }
+        };
+        matches.reserve(match &active {
+            Active::Bits(b) => b.count_ones() as usize,
+            Active::Ids(ids) => ids.len(),
+        });
+        // The slot of the block PREFETCH_AHEAD further on is on its way while
+        // this one is probed (chain keys need no table): a long match in a
+        // large table misses the cache once per block.
+        let mut ahead = parent;
+        for &local in local_hashes.iter().skip(1).take(PREFETCH_AHEAD) {
+            ahead = BlockRef::child_of(Some(ahead), local);
+        }
+        for (depth, &local) in local_hashes.iter().enumerate().skip(1) {
+            let r = BlockRef::child_of(Some(parent), local);
             if keep_path {
                 path.push(r.key());
             }
-            parent = Some(r);
-            let holders = reader.shard(r.shard()).holders(r.key());
-            let depth = depth as u32;
-            if depth == 0 {
-                // The result is sized once, from the holders of block 0.
-                active = match holders {
-                    HolderSet::Bits(b) => Active::Bits(b),
-                    other => Active::Ids(other.ids()),
-                };
-                let holding = match &active {
-                    Active::Bits(b) => b.count_ones() as usize,
-                    Active::Ids(ids) => ids.len(),
-                };
-                matches.reserve(holding);
-                if matches!(&active, Active::Bits(0))
-                    || matches!(&active, Active::Ids(ids) if ids.is_empty())
-                {
-                    return path;
+            parent = r;
+            let shard = reader.shard(r.shard());
+            if depth == 1 {
+                // The anchor's shard is read from here on: the blocks up to
+                // `ahead` now, the later ones as the walk reaches them.
+                let mut early = r;
+                for &local in local_hashes.iter().skip(2).take(PREFETCH_AHEAD - 1) {
+                    early = BlockRef::child_of(Some(early), local);
+                    shard.entries.prefetch(early.key());
                 }
-                continue;
             }
+            if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
+                ahead = BlockRef::child_of(Some(ahead), local);
+                // Deeper blocks live in their anchor's shard, the one read now.
+                if ahead.shard() == r.shard() {
+                    shard.entries.prefetch(ahead.key());
+                }
+            }
+            let holders = shard.holders(r.key());
+            let depth = depth as u32;
             let left = match &mut active {
                 Active::Bits(set) => {
                     let still = holders.mask(*set);
@@ -801,6 +900,9 @@ impl KvIndex {
                 }
                 Active::Ids(ids) => {
                     match holders {
+                        _ if holders.len() * 8 < ids.len() => holders.keep_held(ids, |run| {
+                            matches.extend(run.iter().map(|&idx| IndexMatch { idx, depth }));
+                        }),
                         HolderSet::Spilled(held) => {
                             // Both sorted: a merge, or a search in what is left of
                             // the holders per id when those are far more.
@@ -839,7 +941,7 @@ impl KvIndex {
         let full = local_hashes.len() as u32;
         match active {
             Active::Bits(set) => bits(set, 0).for_each(|i| emit(matches, i, full)),
-            Active::Ids(ids) => ids.into_iter().for_each(|i| emit(matches, i, full)),
+            Active::Ids(ids) => ids.iter().for_each(|&i| emit(matches, i, full)),
         }
         path
     }
@@ -934,16 +1036,39 @@ impl KvIndex {
             } => {
                 let parent = match parent_hash {
                     None => Some(None),
-                    Some(p) => state.blocks.get(p).map(|&r| Some(r)),
+                    Some(p) => state.blocks.get(*p).map(|&r| Some(r)),
                 };
                 match parent {
                     None => rejected_blocks = blocks.len() as u64,
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
-                        for block in blocks {
+                        // New chains are mostly new blocks, a cache miss each:
+                        // their slots are fetched ahead, as a walk's are.
+                        let mut ahead = parent;
+                        for block in blocks.iter().take(PREFETCH_AHEAD) {
+                            ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
+                        }
+                        for (i, block) in blocks.iter().enumerate() {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
                             let seq = r.key();
+                            if i == 0 {
+                                let shard = writer.shard(r.shard());
+                                let mut early = r;
+                                for block in blocks.iter().skip(1).take(PREFETCH_AHEAD - 1) {
+                                    early = BlockRef::child_of(Some(early), block.tokens_hash);
+                                    if early.shard() == r.shard() {
+                                        shard.entries.prefetch(early.key());
+                                    }
+                                }
+                            }
+                            if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
+                                let next = BlockRef::child_of(ahead, later.tokens_hash);
+                                ahead = Some(next);
+                                if next.shard() == r.shard() {
+                                    writer.shard(r.shard()).entries.prefetch(next.key());
+                                }
+                            }
                             match state.blocks.insert(block.block_hash, r) {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {
@@ -979,7 +1104,7 @@ impl KvIndex {
             }
             EventKind::Removed { block_hashes } => {
                 for hash in block_hashes {
-                    match state.blocks.remove(hash) {
+                    match state.blocks.remove(*hash) {
                         Some(r) => {
                             state.digest.remove(*hash);
                             held_delta -= self.unhold(&mut writer, slot, r, eviction);
@@ -987,7 +1112,6 @@ impl KvIndex {
                         None => unknown_removals += 1,
                     }
                 }
-                shrink_sparse(&mut state.blocks);
             }
             EventKind::Cleared => {
                 drop(writer);
@@ -1008,11 +1132,11 @@ impl KvIndex {
         state: &mut WorkerState,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
     ) {
-        let mut refs: Vec<BlockRef> = state.blocks.drain().map(|(_, r)| r).collect();
+        let mut refs: Vec<BlockRef> = state.blocks.iter().map(|(_, r)| r).collect();
+        state.blocks = EngineMap::default();
         refs.sort_unstable_by_key(|r| r.shard());
         let released = self.unhold_all(slot, &refs, eviction);
         slot.add_held(-released);
-        state.blocks.shrink_to_fit();
         state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
         slot.trimmed.store(false, Ordering::Relaxed);
@@ -1117,7 +1241,6 @@ impl KvIndex {
         state
             .blocks
             .retain(|_, r| reader.shard(r.shard()).holds(r.key(), slot.idx));
-        state.blocks.shrink_to_fit();
         slot.dangling.store(0, Ordering::Relaxed);
     }
 }
@@ -1245,6 +1368,79 @@ mod tests {
         assert_eq!(index.worker_blocks(dumper), 20_000);
     }
 
+    /// A lookup's pairs name live workers only: while a dump is built, the
+    /// hidden slot's bits (here a shorter match on the same path) are left out,
+    /// and once it is swapped in and the old state released no index is hidden.
+    #[test]
+    fn pairs_leave_out_a_dump_being_built() {
+        let index = KvIndex::default();
+        let worker = WorkerKey::new(1, 0);
+        let path: Vec<u64> = (1..=8).collect();
+        index.apply(
+            worker,
+            &KvEvent {
+                event_id: 1,
+                kind: chain(1, 8, None),
+            },
+        );
+        let dump: Vec<EventKind> = (1..=4)
+            .map(|h| chain(h, 1, (h > 1).then(|| h - 1)))
+            .collect();
+        let mut seen = Vec::new();
+        let mut pace = Pace {
+            batch: 1,
+            between: &mut || {
+                let mut matches = Matches::default();
+                index.find_matches_into(&path, &mut matches);
+                let named: Vec<_> = matches
+                    .pairs()
+                    .iter()
+                    .map(|&m| index.resolve(&matches, m).unwrap())
+                    .map(|m| (m.worker, m.depth))
+                    .collect();
+                seen.push(named);
+            },
+        };
+        assert_eq!(index.replace_worker_with(worker, 1, &dump, &mut pace), 0);
+        assert!(seen.len() >= 4, "{seen:?}");
+        for named in &seen {
+            assert!(
+                *named == [(worker, 8)] || *named == [(worker, 4)],
+                "{seen:?}"
+            );
+        }
+        assert_eq!(seen[0], [(worker, 8)]);
+        assert_eq!(seen.last().unwrap(), &[(worker, 4)]);
+        assert!(!index.cells.any_hidden());
+    }
+
+    /// A pair resolves to the worker that held its index when the lookup ran:
+    /// once the index changed hands since, it resolves to nothing (look up
+    /// again), never to the index's next worker.
+    #[test]
+    fn a_pair_never_resolves_to_its_index_next_worker() {
+        let index = KvIndex::default();
+        let (first, next) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let stored = KvEvent {
+            event_id: 1,
+            kind: chain(1, 3, None),
+        };
+        index.apply(first, &stored);
+        let mut matches = Matches::default();
+        index.find_matches_into(&[1, 2, 3], &mut matches);
+        let pair = matches.deepest().unwrap();
+        assert_eq!(pair, IndexMatch { idx: 0, depth: 3 });
+        let resolved = index.resolve(&matches, pair).unwrap();
+        assert_eq!((resolved.worker, resolved.total_blocks), (first, 3));
+        index.remove_worker(first);
+        index.apply(next, &stored);
+        assert_eq!(index.resolve(&matches, pair), None);
+        let mut again = Matches::default();
+        index.find_matches_into(&[1, 2, 3], &mut again);
+        assert_eq!(again.pairs(), [pair]);
+        assert_eq!(index.resolve(&again, pair).unwrap().worker, next);
+    }
+
     /// A worker removed while its dump is built stays removed: the dump is
     /// dropped and its blocks and interned index given back.
     #[test]
@@ -1269,8 +1465,10 @@ mod tests {
             assert!(index.find_matches(&[1, 2, 3]).is_empty());
             let stats = index.stats();
             assert_eq!((stats.blocks, stats.memberships), (8, 8));
-            // The removed worker's interned index and the dump's are free again.
+            // The removed worker's interned index and the dump's are free again,
+            // and no index counts as hidden.
             assert_eq!(index.indices.lock().unwrap().free.len(), 2);
+            assert!(!index.cells.any_hidden());
             if let Some(eviction) = &index.eviction {
                 assert_eq!(eviction.lock().unwrap().memberships, 8);
             }

@@ -19,6 +19,7 @@
 mod cells;
 pub mod digest;
 pub mod event;
+mod flat;
 pub mod hash;
 pub mod index;
 mod lru;
@@ -35,7 +36,8 @@ pub use hash::{
     sequence_hashes,
 };
 pub use index::{
-    IndexConfig, IndexStats, KvIndex, OwnedPinnedPath, PinnedPath, WorkerDump, WorkerMatch,
+    IndexConfig, IndexMatch, IndexStats, KvIndex, Matches, OwnedPinnedPath, PinnedPath, WorkerDump,
+    WorkerMatch,
 };
 pub use predicted::{PredictedConfig, PredictedIndex};
 pub use tiers::{Tier, TieredDump, TieredIndex};

@@ -12,9 +12,11 @@
 //! (a conversation, typically) therefore shares a shard, so a lookup takes at most
 //! two read locks and a writer's chain segment is applied under one write lock.
 
-use std::collections::{HashMap, hash_map};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::flat::FlatMap;
 
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
@@ -52,7 +54,7 @@ pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
 /// with its low seven bits replaced by the block's shard and a depth-0 flag, so
 /// a worker's engine-hash map needs one word per block (57 bits of hash are
 /// plenty to tell blocks apart).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BlockRef(u64);
 
 const FLAG_BITS: u64 = 0x7F;
@@ -108,7 +110,7 @@ pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
 }
 
 /// One distinct block.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Entry {
     /// The workers holding the block, in one word (see [`Holders`]).
     pub workers: Holders,
@@ -139,7 +141,7 @@ const SPILLED: u64 = u64::MAX;
 ///
 /// The form is a function of the set (each change re-encodes it), so equal sets
 /// are equal words and an empty set is 0.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Holders(u64);
 
 impl Holders {
@@ -213,14 +215,57 @@ impl HolderSet<'_> {
         }
     }
 
-    /// All holders, ascending.
-    pub fn ids(&self) -> Vec<u32> {
+    /// All holders, ascending, appended to `out`.
+    pub fn ids_into(&self, out: &mut Vec<u32>) {
         match self {
-            HolderSet::Bits(b) => bits(*b, 0).collect(),
-            HolderSet::List(h) => h.listed().collect(),
-            HolderSet::Spilled(ids) => ids.to_vec(),
+            HolderSet::Bits(b) => out.extend(bits(*b, 0)),
+            HolderSet::List(h) => out.extend(h.listed()),
+            HolderSet::Spilled(ids) => out.extend_from_slice(ids),
         }
     }
+
+    /// How many hold the block.
+    pub fn len(&self) -> usize {
+        match self {
+            HolderSet::Bits(b) => b.count_ones() as usize,
+            HolderSet::List(h) => h.listed().count(),
+            HolderSet::Spilled(ids) => ids.len(),
+        }
+    }
+
+    /// Keeps in `ids` (ascending) those that hold the block and passes the
+    /// runs of the others, in order, to `dropped`, with one search of `ids` per
+    /// holder: for when the holders are far fewer than `ids` (block 0 held by
+    /// the whole fleet, block 1 by one to three workers), where testing every
+    /// id against the holders cost a branchy probe per id.
+    pub fn keep_held(&self, ids: &mut Vec<u32>, dropped: impl FnMut(&[u32])) {
+        match self {
+            HolderSet::Bits(b) => keep_listed(ids, bits(*b, 0), dropped),
+            HolderSet::List(h) => keep_listed(ids, h.listed(), dropped),
+            HolderSet::Spilled(held) => keep_listed(ids, held.iter().copied(), dropped),
+        }
+    }
+}
+
+/// [`HolderSet::keep_held`] over the holders, ascending.
+fn keep_listed(
+    ids: &mut Vec<u32>,
+    holders: impl Iterator<Item = u32>,
+    mut dropped: impl FnMut(&[u32]),
+) {
+    let (mut kept, mut from) = (0, 0);
+    for h in holders {
+        if let Ok(at) = ids[from..].binary_search(&h) {
+            let at = from + at;
+            dropped(&ids[from..at]);
+            // `kept` <= `at` < the new `from`: nothing still to be read.
+            ids[kept] = h;
+            kept += 1;
+            from = at + 1;
+        }
+    }
+    dropped(&ids[from..]);
+    ids.truncate(kept);
 }
 
 /// Sequence hashes are already uniform: use them as their own hash, rotated so
@@ -244,7 +289,7 @@ pub(crate) type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 
 #[derive(Default)]
 pub(crate) struct Shard {
-    pub entries: SeqMap<Entry>,
+    pub entries: FlatMap<Entry>,
     /// Sorted holder indices of the blocks whose holders are spilled.
     pub spilled: SeqMap<Vec<u32>>,
 }
@@ -254,17 +299,11 @@ impl Shard {
     /// new to the block, whether the block is new).
     pub fn insert(&mut self, seq: u64, tokens_hash: u64, parent: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        let (entry, created) = match entries.entry(seq) {
-            hash_map::Entry::Occupied(o) => (o.into_mut(), false),
-            hash_map::Entry::Vacant(v) => (
-                v.insert(Entry {
-                    workers: Holders::NONE,
-                    tokens_hash,
-                    parent,
-                }),
-                true,
-            ),
-        };
+        let (entry, created) = entries.get_or_insert(seq, || Entry {
+            workers: Holders::NONE,
+            tokens_hash,
+            parent,
+        });
         if let Some(b) = entry.workers.bitset()
             && worker < BITSET_IDS
         {
@@ -299,11 +338,9 @@ impl Shard {
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        // One probe for the lookup and the removal.
-        let hash_map::Entry::Occupied(mut occupied) = entries.entry(seq) else {
+        let Some(entry) = entries.get_mut(seq) else {
             return (false, false);
         };
-        let entry = occupied.get_mut();
         let held = if let Some(b) = entry.workers.bitset() {
             let held = worker < BITSET_IDS && b & 1 << worker != 0;
             if held {
@@ -338,18 +375,16 @@ impl Shard {
         };
         let empty = entry.workers == Holders::NONE;
         if empty {
-            occupied.remove();
-            shrink_sparse(entries);
+            entries.remove(seq);
         }
         (held, empty)
     }
 
     /// Drops the block for every worker; returns the worker indices that held it.
     pub fn evict(&mut self, seq: u64) -> Vec<u32> {
-        let Some(entry) = self.entries.remove(&seq) else {
+        let Some(entry) = self.entries.remove(seq) else {
             return Vec::new();
         };
-        shrink_sparse(&mut self.entries);
         if entry.workers.is_spilled() {
             let ids = self.spilled.remove(&seq).unwrap_or_default();
             shrink_sparse(&mut self.spilled);
@@ -362,7 +397,7 @@ impl Shard {
     /// The block's holders (none if the block is absent).
     #[inline]
     pub fn holders(&self, seq: u64) -> HolderSet<'_> {
-        let workers = self.entries.get(&seq).map_or(Holders::NONE, |e| e.workers);
+        let workers = self.entries.get(seq).map_or(Holders::NONE, |e| e.workers);
         match workers.bitset() {
             Some(b) => HolderSet::Bits(b),
             None if workers.is_spilled() => {
@@ -441,7 +476,7 @@ impl Table {
         (0..SHARDS as u16)
             .map(|s| {
                 let shard = self.read(s);
-                map_bytes(&shard.entries)
+                shard.entries.heap_bytes()
                     + map_bytes(&shard.spilled)
                     + shard
                         .spilled
@@ -504,5 +539,44 @@ impl<'a> ShardReader<'a> {
             self.current = Some((shard, self.table.read(shard)));
         }
         &self.current.as_ref().unwrap().1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Keeping the holders by searching for each one leaves what testing
+        /// every id leaves, and drops the others in order.
+        #[test]
+        fn keep_held_keeps_the_holders_and_drops_the_rest_in_order(
+            ids in prop::collection::btree_set(0..300u32, 0..120),
+            held in prop::collection::btree_set(0..300u32, 0..12),
+        ) {
+            let held: Vec<u32> = held.into_iter().collect();
+            let holders = HolderSet::Spilled(&held);
+            let mut kept: Vec<u32> = ids.iter().copied().collect();
+            let mut dropped = Vec::new();
+            holders.keep_held(&mut kept, |run| dropped.extend_from_slice(run));
+            let (expect_kept, expect_dropped): (Vec<u32>, Vec<u32>) =
+                ids.iter().partition(|i| held.contains(i));
+            prop_assert_eq!(kept, expect_kept);
+            prop_assert_eq!(dropped, expect_dropped);
+            let bits: u64 = held.iter().filter(|&&i| i < 63).fold(0, |w, &i| w | 1 << i);
+            let mut kept: Vec<u32> = ids.iter().copied().collect();
+            HolderSet::Bits(bits).keep_held(&mut kept, |_| ());
+            let in_bits: BTreeSet<u32> = bits_of(bits);
+            prop_assert!(kept.iter().all(|i| in_bits.contains(i) && ids.contains(i)));
+            prop_assert_eq!(kept.len(), ids.intersection(&in_bits).count());
+        }
+    }
+
+    fn bits_of(b: u64) -> BTreeSet<u32> {
+        bits(b, 0).collect()
     }
 }

@@ -6,7 +6,7 @@ mod model;
 use std::collections::BTreeSet;
 
 use kvroute_index::{
-    EventKind, IndexConfig, KvEvent, KvIndex, StoredBlock, WorkerKey, WorkerMatch,
+    EventKind, IndexConfig, KvEvent, KvIndex, Matches, StoredBlock, WorkerKey, WorkerMatch,
 };
 use model::Model;
 use proptest::prelude::*;
@@ -95,14 +95,37 @@ fn probe_paths() -> Vec<Vec<u64>> {
     paths
 }
 
+/// A lookup's pairs against the model's matches: one per matching worker,
+/// shallowest first, so that the last is a deepest match.
+fn check_pairs(index: &KvIndex, path: &[u64], expected: &[WorkerMatch]) {
+    let mut matches = Matches::default();
+    index.find_matches_into(path, &mut matches);
+    let depths: Vec<u32> = matches.pairs().iter().map(|m| m.depth).collect();
+    assert_eq!(depths.len(), expected.len(), "path {path:?}");
+    assert!(depths.is_sorted(), "path {path:?}: depths {depths:?}");
+    let deepest = matches
+        .deepest()
+        .map(|m| index.resolve(&matches, m).unwrap());
+    let model_deepest = expected.iter().map(|m| m.depth).max();
+    assert_eq!(deepest.map(|m| m.depth), model_deepest, "path {path:?}");
+    if let Some(m) = deepest {
+        assert!(
+            expected.contains(&m),
+            "path {path:?}: {m:?} not in {expected:?}"
+        );
+    }
+}
+
 fn check_all(index: &KvIndex, model: &Model, paths: &[Vec<u64>]) -> Result<(), TestCaseError> {
     for path in paths {
+        let expected = model.find_matches(path);
         prop_assert_eq!(
             sorted(index.find_matches(path)),
-            model.find_matches(path),
+            expected.clone(),
             "path {:?}",
             path
         );
+        check_pairs(index, path, &expected);
     }
     let stats = index.stats();
     prop_assert_eq!(stats.memberships, model.memberships());
@@ -362,7 +385,9 @@ fn wide_fleets_match_the_model() {
     }
     for len in 1..=7 {
         let path: Vec<u64> = (1..=len).collect();
-        assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
+        let expected = model.find_matches(&path);
+        assert_eq!(sorted(index.find_matches(&path)), expected);
+        check_pairs(&index, &path, &expected);
     }
     assert_eq!(index.stats().memberships, model.memberships());
     let workers = (0..1010).filter(|&w| model.last_event_id(WorkerKey::new(w, 0)).is_some());

@@ -6,6 +6,7 @@
 //! answer: the policy decides what a failure means for routing (retry, breaker,
 //! predictions), and [`crate::upstream`] does the talking and the measuring.
 
+use std::pin::Pin;
 use std::time::Instant;
 
 use axum::body::Body;
@@ -95,12 +96,12 @@ pub async fn forward(
             metrics::observe_phase("total", request.received);
         }
         let sent = Instant::now();
-        let post = state.upstream.post(
+        let post = std::pin::pin!(state.upstream.post(
             &decision.base_url,
             request.path,
             request.headers,
             request.body.clone(),
-        );
+        ));
         let result = until_response(post, &mut booking).await;
         let reason = match result {
             Ok(response) if !response.status().is_server_error() => {
@@ -186,11 +187,14 @@ pub async fn forward(
 /// Waits for the worker's response headers. A non-streaming response's headers
 /// come only when generation is over, so the request's prefill booking is
 /// released at the estimated first token meanwhile (see [`crate::booking`]).
-async fn until_response<T>(post: impl Future<Output = T>, booking: &mut Booking) -> T {
+/// `post` is pinned by the caller, so that its future is stored once.
+async fn until_response<T>(
+    mut post: Pin<&mut impl Future<Output = T>>,
+    booking: &mut Booking,
+) -> T {
     let Some(estimate) = booking.first_token_estimate() else {
         return post.await;
     };
-    let mut post = std::pin::pin!(post);
     tokio::select! {
         response = &mut post => response,
         _ = tokio::time::sleep(estimate) => {
@@ -235,7 +239,7 @@ mod tests {
             Some(Duration::from_millis(200))
         );
         // The worker answers only when generation is over, after 5 s.
-        let generation = tokio::time::sleep(Duration::from_secs(5));
+        let generation = std::pin::pin!(tokio::time::sleep(Duration::from_secs(5)));
         let observe = async {
             tokio::time::sleep(Duration::from_millis(150)).await;
             let before = booked_prefill(&registry);

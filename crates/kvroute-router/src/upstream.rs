@@ -1,29 +1,45 @@
-//! Talking to workers' HTTP servers: the pooled client with its timeouts, and the
-//! response body wrapper that measures a response and releases its booking.
+//! Talking to workers' HTTP servers: HTTP/1 connections driven by the request
+//! that uses them, kept per worker between requests, and the response body
+//! wrapper that measures a response and releases its booking.
+//!
+//! A connection is not a task of its own (as in hyper-util's pooled client):
+//! the request's task drives it while it waits for the response headers, and
+//! the response body drives it as the server polls the body. That saves the
+//! wake-up and task switch between a connection's task and the server's, per
+//! request and per streamed chunk, and lets the server write every chunk the
+//! connection has already read in one go. Between requests a connection waits,
+//! unpolled, in its worker's idle list; it is checked when taken out (a worker
+//! that closed it is seen then) and dropped after [`IDLE_CONNECTION`].
 //!
 //! The worker's body is handed to the client frame by frame as it arrives, so a
 //! slow client slows the worker's stream down (backpressure) instead of the
 //! router buffering it, and a client that goes away drops the body, which closes
 //! the upstream connection: the worker sees the cancel.
 //!
-//! `https://` workers go through a second client with rustls (trusting the
-//! system's roots and `upstream.ca_file`); `http://` ones never touch TLS.
+//! `https://` workers get rustls (trusting the system's roots and
+//! `upstream.ca_file`); `http://` ones never touch TLS.
 
+use std::future::poll_fn;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, header};
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
+use hyper::client::conn::http1;
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::{Client, ResponseFuture};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioIo;
 use kvroute_index::OwnedPinnedPath;
+use rustc_hash::FxHashMap;
+use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
+use tower::Service;
 
 use crate::booking::Booking;
 use crate::cached_tokens::Check;
@@ -33,9 +49,12 @@ use crate::metrics;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// How long a connection may wait unused before it is closed.
+const IDLE_CONNECTION: Duration = Duration::from_secs(90);
+
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
-    https: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    connector: HttpsConnector<HttpConnector>,
+    pool: Arc<Pool>,
     first_byte_timeout: Duration,
     idle_timeout: Duration,
     health_timeout: Duration,
@@ -62,85 +81,344 @@ const DROPPED_REQUEST_HEADERS: [&str; 6] = [
     "x-kvroute-worker",
 ];
 
+/// One HTTP/1 connection to a worker; it moves only while someone polls `driver`.
+struct Conn {
+    send: http1::SendRequest<Full<Bytes>>,
+    driver: http1::Connection<MaybeHttpsStream<TokioIo<TcpStream>>, Full<Bytes>>,
+    /// The driver finished: the connection is closed.
+    closed: bool,
+}
+
+impl Conn {
+    /// Reads and writes what the connection can now; `true` once it is closed.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.closed && Pin::new(&mut self.driver).poll(cx).is_ready() {
+            self.closed = true;
+        }
+        self.closed
+    }
+
+    /// Whether an idle connection can take a request now; drives it once, so
+    /// a close by the worker (or the end of the last response) is seen.
+    fn usable(&mut self, cx: &mut Context<'_>) -> bool {
+        !self.drive(cx) && matches!(self.send.poll_ready(cx), Poll::Ready(Ok(())))
+    }
+}
+
+/// A worker's address as requests need it, parsed once.
+struct Target {
+    /// Scheme and authority, for the connector.
+    uri: Uri,
+    host: HeaderValue,
+    /// A path the base URL ends with, put before each request's path.
+    prefix: Option<String>,
+}
+
+impl Target {
+    fn parse(base_url: &str) -> Result<Self, String> {
+        let uri: Uri = base_url
+            .parse()
+            .map_err(|e| format!("base_url {base_url:?}: {e}"))?;
+        let authority = uri
+            .authority()
+            .ok_or_else(|| format!("base_url {base_url:?} has no host"))?;
+        let host = HeaderValue::from_str(authority.as_str()).map_err(|e| e.to_string())?;
+        let prefix = Some(uri.path().trim_end_matches('/'))
+            .filter(|p| !p.is_empty())
+            .map(str::to_string);
+        Ok(Self { uri, host, prefix })
+    }
+
+    /// The request line's origin-form URI for `path`.
+    fn path(&self, path: &'static str) -> Result<Uri, String> {
+        match &self.prefix {
+            None => Ok(Uri::from(PathAndQuery::from_static(path))),
+            Some(prefix) => format!("{prefix}{path}")
+                .parse()
+                .map_err(|e| format!("{e}")),
+        }
+    }
+}
+
+/// Each worker's address and idle connections, most recently used last.
+struct Pool {
+    /// How long a connection may wait unused before it is closed.
+    idle_for: Duration,
+    hosts: Mutex<Hosts>,
+}
+
+#[derive(Default)]
+struct Hosts {
+    by_url: FxHashMap<Arc<str>, Host>,
+    /// When idle connections are next looked over, on every worker.
+    next_sweep: Option<Instant>,
+}
+
+struct Host {
+    target: Arc<Target>,
+    idle: Vec<(Box<Conn>, Instant)>,
+    /// When a request last took a connection to it.
+    used: Instant,
+}
+
+impl Pool {
+    fn new(idle_for: Duration) -> Self {
+        Self {
+            idle_for,
+            hosts: Mutex::default(),
+        }
+    }
+
+    /// The worker's address and its most recently used idle connection, if any.
+    fn take(&self, base_url: &Arc<str>) -> Result<(Arc<Target>, Option<Box<Conn>>), String> {
+        let now = Instant::now();
+        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+        let host = match hosts.by_url.get_mut(&**base_url) {
+            Some(host) => host,
+            None => hosts.by_url.entry(Arc::clone(base_url)).or_insert(Host {
+                target: Arc::new(Target::parse(base_url)?),
+                idle: Vec::new(),
+                used: now,
+            }),
+        };
+        host.used = now;
+        while let Some((conn, since)) = host.idle.pop() {
+            if now.duration_since(since) < self.idle_for {
+                return Ok((Arc::clone(&host.target), Some(conn)));
+            }
+        }
+        Ok((Arc::clone(&host.target), None))
+    }
+
+    /// Keeps a connection whose response ended for the worker's next request.
+    /// Every half idle period it also closes the connections idle for too long
+    /// and forgets the workers nothing used meanwhile, of the whole fleet: a
+    /// worker that left gets no more requests to do it at, and its address
+    /// may never come back.
+    fn put(&self, base_url: &str, conn: Box<Conn>) {
+        if conn.closed || conn.send.is_closed() {
+            return;
+        }
+        let now = Instant::now();
+        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(host) = hosts.by_url.get_mut(base_url) {
+            host.idle.push((conn, now));
+        }
+        if hosts.next_sweep.is_none_or(|at| at <= now) {
+            let idle_for = self.idle_for;
+            hosts.by_url.retain(|_, host| {
+                host.idle
+                    .retain(|(_, since)| now.duration_since(*since) < idle_for);
+                !host.idle.is_empty() || now.duration_since(host.used) < idle_for
+            });
+            hosts.next_sweep = Some(now + idle_for / 2);
+        }
+    }
+}
+
 impl Upstream {
     pub fn new(config: &UpstreamConfig) -> Result<Self, RouterError> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
         connector.set_nodelay(true);
+        // TLS wraps it for https:// URIs, which the plain connector refuses.
+        connector.enforce_http(false);
         let ca_file =
             Some(std::path::Path::new(&config.ca_file)).filter(|_| !config.ca_file.is_empty());
         let tls = kvroute_tls::https_client_config(ca_file)
             .map_err(|e| RouterError::Config(format!("upstream.ca_file: {e}")))?;
-        let mut tls_connector = connector.clone();
-        // The plain connector refuses https:// URIs; here TLS wraps it.
-        tls_connector.enforce_http(false);
-        let tls_connector = hyper_rustls::HttpsConnectorBuilder::new()
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
-            .https_only()
+            .https_or_http()
             .enable_http1()
-            .wrap_connector(tls_connector);
-        let mut builder = Client::builder(TokioExecutor::new());
-        // Without a pool timer hyper-util enforces the idle timeout only at
-        // checkout, so a worker's idle connections from its busiest moment
-        // (a descriptor and a task each) would stay open for good.
-        builder
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_timer(TokioTimer::new());
+            .wrap_connector(connector);
         Ok(Self {
-            client: builder.build(connector),
-            https: builder.build(tls_connector),
+            connector,
+            pool: Arc::new(Pool::new(IDLE_CONNECTION)),
             first_byte_timeout: Duration::from_millis(config.first_byte_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             health_timeout: Duration::from_millis(config.health_timeout_ms),
         })
     }
 
-    fn send(&self, request: Request<Full<Bytes>>) -> ResponseFuture {
-        if request.uri().scheme() == Some(&http::uri::Scheme::HTTPS) {
-            self.https.request(request)
-        } else {
-            self.client.request(request)
-        }
-    }
-
     pub fn idle_timeout(&self) -> Duration {
         self.idle_timeout
+    }
+
+    /// A new connection to the worker. Boxed, as it moves from the request to
+    /// the response body and the idle list (and it is large).
+    async fn connect(&self, target: &Target) -> Result<Box<Conn>, Failure> {
+        let io = self
+            .connector
+            .clone()
+            .call(target.uri.clone())
+            .await
+            .map_err(|e| Failure::Connect(format!("{e:?}")))?;
+        let (send, driver) = http1::handshake(io)
+            .await
+            .map_err(|e| Failure::Connect(format!("{e:?}")))?;
+        Ok(Box::new(Conn {
+            send,
+            driver,
+            closed: false,
+        }))
+    }
+
+    /// Sends `request` on an idle connection to the worker, or a new one, and
+    /// drives the connection until the response headers arrive. A request an
+    /// idle connection could not take (the worker had closed it) goes on the
+    /// next one; one that never reached the worker fails as a connect error.
+    async fn send(
+        &self,
+        base_url: &Arc<str>,
+        method: Method,
+        path: &'static str,
+        headers: Option<&HeaderMap>,
+        body: Bytes,
+    ) -> Result<(Response<Incoming>, Box<Conn>), Failure> {
+        let (target, mut idle) = self.pool.take(base_url).map_err(Failure::Connect)?;
+        let mut request = Request::new(Full::new(body));
+        *request.method_mut() = method;
+        *request.uri_mut() = target.path(path).map_err(Failure::Other)?;
+        let forwarded = request.headers_mut();
+        if let Some(headers) = headers {
+            forwarded.reserve(headers.len() + 1);
+            for (name, value) in headers {
+                if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
+                    forwarded.append(name, value.clone());
+                }
+            }
+        }
+        forwarded.insert(header::HOST, target.host.clone());
+        loop {
+            let reused = idle.is_some();
+            let mut conn = match idle.take() {
+                Some(mut conn) => {
+                    if !poll_fn(|cx| Poll::Ready(conn.usable(cx))).await {
+                        idle = self.pool.take(base_url).map_err(Failure::Connect)?.1;
+                        continue;
+                    }
+                    conn
+                }
+                // Boxed: rare, and its future would make every request's larger.
+                None => Box::pin(self.connect(&target)).await?,
+            };
+            let mut response = std::pin::pin!(conn.send.try_send_request(request));
+            let result = poll_fn(|cx| {
+                conn.drive(cx);
+                response.as_mut().poll(cx)
+            })
+            .await;
+            match result {
+                Ok(response) => return Ok((response, conn)),
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if reused => {
+                        request = unsent;
+                        idle = self.pool.take(base_url).map_err(Failure::Connect)?.1;
+                    }
+                    Some(_) => return Err(Failure::Connect(format!("{:?}", e.error()))),
+                    None => return Err(Failure::Other(format!("{:?}", e.into_error()))),
+                },
+            }
+        }
     }
 
     /// POSTs `body` to `base_url` + `path` and waits for the response headers.
     pub async fn post(
         &self,
-        base_url: &str,
-        path: &str,
+        base_url: &Arc<str>,
+        path: &'static str,
         headers: &HeaderMap,
         body: Bytes,
-    ) -> Result<Response<Incoming>, Failure> {
-        let mut request = Request::post(format!("{base_url}{path}"))
-            .body(Full::new(body))
-            .map_err(|e| Failure::Other(e.to_string()))?;
-        for (name, value) in headers {
-            if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
-                request.headers_mut().append(name, value.clone());
-            }
-        }
-        match tokio::time::timeout(self.first_byte_timeout, self.send(request)).await {
-            Err(_) => Err(Failure::Timeout),
-            Ok(Err(e)) if e.is_connect() => Err(Failure::Connect(format!("{e:?}"))),
-            Ok(Err(e)) => Err(Failure::Other(format!("{e:?}"))),
-            Ok(Ok(response)) => Ok(response),
-        }
+    ) -> Result<Response<WorkerBody>, Failure> {
+        let sent = self.send(base_url, Method::POST, path, Some(headers), body);
+        let (response, conn) = tokio::time::timeout(self.first_byte_timeout, sent)
+            .await
+            .map_err(|_| Failure::Timeout)??;
+        let (parts, body) = response.into_parts();
+        let body = WorkerBody::new(body, conn, Arc::clone(&self.pool), Arc::clone(base_url));
+        Ok(Response::from_parts(parts, body))
     }
 
     /// Whether the worker's `/health` answers 2xx within the health timeout.
-    pub async fn healthy(&self, base_url: &str) -> bool {
-        let Ok(request) = Request::get(format!("{base_url}/health")).body(Full::new(Bytes::new()))
-        else {
-            return false;
-        };
+    pub async fn healthy(&self, base_url: &Arc<str>) -> bool {
+        let sent = self.send(base_url, Method::GET, "/health", None, Bytes::new());
         matches!(
-            tokio::time::timeout(self.health_timeout, self.send(request)).await,
-            Ok(Ok(response)) if response.status().is_success()
+            tokio::time::timeout(self.health_timeout, sent).await,
+            Ok(Ok((response, _))) if response.status().is_success()
         )
+    }
+}
+
+/// A worker's response body with the connection it arrives on: polling the
+/// body drives the connection, and a body read to its end gives the connection
+/// back to the worker's idle list. Dropped before its end, it closes the
+/// connection (the worker sees the cancel).
+pub struct WorkerBody {
+    body: Incoming,
+    // `None` once back in the pool, or closed.
+    conn: Option<Box<Conn>>,
+    pool: Arc<Pool>,
+    base_url: Arc<str>,
+}
+
+impl WorkerBody {
+    fn new(body: Incoming, conn: Box<Conn>, pool: Arc<Pool>, base_url: Arc<str>) -> Self {
+        let mut body = Self {
+            body,
+            conn: Some(conn),
+            pool,
+            base_url,
+        };
+        // An empty body is complete before anyone would poll it.
+        if body.body.is_end_stream() {
+            body.release();
+        }
+        body
+    }
+
+    fn release(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.pool.put(&self.base_url, conn);
+        }
+    }
+}
+
+impl Body for WorkerBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        // What the connection already read comes first; only then is it
+        // driven to read more.
+        let mut frame = Pin::new(&mut this.body).poll_frame(cx);
+        if frame.is_pending() {
+            if let Some(conn) = this.conn.as_mut()
+                && conn.drive(cx)
+            {
+                this.conn = None;
+            }
+            frame = Pin::new(&mut this.body).poll_frame(cx);
+        }
+        match &frame {
+            Poll::Ready(None) => this.release(),
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.release(),
+            Poll::Ready(Some(Err(_))) => this.conn = None,
+            _ => {}
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -200,7 +478,7 @@ pin_project_lite::pin_project! {
     /// an error, which aborts the response so it cannot pass for a complete one.
     pub struct TrackedBody {
         // `None` once cut off by the idle timeout.
-        inner: Option<Incoming>,
+        inner: Option<WorkerBody>,
         // Moved to the last data frame's deadline only when it fires: resetting
         // a timer per frame takes the timer wheel's lock, and wakes the I/O
         // driver with a syscall whenever it becomes the earliest timer.
@@ -222,7 +500,7 @@ impl TrackedBody {
     /// `sse`: the response is a `text/event-stream`; `check`: compare the
     /// worker's reported cached tokens with the prediction at the end.
     pub fn new(
-        inner: Incoming,
+        inner: WorkerBody,
         booking: Booking,
         held: Held,
         sent: Instant,
@@ -304,7 +582,7 @@ impl Body for TrackedBody {
                 if let (Some(check), Some(data)) = (this.check.as_mut(), frame.data_ref()) {
                     check.push(data);
                 }
-                if this.inner.as_ref().is_some_and(Incoming::is_end_stream) {
+                if this.inner.as_ref().is_some_and(WorkerBody::is_end_stream) {
                     complete(this.flight, *this.sent, this.check.as_ref());
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -349,7 +627,7 @@ impl Body for TrackedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Incoming::is_end_stream)
+        self.inner.as_ref().is_none_or(WorkerBody::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -357,5 +635,144 @@ impl Body for TrackedBody {
             Some(inner) => inner.size_hint(),
             None => SizeHint::with_exact(0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use http::HeaderMap;
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    use super::Upstream;
+    use crate::config::UpstreamConfig;
+
+    /// A worker speaking raw HTTP/1.1: answers every request `ok`, and reports
+    /// each connection it accepts and each request head it reads. With
+    /// `close_idle`, it closes a connection once its response is out, as a
+    /// worker with a short keep-alive timeout does, and reports that too.
+    async fn raw_worker(close_idle: bool) -> (Arc<str>, mpsc::UnboundedReceiver<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Arc<str> = format!("http://{}", listener.local_addr().unwrap()).into();
+        let (seen, events) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                seen.send("accepted".into()).unwrap();
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut chunk = [0; 4096];
+                        let Ok(n @ 1..) = tcp.read(&mut chunk).await else {
+                            let _ = seen.send("hung up".into());
+                            return;
+                        };
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length: ")
+                                    .map(|v| v.parse().unwrap())
+                            })
+                            .unwrap_or(0);
+                        if buf.len() < end + 4 + length {
+                            continue;
+                        }
+                        buf.drain(..end + 4 + length);
+                        seen.send(head).unwrap();
+                        let response = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        tcp.write_all(response).await.unwrap();
+                        if close_idle {
+                            drop(tcp);
+                            seen.send("closed".into()).unwrap();
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (url, events)
+    }
+
+    async fn post(upstream: &Upstream, url: &Arc<str>) -> Bytes {
+        let response = upstream
+            .post(url, "/v1/completions", &HeaderMap::new(), Bytes::from("{}"))
+            .await
+            .unwrap();
+        assert!(response.status().is_success());
+        response.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test]
+    async fn a_workers_connection_carries_request_after_request() {
+        let (url, mut events) = raw_worker(false).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        for _ in 0..3 {
+            assert_eq!(post(&upstream, &url).await, "ok");
+        }
+        assert_eq!(events.recv().await.unwrap(), "accepted");
+        let authority = url.strip_prefix("http://").unwrap();
+        for _ in 0..3 {
+            let head = events.recv().await.unwrap();
+            assert!(
+                head.starts_with("POST /v1/completions HTTP/1.1\r\n"),
+                "{head}"
+            );
+            assert!(head.contains(&format!("host: {authority}")), "{head}");
+        }
+        assert!(events.try_recv().is_err(), "one connection for all three");
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_the_worker_closed_is_replaced_without_a_failure() {
+        let (url, mut events) = raw_worker(true).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        assert_eq!(post(&upstream, &url).await, "ok");
+        for expected in ["accepted", "POST", "closed"] {
+            assert!(events.recv().await.unwrap().starts_with(expected));
+        }
+        // The idle connection is closed by now: the request goes on a new one.
+        assert_eq!(post(&upstream, &url).await, "ok");
+        assert_eq!(events.recv().await.unwrap(), "accepted");
+    }
+
+    #[tokio::test]
+    async fn a_departed_workers_idle_connection_is_closed_and_the_worker_forgotten() {
+        let (gone, mut gone_events) = raw_worker(false).await;
+        let (staying, _staying_events) = raw_worker(false).await;
+        let mut upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        upstream.pool = Arc::new(super::Pool::new(std::time::Duration::from_millis(50)));
+        assert_eq!(post(&upstream, &gone).await, "ok");
+        assert_eq!(gone_events.recv().await.unwrap(), "accepted");
+        assert!(gone_events.recv().await.unwrap().starts_with("POST"));
+        // Only requests to the other worker end from now on.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            assert_eq!(post(&upstream, &staying).await, "ok");
+            let known = upstream
+                .pool
+                .hosts
+                .lock()
+                .unwrap()
+                .by_url
+                .contains_key(&*gone);
+            if !known {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "never forgotten");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gone_events.recv().await.unwrap(), "hung up");
     }
 }

@@ -18,7 +18,9 @@ use anyhow::{Context, bail};
 use clap::Args;
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{FleetSimulator, TimelineOp, derive_timeline};
-use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvroute_index::{
+    EventKind, IndexConfig, KvEvent, KvIndex, Matches, StoredBlock, WorkerKey, WorkerMatch,
+};
 use serde_json::{Value, json};
 
 /// The conversation trace bundled with the sources.
@@ -231,6 +233,7 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
                     let (index, start) = (&index, &start);
                     scope.spawn(move || {
                         let mut hist = latency_histogram();
+                        let mut matches = Matches::default();
                         start.wait();
                         let cpu_start = thread_cpu_time();
                         for op in share {
@@ -240,7 +243,11 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
                                 }
                                 TimelineOp::Match { tokens_hashes } => {
                                     let t = Instant::now();
-                                    std::hint::black_box(index.find_matches(tokens_hashes));
+                                    std::hint::black_box(best_match(
+                                        index,
+                                        tokens_hashes,
+                                        &mut matches,
+                                    ));
                                     hist.saturating_record(t.elapsed().as_nanos() as u64);
                                 }
                             }
@@ -260,6 +267,17 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
         });
     }
     total
+}
+
+/// A lookup as a router makes it: every matching worker as an (index, depth)
+/// pair, and the key of the deepest one resolved.
+fn best_match(
+    index: &KvIndex,
+    tokens_hashes: &[u64],
+    matches: &mut Matches,
+) -> Option<WorkerMatch> {
+    index.find_matches_into(tokens_hashes, matches);
+    index.resolve(matches, matches.deepest()?)
 }
 
 /// Nanoseconds from 1 ns to 10 s at 3 significant figures.

@@ -1,0 +1,284 @@
+//! A flat map from `u64` keys to small `Copy` values, of our own: the block
+//! table's shards (chain key → entry) and every worker's engine map (engine
+//! block hash → block) are these.
+//!
+//! Open addressing with linear probing and backward-shift deletion (no
+//! tombstones), one slot per entry (key and value, no control bytes), at most
+//! 7/8 full and shrunk under a quarter of that. It replaced `HashMap` for two
+//! reasons. A walk can prefetch the slots of the blocks ahead of the one it
+//! probes: a path's chain keys are computed without the table, and a routing
+//! decision over 256 matched blocks of a million otherwise waited for one cache
+//! miss after another (DESIGN.md, "The walk's cache misses"). And without
+//! hashbrown's control byte a 16-byte engine-map slot costs 16 bytes, not 17,
+//! per membership.
+
+/// Marks an empty slot; the entry of key 0 is kept beside the slots.
+const EMPTY: u64 = 0;
+/// Slots of the smallest table.
+const MIN_SLOTS: usize = 4;
+/// Most slots in use, in eighths of the table.
+const MAX_EIGHTHS: usize = 7;
+
+#[derive(Clone, Copy)]
+struct Slot<V> {
+    key: u64,
+    value: V,
+}
+
+pub(crate) struct FlatMap<V> {
+    /// Empty, or a power of two long.
+    slots: Vec<Slot<V>>,
+    /// Entries in `slots`.
+    in_slots: usize,
+    zero: Option<V>,
+}
+
+impl<V> Default for FlatMap<V> {
+    fn default() -> Self {
+        Self {
+            slots: Vec::new(),
+            in_slots: 0,
+            zero: None,
+        }
+    }
+}
+
+impl<V: Copy + Default> FlatMap<V> {
+    pub fn len(&self) -> usize {
+        self.in_slots + usize::from(self.zero.is_some())
+    }
+
+    /// Heap bytes of the slots.
+    pub fn heap_bytes(&self) -> u64 {
+        (self.slots.capacity() * size_of::<Slot<V>>()) as u64
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // The slots' count is a power of two; the product's top bits mix all of
+        // the key's (engine hashes may be small integers, and a chain key's low
+        // bits are its shard's, the same for every block of a shard).
+        let bits = self.slots.len().trailing_zeros();
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
+    }
+
+    /// The slot of `key` (not 0), if present.
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut at = self.home(key);
+        loop {
+            match self.slots[at].key {
+                k if k == key => return Some(at),
+                EMPTY => return None,
+                _ => at = (at + 1) & mask,
+            }
+        }
+    }
+
+    #[inline]
+    pub fn get(&self, key: u64) -> Option<&V> {
+        if key == EMPTY {
+            return self.zero.as_ref();
+        }
+        self.find(key).map(|at| &self.slots[at].value)
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
+        if key == EMPTY {
+            return self.zero.as_mut();
+        }
+        let at = self.find(key)?;
+        Some(&mut self.slots[at].value)
+    }
+
+    /// Starts bringing `key`'s first slot into the cache.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let slot = self.slots[self.home(key)..].as_ptr().cast();
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch is a hint
+            // that reads nothing architecturally and cannot fault, and the
+            // address is in bounds anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(slot) };
+        }
+    }
+
+    /// Room for `additional` more entries without growing.
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.in_slots + additional;
+        if needed * 8 > self.slots.len() * MAX_EIGHTHS {
+            self.resize(slots_for(needed));
+        }
+    }
+
+    /// The value of `key`, made by `make` if absent; and whether it was made.
+    pub fn get_or_insert(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
+        if key == EMPTY {
+            let made = self.zero.is_none();
+            return (self.zero.get_or_insert_with(make), made);
+        }
+        if (self.in_slots + 1) * 8 > self.slots.len() * MAX_EIGHTHS {
+            self.resize((self.slots.len() * 2).max(MIN_SLOTS));
+        }
+        let mask = self.slots.len() - 1;
+        let mut at = self.home(key);
+        loop {
+            match self.slots[at].key {
+                k if k == key => return (&mut self.slots[at].value, false),
+                EMPTY => break,
+                _ => at = (at + 1) & mask,
+            }
+        }
+        self.slots[at] = Slot { key, value: make() };
+        self.in_slots += 1;
+        (&mut self.slots[at].value, true)
+    }
+
+    /// Sets `key` to `value`; returns the value it replaced.
+    pub fn insert(&mut self, key: u64, value: V) -> Option<V> {
+        let (slot, made) = self.get_or_insert(key, || value);
+        (!made).then(|| std::mem::replace(slot, value))
+    }
+
+    pub fn remove(&mut self, key: u64) -> Option<V> {
+        if key == EMPTY {
+            return self.zero.take();
+        }
+        let at = self.find(key)?;
+        let removed = self.slots[at].value;
+        let mask = self.slots.len() - 1;
+        // Moves back the slots after the hole that probed past it.
+        let (mut hole, mut next) = (at, (at + 1) & mask);
+        while self.slots[next].key != EMPTY {
+            let home = self.home(self.slots[next].key);
+            // The slot may fill the hole iff its home is not cyclically in
+            // (hole, next]: otherwise moving it would put it before its home.
+            if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[next];
+                hole = next;
+            }
+            next = (next + 1) & mask;
+        }
+        self.slots[hole].key = EMPTY;
+        self.in_slots -= 1;
+        // Gives memory back once under a quarter of what the table may hold:
+        // under churn a shard's share of the blocks moves around.
+        let usable = self.slots.len() * MAX_EIGHTHS / 8;
+        if usable > 64 && self.in_slots * 4 < usable {
+            self.resize(slots_for(self.in_slots * 2));
+        }
+        Some(removed)
+    }
+
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
+        let zero = self.zero.map(|v| (EMPTY, v));
+        let slotted = self.slots.iter().filter(|s| s.key != EMPTY);
+        zero.into_iter().chain(slotted.map(|s| (s.key, s.value)))
+    }
+
+    /// Keeps the entries `keep` accepts, in a table sized for them.
+    pub fn retain(&mut self, mut keep: impl FnMut(u64, &V) -> bool) {
+        let kept: Vec<(u64, V)> = self.iter().filter(|(k, v)| keep(*k, v)).collect();
+        *self = Self::default();
+        self.reserve(kept.len());
+        for (key, value) in kept {
+            self.insert(key, value);
+        }
+    }
+
+    fn resize(&mut self, slots: usize) {
+        let empty = Slot {
+            key: EMPTY,
+            value: V::default(),
+        };
+        let old = std::mem::replace(&mut self.slots, vec![empty; slots]);
+        let mask = slots - 1;
+        for slot in old.into_iter().filter(|s| s.key != EMPTY) {
+            let mut at = self.home(slot.key);
+            while self.slots[at].key != EMPTY {
+                at = (at + 1) & mask;
+            }
+            self.slots[at] = slot;
+        }
+    }
+}
+
+/// Slots of a table that takes `entries` before it grows.
+fn slots_for(entries: usize) -> usize {
+    (entries * 8)
+        .div_ceil(MAX_EIGHTHS)
+        .next_power_of_two()
+        .max(MIN_SLOTS)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Against a `HashMap`, through growth, removals that shift clusters
+        /// back, shrinking, retain and key 0. Keys from a small range collide
+        /// often.
+        #[test]
+        fn behaves_as_a_map(ops in prop::collection::vec((0..3u8, 0..400u64), 1..3_000)) {
+            let mut map = FlatMap::<u64>::default();
+            let mut model = HashMap::new();
+            for (i, &(op, k)) in ops.iter().enumerate() {
+                // Spread some keys so that homes differ, keep others close.
+                let key = if k % 2 == 0 { k } else { k.wrapping_mul(0x2545_F491_4F6C_DD1D) };
+                let i = i as u64;
+                match op {
+                    0 => {
+                        let (v, made) = map.get_or_insert(key, || i);
+                        let was = model.get(&key).copied();
+                        prop_assert_eq!(made, was.is_none());
+                        prop_assert_eq!(*v, was.unwrap_or(i));
+                        model.entry(key).or_insert(i);
+                    }
+                    1 => prop_assert_eq!(map.insert(key, i), model.insert(key, i)),
+                    _ => prop_assert_eq!(map.remove(key), model.remove(&key)),
+                }
+                prop_assert_eq!(map.len(), model.len());
+            }
+            for k in 0..400u64 {
+                for key in [k, k.wrapping_mul(0x2545_F491_4F6C_DD1D)] {
+                    prop_assert_eq!(map.get(key), model.get(&key));
+                }
+            }
+            let mut all: Vec<(u64, u64)> = map.iter().collect();
+            all.sort_unstable();
+            let mut expected: Vec<(u64, u64)> = model.iter().map(|(&k, &v)| (k, v)).collect();
+            expected.sort_unstable();
+            prop_assert_eq!(all, expected);
+            map.retain(|k, _| k % 3 != 0);
+            model.retain(|k, _| k % 3 != 0);
+            prop_assert_eq!(map.len(), model.len());
+            // Drained, through the shrinking.
+            let keys: Vec<u64> = model.keys().copied().collect();
+            for (n, key) in keys.iter().enumerate() {
+                prop_assert_eq!(map.remove(*key), model.remove(key));
+                if n % 16 == 0 {
+                    for other in &keys[n + 1..] {
+                        prop_assert!(map.get(*other).is_some());
+                    }
+                }
+            }
+            prop_assert_eq!(map.len(), 0);
+        }
+    }
+}
