@@ -114,8 +114,10 @@ impl Cuts {
         ids: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         let mut start = 0;
-        // Added-token matches are found once, then consumed in order.
-        let mut added_ends = self.added_tokens.as_ref().map(|a| a.safe_ends(text));
+        // Added-token matches are found once, then consumed in order. Fused:
+        // once there are no more, asking again must not search the rest of
+        // the text again for every chunk (quadratic in a long prompt).
+        let mut added_ends = self.added_tokens.as_ref().map(|a| a.safe_ends(text).fuse());
         let mut next_added = None;
         while start < text.len() {
             let from = start + MIN_CHUNK_BYTES;

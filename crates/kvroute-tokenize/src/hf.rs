@@ -50,6 +50,7 @@ use crate::TokenizeError;
 use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
 use crate::chunks::{AddedTokenCuts, Cuts};
+use crate::merges::MergeTable;
 use crate::pieces::PieceCache;
 use crate::split::piece_end;
 
@@ -83,6 +84,9 @@ struct Pieces {
     added: Option<AhoCorasick>,
     /// The byte-level alphabet the model's vocabulary is written in.
     byte_chars: [char; 256],
+    /// The model as a [`MergeTable`], if it is a byte-level BPE model that
+    /// one can run; else the model itself runs.
+    merges: Option<MergeTable>,
     /// Each thread's cache of recent pieces' ids.
     cache: ThreadLocal<RefCell<PieceCache>>,
 }
@@ -210,17 +214,23 @@ impl Pieces {
             .into_values()
             .map(|token| token.content)
             .collect();
+        let byte_chars = byte_chars();
+        let merges = serde_json::to_value(tokenizer.get_model())
+            .ok()
+            .and_then(|model| MergeTable::from_hugging_face(&model, &byte_chars));
         Pieces {
             added: (!added.is_empty())
                 .then(|| AhoCorasick::new(&added).ok())
                 .flatten(),
-            byte_chars: byte_chars(),
+            byte_chars,
+            merges,
             cache: ThreadLocal::new(),
         }
     }
 
     /// The ids of `text`, which holds no added token, without special tokens:
-    /// cl100k_base's pieces, each from this thread's cache or `model`'s.
+    /// cl100k_base's pieces, each one token if it is one, else from this
+    /// thread's cache, else merged by the [`MergeTable`] or by `model`.
     fn encode(
         &self,
         model: &tokenizers::ModelWrapper,
@@ -228,23 +238,45 @@ impl Pieces {
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut cache = self.cache.get_or_default().borrow_mut();
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
-        let mut spelled = String::new();
         let mut start = 0;
         while start < text.len() {
             let end = piece_end(bpe_openai::cl100k_base(), true, text, start);
-            cache.encode_into(&text.as_bytes()[start..end], &mut ids, |piece| {
-                spelled.clear();
-                spelled.extend(piece.iter().map(|&byte| self.byte_chars[byte as usize]));
-                let tokens = model
-                    .tokenize(&spelled)
-                    .map_err(|error| TokenizeError::Encode {
-                        message: error.to_string(),
-                    })?;
-                Ok(tokens.into_iter().map(|token| token.id).collect())
-            })?;
+            let piece = &text.as_bytes()[start..end];
+            match self.merges.as_ref().and_then(|merges| merges.token(piece)) {
+                Some(token) => ids.push(token),
+                None => cache.encode_into(piece, &mut ids, |piece, ids| {
+                    self.encode_piece(model, piece, ids)
+                })?,
+            }
             start = end;
         }
         Ok(ids)
+    }
+
+    /// Appends the tokens of `piece` by BPE: merged by the [`MergeTable`]
+    /// when it can, else by `model`.
+    fn encode_piece(
+        &self,
+        model: &tokenizers::ModelWrapper,
+        piece: &[u8],
+        ids: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        if let Some(merges) = &self.merges
+            && merges.merge_into(piece, ids)
+        {
+            return Ok(());
+        }
+        let spelled: String = piece
+            .iter()
+            .map(|&byte| self.byte_chars[byte as usize])
+            .collect();
+        let tokens = model
+            .tokenize(&spelled)
+            .map_err(|error| TokenizeError::Encode {
+                message: error.to_string(),
+            })?;
+        ids.extend(tokens.into_iter().map(|token| token.id));
+        Ok(())
     }
 }
 

@@ -28,11 +28,13 @@ mod chat_template;
 mod chunks;
 mod error;
 mod hf;
+mod merges;
 mod pieces;
 mod prompt;
 mod spec;
 mod split;
 mod tiktoken;
+mod vocab;
 
 pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;

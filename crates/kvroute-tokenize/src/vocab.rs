@@ -1,0 +1,195 @@
+//! The table of which pieces are one token: a token's bytes to its id.
+//!
+//! Most pieces of text are one token, so this lookup runs for nearly every
+//! piece. A general hash map keeps each key on the heap, and on this path
+//! comparing the piece with that key (a second random memory access and a
+//! `memcmp` call) cost more than everything else per piece (`perf` on the
+//! router bench). Here keys of up to [`INLINE_KEY_BYTES`] bytes, nearly every
+//! token, are held in the slot itself as two words, so a lookup is one hash
+//! of two words, usually one cache line, and two compares. The table never
+//! changes after it is built, so probe lengths are fixed by the vocabulary,
+//! not by the text. Longer tokens are in an ordinary map beside it.
+
+use rustc_hash::FxHashMap;
+
+/// Keys up to this long live in the slots.
+const INLINE_KEY_BYTES: usize = 16;
+
+pub(crate) struct TokenIds {
+    /// Open addressing with linear probing; a power of two long, at most half
+    /// full.
+    slots: Box<[Slot]>,
+    /// The tokens longer than [`INLINE_KEY_BYTES`].
+    long: FxHashMap<Box<[u8]>, u32>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    /// The key's bytes, little-endian, zero after its end.
+    key: [u64; 2],
+    /// The key's length; 0: an empty slot (no token is empty).
+    len: u32,
+    id: u32,
+}
+
+impl TokenIds {
+    /// The table of `tokens`, each bytes and id; empty keys are skipped, and
+    /// of equal keys the last is kept.
+    pub(crate) fn new<'a>(tokens: impl ExactSizeIterator<Item = (&'a [u8], u32)>) -> Self {
+        let slots = (tokens.len() * 2).next_power_of_two().max(16);
+        let mut table = TokenIds {
+            slots: vec![Slot::default(); slots].into_boxed_slice(),
+            long: FxHashMap::default(),
+        };
+        for (bytes, id) in tokens {
+            if bytes.is_empty() {
+                continue;
+            }
+            if bytes.len() > INLINE_KEY_BYTES {
+                table.long.insert(bytes.into(), id);
+                continue;
+            }
+            let key = inline_key(bytes);
+            let mut at = table.home(key, bytes.len());
+            loop {
+                let slot = &mut table.slots[at];
+                if slot.len == 0 || (slot.key == key && slot.len as usize == bytes.len()) {
+                    *slot = Slot {
+                        key,
+                        len: bytes.len() as u32,
+                        id,
+                    };
+                    break;
+                }
+                at = (at + 1) & (table.slots.len() - 1);
+            }
+        }
+        table
+    }
+
+    /// The id of the token whose bytes are `piece`, if there is one.
+    #[inline]
+    pub(crate) fn get(&self, piece: &[u8]) -> Option<u32> {
+        if piece.len() > INLINE_KEY_BYTES {
+            return self.long.get(piece).copied();
+        }
+        let key = inline_key(piece);
+        let mut at = self.home(key, piece.len());
+        loop {
+            let slot = &self.slots[at];
+            if slot.len == 0 {
+                return None;
+            }
+            if slot.key == key && slot.len as usize == piece.len() {
+                return Some(slot.id);
+            }
+            at = (at + 1) & (self.slots.len() - 1);
+        }
+    }
+
+    /// The first slot to probe for `key`.
+    #[inline]
+    fn home(&self, key: [u64; 2], len: usize) -> usize {
+        // A folded 128-bit multiply mixes every key bit into the low bits.
+        let product = u128::from(key[0] ^ 0x243f_6a88_85a3_08d3)
+            * u128::from(key[1] ^ 0x1319_8a2e_0370_7344 ^ ((len as u64) << 56));
+        let hash = (product as u64) ^ ((product >> 64) as u64);
+        hash as usize & (self.slots.len() - 1)
+    }
+}
+
+/// The bytes of `piece` (at most [`INLINE_KEY_BYTES`]) as two little-endian
+/// words, zero after its end.
+#[inline]
+fn inline_key(piece: &[u8]) -> [u64; 2] {
+    debug_assert!(piece.len() <= INLINE_KEY_BYTES);
+    words(piece)
+}
+
+/// The bytes of `piece` (at most `8 * N`) as `N` little-endian words, zero
+/// after its end, read with a few possibly overlapping loads.
+#[inline]
+pub(crate) fn words<const N: usize>(piece: &[u8]) -> [u64; N] {
+    let mut words = [0; N];
+    for (word, chunk) in words.iter_mut().zip(piece.chunks(8)) {
+        *word = partial_word(chunk);
+    }
+    words
+}
+
+/// `bytes` (at most 8) as a little-endian word, zero after its end.
+#[inline]
+fn partial_word(bytes: &[u8]) -> u64 {
+    let len = bytes.len();
+    if len == 8 {
+        word(bytes)
+    } else if len >= 4 {
+        // Two 4-byte loads that overlap where len < 8: the bytes in both are
+        // the same, so or-ing them is exact.
+        let low = u64::from(u32::from_le_bytes(
+            bytes[..4].try_into().unwrap_or_default(),
+        ));
+        let high = u64::from(u32::from_le_bytes(
+            bytes[len - 4..].try_into().unwrap_or_default(),
+        ));
+        low | (high << ((len - 4) * 8))
+    } else if len > 0 {
+        // The first, middle and last byte: 1 to 3 bytes, maybe the same ones.
+        u64::from(bytes[0])
+            | (u64::from(bytes[len / 2]) << (len / 2 * 8))
+            | (u64::from(bytes[len - 1]) << ((len - 1) * 8))
+    } else {
+        0
+    }
+}
+
+#[inline]
+fn word(bytes: &[u8]) -> u64 {
+    u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Against a hash map of the same tokens: every token is found, and
+        /// other byte strings (prefixes, extensions, zero bytes) are not.
+        #[test]
+        fn finds_exactly_the_tokens(
+            tokens in prop::collection::hash_set(prop::collection::vec(any::<u8>(), 0..24), 0..300),
+            others in prop::collection::vec(prop::collection::vec(prop_oneof![Just(0u8), any::<u8>()], 0..24), 0..100),
+        ) {
+            let tokens: Vec<Vec<u8>> = tokens.into_iter().collect();
+            let table = TokenIds::new(tokens.iter().enumerate().map(|(id, t)| (t.as_slice(), id as u32)));
+            let reference: FxHashMap<&[u8], u32> = tokens
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| !t.is_empty())
+                .map(|(id, t)| (t.as_slice(), id as u32))
+                .collect();
+            let probes = tokens.iter().chain(&others).flat_map(|t| {
+                [t.clone(), t[..t.len().saturating_sub(1)].to_vec(), [t.as_slice(), &[0]].concat()]
+            });
+            for probe in probes {
+                prop_assert_eq!(table.get(&probe), reference.get(probe.as_slice()).copied(), "{:?}", probe);
+            }
+        }
+    }
+
+    #[test]
+    fn keys_are_their_bytes_zero_padded() {
+        for len in 0..=INLINE_KEY_BYTES {
+            let bytes: Vec<u8> = (1..=len as u8).collect();
+            let mut padded = [0u8; 16];
+            padded[..len].copy_from_slice(&bytes);
+            let expected = [
+                u64::from_le_bytes(padded[..8].try_into().unwrap()),
+                u64::from_le_bytes(padded[8..].try_into().unwrap()),
+            ];
+            assert_eq!(inline_key(&bytes), expected, "{len} bytes");
+        }
+    }
+}
