@@ -124,8 +124,10 @@ impl Lru {
 
     /// Marks a path (block keys from the root) as just used: root newest.
     pub fn touch(&mut self, path: &[u64]) {
-        self.touch_later(path);
         self.apply_pending();
+        for &seq in path.iter().rev() {
+            self.move_to_head(seq);
+        }
     }
 
     /// [`Self::touch`], done before the order is next read or changed.
@@ -138,14 +140,18 @@ impl Lru {
 
     fn apply_pending(&mut self) {
         let mut pending = std::mem::take(&mut self.pending);
-        for seq in &pending {
-            if let Some(&id) = self.index.get(seq) {
-                self.unlink(id);
-                self.push_head(id);
-            }
+        for &seq in &pending {
+            self.move_to_head(seq);
         }
         pending.clear();
         self.pending = pending;
+    }
+
+    fn move_to_head(&mut self, seq: u64) {
+        if let Some(&id) = self.index.get(&seq) {
+            self.unlink(id);
+            self.push_head(id);
+        }
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
