@@ -1059,11 +1059,15 @@ impl KvIndex {
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
-                        // New chains are mostly new blocks, a cache miss each:
-                        // their slots are fetched ahead, as a walk's are.
+                        // New chains are mostly new blocks, a cache miss each in
+                        // the table and in the engine map: their slots are
+                        // fetched ahead, as a walk's are (the engine map grown
+                        // first, so that none moves under the prefetches).
+                        state.blocks.reserve(blocks.len());
                         let mut ahead = parent;
                         for block in blocks.iter().take(PREFETCH_AHEAD) {
                             ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
+                            state.blocks.prefetch(block.block_hash);
                         }
                         for (i, block) in blocks.iter().enumerate() {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
@@ -1079,6 +1083,7 @@ impl KvIndex {
                                 }
                             }
                             if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
+                                state.blocks.prefetch(later.block_hash);
                                 let next = BlockRef::child_of(ahead, later.tokens_hash);
                                 ahead = Some(next);
                                 if next.shard() == r.shard() {
