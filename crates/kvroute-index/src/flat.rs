@@ -208,15 +208,18 @@ impl<V: Copy + Default, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
         let at = self.find(key)?;
         let removed = self.slots[at].value;
-        let len = self.slots.len();
-        let dist = |from, to| cyclic_dist(from, to, len);
         // Moves back the slots after the hole that probed past it.
         let (mut hole, mut next) = (at, self.next(at));
         while self.slots[next].key() != EMPTY {
             let home = self.home(self.slots[next].key());
             // The slot may fill the hole iff its home is not cyclically in
             // (hole, next]: otherwise moving it would put it before its home.
-            if dist(home, next) >= dist(hole, next) {
+            let movable = if hole < next {
+                home <= hole || home > next
+            } else {
+                home <= hole && home > next
+            };
+            if movable {
                 self.slots[hole] = self.slots[next];
                 hole = next;
             }
@@ -278,16 +281,6 @@ impl<V: Copy + Default, const FLOOR: usize> FlatMap<V, FLOOR> {
             }
             self.slots[at] = *slot;
         }
-    }
-}
-
-/// How far `to` is ahead of `from` in a cyclic table of `len` slots.
-#[inline]
-fn cyclic_dist(from: usize, to: usize, len: usize) -> usize {
-    if to >= from {
-        to - from
-    } else {
-        to + len - from
     }
 }
 
