@@ -271,11 +271,55 @@ impl Holders {
     }
 
     /// The indices of an inline form, ascending.
-    fn inline_ids(self) -> Vec<u32> {
-        match self.bitset() {
-            Some(b) => bits(b, 0).collect(),
-            None => self.listed().collect(),
+    fn inline_ids(self) -> InlineIds {
+        let mut ids = InlineIds {
+            ids: [0; BITSET_IDS as usize + 1],
+            len: 0,
+        };
+        let listed: &mut dyn Iterator<Item = u32> = match self.bitset() {
+            Some(b) => &mut bits(b, 0),
+            None => &mut self.listed(),
+        };
+        for id in listed {
+            ids.ids[ids.len] = id;
+            ids.len += 1;
         }
+        ids
+    }
+}
+
+/// The indices of an inline [`Holders`] form and room for one more, on the
+/// stack: a store or removal of a block in a fleet past 31 ranks re-encodes
+/// the list form, and allocating a `Vec` for it was one allocation per block.
+struct InlineIds {
+    ids: [u32; BITSET_IDS as usize + 1],
+    len: usize,
+}
+
+impl InlineIds {
+    fn as_slice(&self) -> &[u32] {
+        &self.ids[..self.len]
+    }
+
+    /// Adds `id`, keeping the order; false if present.
+    fn insert(&mut self, id: u32) -> bool {
+        let Err(at) = self.as_slice().binary_search(&id) else {
+            return false;
+        };
+        self.ids.copy_within(at..self.len, at + 1);
+        self.ids[at] = id;
+        self.len += 1;
+        true
+    }
+
+    /// Removes `id`; false if absent.
+    fn remove(&mut self, id: u32) -> bool {
+        let Ok(at) = self.as_slice().binary_search(&id) else {
+            return false;
+        };
+        self.ids.copy_within(at + 1..self.len, at);
+        self.len -= 1;
+        true
     }
 }
 
@@ -411,13 +455,12 @@ impl Shard {
             return (added, created);
         }
         let mut ids = entry.workers.inline_ids();
-        let Err(at) = ids.binary_search(&worker) else {
+        if !ids.insert(worker) {
             return (false, created);
-        };
-        ids.insert(at, worker);
-        entry.workers = Holders::encode(&ids);
+        }
+        entry.workers = Holders::encode(ids.as_slice());
         if entry.workers.is_spilled() {
-            spilled.insert(seq, ids);
+            spilled.insert(seq, ids.as_slice().to_vec());
         }
         (true, created)
     }
@@ -452,14 +495,11 @@ impl Shard {
             }
         } else {
             let mut ids = entry.workers.inline_ids();
-            match ids.binary_search(&worker) {
-                Ok(at) => {
-                    ids.remove(at);
-                    entry.workers = Holders::encode(&ids);
-                    true
-                }
-                Err(_) => false,
+            let held = ids.remove(worker);
+            if held {
+                entry.workers = Holders::encode(ids.as_slice());
             }
+            held
         };
         let empty = entry.workers == Holders::NONE;
         if empty {
@@ -478,7 +518,7 @@ impl Shard {
             shrink_sparse(&mut self.spilled);
             ids
         } else {
-            entry.workers.inline_ids()
+            entry.workers.inline_ids().as_slice().to_vec()
         }
     }
 
@@ -685,6 +725,36 @@ mod tests {
             }
         }
 
+        /// A block's holders follow adds and removals, against a set, through
+        /// every form (bitset, one or two narrow, one wide, spilled) and back.
+        #[test]
+        fn holders_follow_adds_and_removals(
+            ops in prop::collection::vec(
+                (any::<bool>(), prop_oneof![0..40u32, 32_760..32_775u32, (1u32 << 30) - 2..(1 << 30) + 2]),
+                1..200,
+            ),
+        ) {
+            let mut shard = Shard::default();
+            let mut model = BTreeSet::new();
+            const SEQ: u64 = 0x1234_5678_9ABC_DEF0;
+            for (add, worker) in ops {
+                if add {
+                    let (added, created) = shard.insert(SEQ, 7, worker);
+                    prop_assert_eq!(created, model.is_empty());
+                    prop_assert_eq!(added, model.insert(worker));
+                } else {
+                    let (held, gone) = shard.remove(SEQ, worker);
+                    prop_assert_eq!(held, model.remove(&worker));
+                    prop_assert_eq!(gone, held && model.is_empty());
+                }
+                let mut ids = Vec::new();
+                shard.holders(SEQ).ids_into(&mut ids);
+                prop_assert_eq!(ids, model.iter().copied().collect::<Vec<u32>>());
+                prop_assert_eq!(shard.spilled.len(), usize::from(
+                    shard.entries.get(SEQ).is_some_and(|e| e.workers.is_spilled())));
+            }
+        }
+
         /// Every set of holders reads back as itself, in the first form that
         /// fits, and equal sets are equal words.
         #[test]
@@ -705,7 +775,8 @@ mod tests {
             prop_assert_eq!(word.is_spilled(), !fits_bits && !fits_list);
             prop_assert_eq!(word.bitset().is_some(), fits_bits);
             if !word.is_spilled() {
-                prop_assert_eq!(word.inline_ids(), ids.clone());
+                let read = word.inline_ids();
+                prop_assert_eq!(read.as_slice(), ids.as_slice());
             }
             prop_assert_eq!(word == Holders::NONE, ids.is_empty());
         }
