@@ -271,16 +271,26 @@ impl<V: Copy + Default, const FLOOR: usize> FlatMap<V, FLOOR> {
         };
         let old = std::mem::replace(&mut self.slots, vec![empty; slots]);
         let start = old.iter().position(|s| s.key() == EMPTY).unwrap_or(0);
-        for slot in old[start..].iter().chain(&old[..start]) {
-            if slot.key() == EMPTY {
-                continue;
+        // Two plain loops, not a chained iterator: this loop is most of a
+        // resize, and resizes much of a growing index's ingest.
+        for half in [&old[start..], &old[..start]] {
+            for slot in half {
+                if slot.key() != EMPTY {
+                    self.place(*slot);
+                }
             }
-            let mut at = self.home(slot.key());
-            while self.slots[at].key() != EMPTY {
-                at = self.next(at);
-            }
-            self.slots[at] = *slot;
         }
+    }
+
+    /// Puts a slot at the first free one from its home (resizing only: the key
+    /// is not in the table).
+    #[inline]
+    fn place(&mut self, slot: Slot<V>) {
+        let mut at = self.home(slot.key());
+        while self.slots[at].key() != EMPTY {
+            at = self.next(at);
+        }
+        self.slots[at] = slot;
     }
 }
 
