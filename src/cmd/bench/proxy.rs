@@ -431,7 +431,7 @@ async fn measure_all(
     }
     println!("\nload average after: {}", load_average());
     drop(nginx);
-    for (child, _) in std::iter::once(&mut router).chain(baseline.as_mut().map(|(c, _)| c)) {
+    for child in std::iter::once(&mut router).chain(baseline.as_mut().map(|(c, _)| c)) {
         drop(child.stdin.take());
         child.wait()?;
     }
