@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::flat::FlatMap;
+use crate::flat::{FlatMap, Zeroable};
 
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
@@ -64,6 +64,9 @@ pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
 /// store it: a 24-byte slot, not 32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BlockRef(u64);
+
+// SAFETY: a `u64`, valid for any bits.
+unsafe impl Zeroable for BlockRef {}
 
 /// Bits of chain hash in a key, above the flags.
 const HASH_BITS: u32 = 57;
@@ -183,6 +186,10 @@ pub(crate) struct Entry {
     /// 4-byte aligned and packs beside its key.
     tokens_hash: [u32; 2],
 }
+
+// SAFETY: an entry is three `u32`s (the holders word and the hash's halves),
+// valid for any bits.
+unsafe impl Zeroable for Entry {}
 
 impl Entry {
     fn new(tokens_hash: u64) -> Entry {
