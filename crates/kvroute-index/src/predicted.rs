@@ -281,45 +281,52 @@ impl PredictedIndex {
         let now = self.millis(now);
         let inner = self.inner.read().unwrap();
         let root = chain_key(None, first);
-        let mut candidates: Vec<u64> = inner
+        // (serial, generation) for each generation that lists the worker under
+        // this root: the only generations that can hold its entries along the
+        // request, since a record writes its path from block 0 and lists the
+        // worker when it writes block 0 (invariant 1). A probe then looks in one
+        // or two tables, not in every generation's.
+        let mut listed: Vec<(u64, usize)> = inner
             .generations
             .iter()
-            .filter_map(|g| g.roots.get(&root))
-            .flatten()
-            .copied()
+            .enumerate()
+            .filter_map(|(i, g)| Some((i, g.roots.get(&root)?)))
+            .flat_map(|(i, serials)| serials.iter().map(move |&serial| (serial, i)))
             .collect();
-        if candidates.is_empty() {
-            return Vec::new();
-        }
-        candidates.sort_unstable();
-        candidates.dedup();
-        candidates.retain(|&serial| inner.live(&[root], 0, serial, now));
-        if candidates.is_empty() {
-            return Vec::new();
-        }
-        let keys = chain_keys(local_hashes);
-        candidates
-            .into_iter()
-            .filter_map(|serial| {
-                let &(worker, total_blocks) = inner.workers.get(&serial)?;
-                // The worker's live entries along the request form a prefix, so
-                // "holds block p" is true up to its depth and false after.
-                let (mut held, mut limit) = (1, keys.len());
-                while held < limit {
-                    let probe = held + (limit - held) / 2;
-                    if inner.live(&keys, probe, serial, now) {
-                        held = probe + 1;
-                    } else {
-                        limit = probe;
-                    }
+        // By worker, then newest generation first.
+        listed.sort_unstable_by_key(|&(serial, i)| (serial, std::cmp::Reverse(i)));
+        let mut keys = None;
+        let mut generations = Vec::new();
+        let mut matches = Vec::new();
+        for listings in listed.chunk_by(|a, b| a.0 == b.0) {
+            let serial = listings[0].0;
+            generations.clear();
+            generations.extend(listings.iter().map(|&(_, i)| &inner.generations[i]));
+            if !live(&generations, &[root], 0, serial, now) {
+                continue;
+            }
+            let Some(&(worker, total_blocks)) = inner.workers.get(&serial) else {
+                continue;
+            };
+            let keys = keys.get_or_insert_with(|| chain_keys(local_hashes));
+            // The worker's live entries along the request form a prefix, so
+            // "holds block p" is true up to its depth and false after.
+            let (mut held, mut limit) = (1, keys.len());
+            while held < limit {
+                let probe = held + (limit - held) / 2;
+                if live(&generations, keys, probe, serial, now) {
+                    held = probe + 1;
+                } else {
+                    limit = probe;
                 }
-                Some(WorkerMatch {
-                    worker,
-                    depth: held as u32,
-                    total_blocks,
-                })
-            })
-            .collect()
+            }
+            matches.push(WorkerMatch {
+                worker,
+                depth: held as u32,
+                total_blocks,
+            });
+        }
+        matches
     }
 
     /// Forgets every prediction for `worker`. Its entries stop matching at once
@@ -350,15 +357,6 @@ impl PredictedIndex {
 }
 
 impl Inner {
-    /// Whether any generation has an unexpired entry of the worker for block
-    /// `p` of the path whose chain keys are `keys`.
-    fn live(&self, keys: &[u64], p: usize, serial: u64, now: u64) -> bool {
-        self.generations
-            .iter()
-            .rev()
-            .any(|g| g.expiry(keys, p, serial).is_some_and(|e| e > now))
-    }
-
     fn serial(&mut self, worker: WorkerKey) -> u64 {
         if let Some(&serial) = self.serials.get(&worker) {
             return serial;
@@ -380,6 +378,14 @@ impl Inner {
         }
         generation
     }
+}
+
+/// Whether any of `generations` has an unexpired entry of the worker for block
+/// `p` of the path whose chain keys are `keys`.
+fn live(generations: &[&Generation], keys: &[u64], p: usize, serial: u64, now: u64) -> bool {
+    generations
+        .iter()
+        .any(|g| g.expiry(keys, p, serial).is_some_and(|e| e > now))
 }
 
 #[cfg(test)]
