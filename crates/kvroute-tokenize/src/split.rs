@@ -30,21 +30,35 @@ pub(crate) fn piece_end(
     text: &str,
     start: usize,
 ) -> usize {
-    let by_hand = by_hand
-        .then(|| ascii_piece_end(text.as_bytes(), start))
-        .flatten();
-    match by_hand {
-        Some(end) => end,
-        // A non-empty text has a first piece; the fallback only guards the loop.
-        None => bpe
-            .split(&text[start..])
-            .next()
-            .map_or(text.len(), |piece| start + piece.len()),
+    if by_hand {
+        let bytes = text.as_bytes();
+        // Most pieces are a word after a space, or a word: decided here,
+        // inline; the other shapes in [`ascii_piece_end`].
+        let first = bytes[start];
+        let letters_from = if first.is_ascii_alphabetic() {
+            Some(start + 1)
+        } else if first == b' ' && bytes.get(start + 1).is_some_and(u8::is_ascii_alphabetic) {
+            Some(start + 2)
+        } else {
+            None
+        };
+        let end = match letters_from {
+            Some(from) => letters_end(bytes, from),
+            None => ascii_piece_end(bytes, start),
+        };
+        if let Some(end) = end {
+            return end;
+        }
     }
+    // A non-empty text has a first piece; the fallback only guards the loop.
+    bpe.split(&text[start..])
+        .next()
+        .map_or(text.len(), |piece| start + piece.len())
 }
 
 /// Where the cl100k_base piece starting at `start` ends, or `None` if that
 /// depends on a non-ASCII byte. `start` must be less than `text.len()`.
+#[inline(never)]
 pub(crate) fn ascii_piece_end(text: &[u8], start: usize) -> Option<usize> {
     let first = text[start];
     let next = text.get(start + 1).copied();
@@ -134,6 +148,7 @@ pub(crate) fn ascii_piece_end(text: &[u8], start: usize) -> Option<usize> {
 /// The end of a run of ASCII letters from `from`, if no non-ASCII byte (maybe
 /// a letter) follows it. Eight bytes at a time where eight are left: words
 /// are most of a text, and a byte loop was most of the split's cost.
+#[inline]
 fn letters_end(text: &[u8], from: usize) -> Option<usize> {
     let mut end = from;
     while let Some(&bytes) = text.get(end..).and_then(|rest| rest.first_chunk::<8>()) {

@@ -117,14 +117,11 @@ pub(crate) fn words_at<const N: usize>(text: &[u8], start: usize, end: usize) ->
         return words(&text[start..end]);
     };
     let mut words = [0; N];
-    for (i, (word, bytes)) in words.iter_mut().zip(window.chunks_exact(8)).enumerate() {
-        let kept = len.saturating_sub(8 * i);
-        let mask = if kept >= 8 {
-            u64::MAX
-        } else {
-            (1 << (8 * kept)) - 1
-        };
-        *word = self::word(bytes) & mask;
+    for (i, word) in words.iter_mut().enumerate() {
+        // The low `kept` bytes, 0 to 8 of them.
+        let kept = len.saturating_sub(8 * i).min(8);
+        let mask = ((1u128 << (8 * kept)) - 1) as u64;
+        *word = self::word(&window[8 * i..]) & mask;
     }
     words
 }
