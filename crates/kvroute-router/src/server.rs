@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::ServiceExt;
 use axum::serve::ListenerExt;
 use futures_util::StreamExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
@@ -87,7 +88,7 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();
-    let app = crate::api::router(Arc::clone(&state));
+    let app = crate::api::service(Arc::clone(&state)).into_make_service();
     let (http_tls, grpc_tls) = match tls {
         Some(tls) => (Some(tls.http), Some(tls.grpc)),
         None => (None, None),

@@ -350,16 +350,32 @@ impl Upstream {
     }
 }
 
+/// At most this many bytes of data frames that are ready together are joined
+/// into one (see [`WorkerBody`]).
+const JOINED_BYTES: usize = 64 * 1024;
+
 /// A worker's response body with the connection it arrives on: polling the
 /// body drives the connection, and a body read to its end gives the connection
 /// back to the worker's idle list. Dropped before its end, it closes the
 /// connection (the worker sees the cancel).
+///
+/// hyper decodes a chunked body into one frame per chunk, so chunks that one
+/// read brought in (a worker streaming tokens faster than they are forwarded)
+/// come out as many frames, each written on its own by the server once its
+/// queue of buffers is full, and each paying the server's and the tracking's
+/// per-frame work. Data frames that are ready without waiting are therefore
+/// joined into one, as nginx forwards what one read gave in one write; a frame
+/// that is alone goes out at once.
 pub struct WorkerBody {
     body: Incoming,
     // `None` once back in the pool, or closed.
     conn: Option<Box<Conn>>,
     pool: Arc<Pool>,
     base_url: Arc<str>,
+    /// What ended the last join (trailers, an error or the end), given next.
+    held: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
+    /// How many of the worker's frames the last data frame joined.
+    joined: usize,
 }
 
 impl WorkerBody {
@@ -369,6 +385,8 @@ impl WorkerBody {
             conn: Some(conn),
             pool,
             base_url,
+            held: None,
+            joined: 0,
         };
         // An empty body is complete before anyone would poll it.
         if body.body.is_end_stream() {
@@ -382,6 +400,36 @@ impl WorkerBody {
             self.pool.put(&self.base_url, conn);
         }
     }
+
+    /// How many of the worker's frames the last data frame joined.
+    pub fn joined(&self) -> usize {
+        self.joined
+    }
+
+    /// The worker's next frame, driving the connection if it has none yet.
+    fn poll_worker_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        // What the connection already read comes first; only then is it
+        // driven to read more.
+        let mut frame = Pin::new(&mut self.body).poll_frame(cx);
+        if frame.is_pending() {
+            if let Some(conn) = self.conn.as_mut()
+                && conn.drive(cx)
+            {
+                self.conn = None;
+            }
+            frame = Pin::new(&mut self.body).poll_frame(cx);
+        }
+        match &frame {
+            Poll::Ready(None) => self.release(),
+            Poll::Ready(Some(Ok(_))) if self.body.is_end_stream() => self.release(),
+            Poll::Ready(Some(Err(_))) => self.conn = None,
+            _ => {}
+        }
+        frame
+    }
 }
 
 impl Body for WorkerBody {
@@ -393,28 +441,54 @@ impl Body for WorkerBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        // What the connection already read comes first; only then is it
-        // driven to read more.
-        let mut frame = Pin::new(&mut this.body).poll_frame(cx);
-        if frame.is_pending() {
-            if let Some(conn) = this.conn.as_mut()
-                && conn.drive(cx)
-            {
-                this.conn = None;
+        if let Some(held) = this.held.take() {
+            return Poll::Ready(held);
+        }
+        let first = match std::task::ready!(this.poll_worker_frame(cx)) {
+            Some(Ok(frame)) => frame,
+            other => return Poll::Ready(other),
+        };
+        let first = match first.into_data() {
+            Ok(data) => data,
+            Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
+        };
+        this.joined = 1;
+        // Join the data frames that are ready now; never wait for one.
+        let mut joined: Option<bytes::BytesMut> = None;
+        while !this.body.is_end_stream()
+            && joined.as_ref().map_or(first.len(), |j| j.len()) < JOINED_BYTES
+        {
+            let next = match this.poll_worker_frame(cx) {
+                Poll::Pending => break,
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(other) => {
+                    this.held = Some(other);
+                    break;
+                }
+            };
+            match next.into_data() {
+                Ok(data) => {
+                    let joined = joined.get_or_insert_with(|| {
+                        let mut joined =
+                            bytes::BytesMut::with_capacity(2 * first.len() + data.len());
+                        joined.extend_from_slice(&first);
+                        joined
+                    });
+                    joined.extend_from_slice(&data);
+                    this.joined += 1;
+                }
+                Err(trailers) => {
+                    this.held = Some(Some(Ok(trailers)));
+                    break;
+                }
             }
-            frame = Pin::new(&mut this.body).poll_frame(cx);
         }
-        match &frame {
-            Poll::Ready(None) => this.release(),
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.release(),
-            Poll::Ready(Some(Err(_))) => this.conn = None,
-            _ => {}
-        }
-        frame
+        let data = joined.map_or(first, bytes::BytesMut::freeze);
+        Poll::Ready(Some(Ok(Frame::data(data))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.held.is_none() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -576,6 +650,11 @@ impl Body for TrackedBody {
                             .inter_token
                             .record(now.duration_since(previous).as_secs_f64()),
                     }
+                    // The worker's frames joined into this one came together.
+                    let joined = this.inner.as_ref().map_or(1, WorkerBody::joined);
+                    if joined > 1 {
+                        metrics::hot().inter_token.record_many(0.0, joined - 1);
+                    }
                     *this.last_frame = Some(now);
                     *this.last_data = tokio::time::Instant::now();
                 }
@@ -703,6 +782,76 @@ mod tests {
             }
         });
         (url, events)
+    }
+
+    /// A worker that reads one request, then writes each byte string the test
+    /// sends it, in one write each, acknowledging each once written.
+    async fn scripted_worker() -> (
+        Arc<str>,
+        mpsc::UnboundedSender<&'static [u8]>,
+        mpsc::UnboundedReceiver<()>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Arc<str> = format!("http://{}", listener.local_addr().unwrap()).into();
+        let (writes, mut to_write) = mpsc::unbounded_channel::<&'static [u8]>();
+        let (written, acks) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut request = Vec::new();
+            // The request is small: its head and its 2-byte body.
+            while !request.ends_with(b"\r\n\r\n{}") {
+                let mut chunk = [0; 4096];
+                let n = tcp.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "the router hung up");
+                request.extend_from_slice(&chunk[..n]);
+            }
+            while let Some(bytes) = to_write.recv().await {
+                tcp.write_all(bytes).await.unwrap();
+                written.send(()).unwrap();
+            }
+        });
+        (url, writes, acks)
+    }
+
+    #[tokio::test]
+    async fn chunks_that_arrive_together_go_on_as_one_frame_and_a_lone_one_at_once() {
+        let (url, writes, mut written) = scripted_worker().await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        writes
+            .send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nA\r\n")
+            .unwrap();
+        let response = upstream
+            .post(
+                &url,
+                "/v1/completions",
+                &HeaderMap::new(),
+                Bytes::from("{}"),
+            )
+            .await
+            .unwrap();
+        written.recv().await.unwrap();
+        let mut body = response.into_body();
+        // Nothing follows it yet: it is not held back waiting for company.
+        let lone = body.frame().await.unwrap().unwrap();
+        assert_eq!(lone.into_data().unwrap(), "A");
+        assert_eq!(body.joined(), 1);
+        // Three chunks in one write: one frame.
+        writes.send(b"1\r\nB\r\n2\r\nCD\r\n1\r\nE\r\n").unwrap();
+        written.recv().await.unwrap();
+        let together = body.frame().await.unwrap().unwrap();
+        assert_eq!(together.into_data().unwrap(), "BCDE");
+        assert_eq!(body.joined(), 3);
+        // A chunk and the end together: the chunk, then the end.
+        writes.send(b"1\r\nF\r\n0\r\n\r\n").unwrap();
+        written.recv().await.unwrap();
+        let last = body.frame().await.unwrap().unwrap();
+        assert_eq!(last.into_data().unwrap(), "F");
+        assert!(body.frame().await.is_none());
+        assert_eq!(
+            upstream.pool.hosts.lock().unwrap().by_url[&*url].idle.len(),
+            1,
+            "the connection went back to the pool"
+        );
     }
 
     async fn post(upstream: &Upstream, url: &Arc<str>) -> Bytes {

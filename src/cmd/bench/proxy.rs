@@ -9,6 +9,8 @@
 //! the same 16 concurrent clients: the throughput each proxy loses against
 //! direct calls, and the CPU the proxy process spends per request or per
 //! streamed chunk (the scheduler's per-thread nanoseconds, /proc/PID/task/*/schedstat).
+//! With `--baseline PATH`, a router from another kvroute binary is measured as a
+//! fourth target in the same rounds: a before/after beside nginx.
 //!
 //! nginx is installed with `bench/nginx/install.sh` if it is missing.
 //!
@@ -26,7 +28,8 @@ use clap::Args;
 use http_body_util::{BodyExt, Full};
 
 use super::router::{
-    HttpClient, pinned_runtime, pooled_client, process_cpu_ns, router_process, text_prompts,
+    HttpClient, pinned_runtime, pooled_client, process_cpu_ns, router_process, router_process_of,
+    text_prompts,
 };
 
 #[derive(Args)]
@@ -43,6 +46,10 @@ pub struct BenchProxyArgs {
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 200)]
     chunks: usize,
+    /// Another kvroute binary (an earlier build) to measure as a fourth
+    /// target in the same rounds, for a before/after beside nginx.
+    #[arg(long)]
+    baseline: Option<PathBuf>,
 }
 
 /// Concurrent clients in every measurement.
@@ -334,7 +341,12 @@ async fn measure_all(
     let worker = stub_worker(args.chunks).await?;
     let (mut router, router_addr) = router_process(&format!("http://{worker}"), proxy_cpu).await?;
     let nginx = Nginx::start(worker, proxy_cpu)?;
+    let mut baseline = match &args.baseline {
+        Some(exe) => Some(router_process_of(exe, &format!("http://{worker}"), proxy_cpu).await?),
+        None => None,
+    };
     let router_pid = router.id();
+    let baseline_pid = baseline.as_ref().map(|(child, _)| child.id());
     let client = pooled_client();
     let loads = [
         (
@@ -357,22 +369,26 @@ async fn measure_all(
         load_average()
     );
     for (name, load) in loads {
-        let mut samples: [Samples; 3] = Default::default();
-        let targets = [
+        let mut targets = vec![
             format!("http://{worker}/v1/completions"),
             format!("http://{router_addr}/v1/completions"),
             format!("http://{}/v1/completions", nginx.addr),
         ];
+        if let Some((_, addr)) = &baseline {
+            targets.push(format!("http://{addr}/v1/completions"));
+        }
+        let mut samples: Vec<Samples> = targets.iter().map(|_| Samples::default()).collect();
         // Warm-up: connections and pools, on every target.
         for url in &targets {
             throughput(&client, url, load).await?;
         }
         for round in 0..args.rounds {
-            for i in 0..3 {
-                let target = (round + i) % 3;
+            for i in 0..targets.len() {
+                let target = (round + i) % targets.len();
                 let cpu = || match target {
                     1 => process_cpu_ns(router_pid),
                     2 => nginx.cpu_ns(),
+                    3 => baseline_pid.map_or(Ok(0), process_cpu_ns),
                     _ => Ok(0),
                 };
                 let before = cpu()?;
@@ -391,7 +407,10 @@ async fn measure_all(
         let direct = median(&samples[0].rate);
         println!("\n{name} ({}):", describe(load));
         println!("  direct:  {direct:.0} {unit}s/s");
-        for (target, label) in [(1, "kvroute"), (2, "nginx")] {
+        for (target, label) in [(1, "kvroute"), (2, "nginx"), (3, "baseline")] {
+            if target >= targets.len() {
+                continue;
+            }
             let rate = median(&samples[target].rate);
             let cpu = median(&samples[target].cpu_per_unit) / 1000.0;
             println!(
@@ -412,8 +431,10 @@ async fn measure_all(
     }
     println!("\nload average after: {}", load_average());
     drop(nginx);
-    drop(router.stdin.take());
-    router.wait()?;
+    for child in std::iter::once(&mut router).chain(baseline.as_mut().map(|(c, _)| c)) {
+        drop(child.stdin.take());
+        child.wait()?;
+    }
     Ok(())
 }
 

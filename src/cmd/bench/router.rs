@@ -674,7 +674,16 @@ pub(super) async fn router_process(
     worker_url: &str,
     cpu: usize,
 ) -> anyhow::Result<(std::process::Child, String)> {
-    let mut child = std::process::Command::new(std::env::current_exe()?)
+    router_process_of(&std::env::current_exe()?, worker_url, cpu).await
+}
+
+/// Like [`router_process`], from the kvroute binary `exe` (another build).
+pub(super) async fn router_process_of(
+    exe: &std::path::Path,
+    worker_url: &str,
+    cpu: usize,
+) -> anyhow::Result<(std::process::Child, String)> {
+    let mut child = std::process::Command::new(exe)
         .args(["bench", "router-proxy", "--cpu", &cpu.to_string()])
         .args(["--worker-url", worker_url])
         .stdin(std::process::Stdio::piped())
