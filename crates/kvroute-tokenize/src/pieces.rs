@@ -10,10 +10,10 @@
 //! cl100k_base does (see [`crate::hf`]), in front of their model.
 //!
 //! Each thread has its own cache (no lock on a path taken once per piece).
-//! It is a table of [`PIECE_CACHE_ENTRIES`] entries of one cache line each,
+//! It is a table of [`PIECE_CACHE_ENTRIES`] entries of two cache lines each,
 //! holding the piece's bytes (at most [`MAX_CACHED_PIECE_BYTES`]) and ids (at
-//! most [`MAX_CACHED_IDS`]) inline: 2 MiB, no allocation, one hash of four
-//! words and one line per lookup. (The `quick_cache` map it replaces kept
+//! most [`MAX_CACHED_IDS`]) inline: 4 MiB, no allocation, one hash of four
+//! words and the key's line of each way per lookup. (The `quick_cache` map it replaces kept
 //! keys and ids on the heap: two allocations per insert, and a `memcmp`
 //! through a pointer per lookup.) Entries are in sets of [`WAYS`]; each set
 //! evicts as a clock does, passing over once the entries hit since the hand
@@ -29,8 +29,12 @@ pub(crate) const PIECE_CACHE_ENTRIES: usize = 1 << 15;
 /// every time: they are rare, and not keeping them keeps entries small.
 pub(crate) const MAX_CACHED_PIECE_BYTES: usize = 32;
 
-/// Pieces of more tokens are encoded every time (rare: pieces of odd bytes).
-pub(crate) const MAX_CACHED_IDS: usize = 6;
+/// Pieces of more tokens are encoded every time (rare: pieces of odd
+/// bytes). Rare words BPE splits into many tokens are the costliest to merge
+/// again (merging is quadratic in a piece's length): with 6, the router
+/// bench's steady state merged ~120 such pieces per prompt at ~1,800
+/// instructions each (callgrind).
+pub(crate) const MAX_CACHED_IDS: usize = 14;
 
 /// Entries per set.
 const WAYS: usize = 4;
