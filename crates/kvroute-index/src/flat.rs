@@ -4,36 +4,69 @@
 //!
 //! Open addressing with linear probing and backward-shift deletion (no
 //! tombstones), one slot per entry (key and value, no control bytes), at most
-//! 7/8 full and shrunk under a quarter of that. It replaced `HashMap` for two
-//! reasons. A walk can prefetch the slots of the blocks ahead of the one it
+//! 7/8 full, grown by a quarter (not doubled) and shrunk under a quarter of
+//! what it may hold. A table of any length: the home slot is the key's hash
+//! scaled to the length (`hash × len >> 64`), not masked to a power of two, so
+//! growing by a quarter keeps the tables 70–87 % full (doubling left them
+//! 44–87 %, 63 % on average: a third of every table's memory was empty).
+//!
+//! It replaced `HashMap` for two reasons. A walk can prefetch the slots of the blocks ahead of the one it
 //! probes: a path's chain keys are computed without the table, and a routing
 //! decision over 256 matched blocks of a million otherwise waited for one cache
 //! miss after another (DESIGN.md, "The walk's cache misses"). And without
 //! hashbrown's control byte a 16-byte engine-map slot costs 16 bytes, not 17,
-//! per membership.
+//! per membership (and a block-table slot 20).
 
 /// Marks an empty slot; the entry of key 0 is kept beside the slots.
 const EMPTY: u64 = 0;
 /// Slots of the smallest table.
 const MIN_SLOTS: usize = 4;
+/// Slots a table grows by at least.
+const MIN_GROWTH: usize = 8;
 /// Most slots in use, in eighths of the table.
 const MAX_EIGHTHS: usize = 7;
 
+/// A key and its value. The key is kept as two halves so that a value of
+/// 4-byte alignment packs beside it: a block-table slot is 20 bytes, not 24.
 #[derive(Clone, Copy)]
+#[repr(C)]
 struct Slot<V> {
-    key: u64,
+    key: [u32; 2],
     value: V,
 }
 
-pub(crate) struct FlatMap<V> {
-    /// Empty, or a power of two long.
+impl<V> Slot<V> {
+    #[inline]
+    fn key(&self) -> u64 {
+        u64::from(self.key[0]) | u64::from(self.key[1]) << 32
+    }
+
+    #[inline]
+    fn set_key(&mut self, key: u64) {
+        self.key = [key as u32, (key >> 32) as u32];
+    }
+}
+
+/// The halves of a key.
+#[inline]
+fn halves(key: u64) -> [u32; 2] {
+    [key as u32, (key >> 32) as u32]
+}
+
+///
+/// A table that grew past `FLOOR` slots never shrinks below it: a
+/// block-table shard whose share of a small fleet's blocks comes and goes
+/// (conversations end, others start) was otherwise shrunk and regrown over
+/// and over, most of the resizes of a churning 16-worker index.
+pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
+    /// Empty, or at least `MIN_SLOTS` long.
     slots: Vec<Slot<V>>,
     /// Entries in `slots`.
     in_slots: usize,
     zero: Option<V>,
 }
 
-impl<V> Default for FlatMap<V> {
+impl<V, const FLOOR: usize> Default for FlatMap<V, FLOOR> {
     fn default() -> Self {
         Self {
             slots: Vec::new(),
@@ -43,7 +76,7 @@ impl<V> Default for FlatMap<V> {
     }
 }
 
-impl<V: Copy + Default> FlatMap<V> {
+impl<V: Copy + Default, const FLOOR: usize> FlatMap<V, FLOOR> {
     pub fn len(&self) -> usize {
         self.in_slots + usize::from(self.zero.is_some())
     }
@@ -55,11 +88,21 @@ impl<V: Copy + Default> FlatMap<V> {
 
     #[inline]
     fn home(&self, key: u64) -> usize {
-        // The slots' count is a power of two; the product's top bits mix all of
-        // the key's (engine hashes may be small integers, and a chain key's low
-        // bits are its shard's, the same for every block of a shard).
-        let bits = self.slots.len().trailing_zeros();
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
+        // The product's top bits mix all of the key's (engine hashes may be
+        // small integers, and a chain key's low bits are its shard's, the same
+        // for every block of a shard); scaled to the length, not masked.
+        let hash = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((u128::from(hash) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    /// The slot after `at`, cyclically.
+    #[inline]
+    fn next(&self, at: usize) -> usize {
+        if at + 1 == self.slots.len() {
+            0
+        } else {
+            at + 1
+        }
     }
 
     /// The slot of `key` (not 0), if present.
@@ -68,13 +111,12 @@ impl<V: Copy + Default> FlatMap<V> {
         if self.slots.is_empty() {
             return None;
         }
-        let mask = self.slots.len() - 1;
         let mut at = self.home(key);
         loop {
-            match self.slots[at].key {
+            match self.slots[at].key() {
                 k if k == key => return Some(at),
                 EMPTY => return None,
-                _ => at = (at + 1) & mask,
+                _ => at = self.next(at),
             }
         }
     }
@@ -113,12 +155,20 @@ impl<V: Copy + Default> FlatMap<V> {
         }
     }
 
-    /// Room for `additional` more entries without growing.
+    /// Room for `additional` more entries without growing, grown by a
+    /// quarter at least (so that reserving before each insert of a few does
+    /// not resize every time).
     pub fn reserve(&mut self, additional: usize) {
         let needed = self.in_slots + additional;
         if needed * 8 > self.slots.len() * MAX_EIGHTHS {
-            self.resize(slots_for(needed));
+            self.resize(Self::slots_for(needed).max(self.grown()));
         }
+    }
+
+    /// The length a full table grows to.
+    fn grown(&self) -> usize {
+        let len = self.slots.len();
+        len + len.div_ceil(4).max(MIN_GROWTH)
     }
 
     /// The value of `key`, made by `make` if absent; and whether it was made.
@@ -128,18 +178,20 @@ impl<V: Copy + Default> FlatMap<V> {
             return (self.zero.get_or_insert_with(make), made);
         }
         if (self.in_slots + 1) * 8 > self.slots.len() * MAX_EIGHTHS {
-            self.resize((self.slots.len() * 2).max(MIN_SLOTS));
+            self.resize(self.grown());
         }
-        let mask = self.slots.len() - 1;
         let mut at = self.home(key);
         loop {
-            match self.slots[at].key {
+            match self.slots[at].key() {
                 k if k == key => return (&mut self.slots[at].value, false),
                 EMPTY => break,
-                _ => at = (at + 1) & mask,
+                _ => at = self.next(at),
             }
         }
-        self.slots[at] = Slot { key, value: make() };
+        self.slots[at] = Slot {
+            key: halves(key),
+            value: make(),
+        };
         self.in_slots += 1;
         (&mut self.slots[at].value, true)
     }
@@ -156,26 +208,30 @@ impl<V: Copy + Default> FlatMap<V> {
         }
         let at = self.find(key)?;
         let removed = self.slots[at].value;
-        let mask = self.slots.len() - 1;
         // Moves back the slots after the hole that probed past it.
-        let (mut hole, mut next) = (at, (at + 1) & mask);
-        while self.slots[next].key != EMPTY {
-            let home = self.home(self.slots[next].key);
+        let (mut hole, mut next) = (at, self.next(at));
+        while self.slots[next].key() != EMPTY {
+            let home = self.home(self.slots[next].key());
             // The slot may fill the hole iff its home is not cyclically in
             // (hole, next]: otherwise moving it would put it before its home.
-            if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(hole) & mask) {
+            let movable = if hole < next {
+                home <= hole || home > next
+            } else {
+                home <= hole && home > next
+            };
+            if movable {
                 self.slots[hole] = self.slots[next];
                 hole = next;
             }
-            next = (next + 1) & mask;
+            next = self.next(next);
         }
-        self.slots[hole].key = EMPTY;
+        self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
         // Gives memory back once under a quarter of what the table may hold:
         // under churn a shard's share of the blocks moves around.
         let usable = self.slots.len() * MAX_EIGHTHS / 8;
-        if usable > 64 && self.in_slots * 4 < usable {
-            self.resize(slots_for(self.in_slots * 2));
+        if usable > 64 && self.slots.len() > FLOOR && self.in_slots * 4 < usable {
+            self.resize(Self::slots_for(self.in_slots * 2).max(FLOOR));
         }
         Some(removed)
     }
@@ -183,8 +239,8 @@ impl<V: Copy + Default> FlatMap<V> {
     /// Every entry, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
         let zero = self.zero.map(|v| (EMPTY, v));
-        let slotted = self.slots.iter().filter(|s| s.key != EMPTY);
-        zero.into_iter().chain(slotted.map(|s| (s.key, s.value)))
+        let slotted = self.slots.iter().filter(|s| s.key() != EMPTY);
+        zero.into_iter().chain(slotted.map(|s| (s.key(), s.value)))
     }
 
     /// Keeps the entries `keep` accepts, in a table sized for them.
@@ -197,29 +253,45 @@ impl<V: Copy + Default> FlatMap<V> {
         }
     }
 
+    /// Slots of a table that takes `entries` before it grows.
+    fn slots_for(entries: usize) -> usize {
+        (entries * 8).div_ceil(MAX_EIGHTHS).max(MIN_SLOTS)
+    }
+
+    /// Moves the entries into a table of `slots` slots. Homes grow with the
+    /// key's hash (scaled, not masked), so the old table read from an empty
+    /// slot on, cyclically, yields the entries nearly in the new table's
+    /// order of homes: the writes go through the new table in order, not
+    /// scattered (a table grown by a quarter is rehashed more often than a
+    /// doubled one).
     fn resize(&mut self, slots: usize) {
         let empty = Slot {
-            key: EMPTY,
+            key: halves(EMPTY),
             value: V::default(),
         };
         let old = std::mem::replace(&mut self.slots, vec![empty; slots]);
-        let mask = slots - 1;
-        for slot in old.into_iter().filter(|s| s.key != EMPTY) {
-            let mut at = self.home(slot.key);
-            while self.slots[at].key != EMPTY {
-                at = (at + 1) & mask;
+        let start = old.iter().position(|s| s.key() == EMPTY).unwrap_or(0);
+        // Two plain loops, not a chained iterator: this loop is most of a
+        // resize, and resizes much of a growing index's ingest.
+        for half in [&old[start..], &old[..start]] {
+            for slot in half {
+                if slot.key() != EMPTY {
+                    self.place(*slot);
+                }
             }
-            self.slots[at] = slot;
         }
     }
-}
 
-/// Slots of a table that takes `entries` before it grows.
-fn slots_for(entries: usize) -> usize {
-    (entries * 8)
-        .div_ceil(MAX_EIGHTHS)
-        .next_power_of_two()
-        .max(MIN_SLOTS)
+    /// Puts a slot at the first free one from its home (resizing only: the key
+    /// is not in the table).
+    #[inline]
+    fn place(&mut self, slot: Slot<V>) {
+        let mut at = self.home(slot.key());
+        while self.slots[at].key() != EMPTY {
+            at = self.next(at);
+        }
+        self.slots[at] = slot;
+    }
 }
 
 #[cfg(test)]
@@ -236,49 +308,60 @@ mod tests {
         /// often.
         #[test]
         fn behaves_as_a_map(ops in prop::collection::vec((0..3u8, 0..400u64), 1..3_000)) {
-            let mut map = FlatMap::<u64>::default();
-            let mut model = HashMap::new();
-            for (i, &(op, k)) in ops.iter().enumerate() {
-                // Spread some keys so that homes differ, keep others close.
-                let key = if k % 2 == 0 { k } else { k.wrapping_mul(0x2545_F491_4F6C_DD1D) };
-                let i = i as u64;
-                match op {
-                    0 => {
-                        let (v, made) = map.get_or_insert(key, || i);
-                        let was = model.get(&key).copied();
-                        prop_assert_eq!(made, was.is_none());
-                        prop_assert_eq!(*v, was.unwrap_or(i));
-                        model.entry(key).or_insert(i);
-                    }
-                    1 => prop_assert_eq!(map.insert(key, i), model.insert(key, i)),
-                    _ => prop_assert_eq!(map.remove(key), model.remove(&key)),
-                }
-                prop_assert_eq!(map.len(), model.len());
-            }
-            for k in 0..400u64 {
-                for key in [k, k.wrapping_mul(0x2545_F491_4F6C_DD1D)] {
-                    prop_assert_eq!(map.get(key), model.get(&key));
-                }
-            }
-            let mut all: Vec<(u64, u64)> = map.iter().collect();
-            all.sort_unstable();
-            let mut expected: Vec<(u64, u64)> = model.iter().map(|(&k, &v)| (k, v)).collect();
-            expected.sort_unstable();
-            prop_assert_eq!(all, expected);
-            map.retain(|k, _| k % 3 != 0);
-            model.retain(|k, _| k % 3 != 0);
-            prop_assert_eq!(map.len(), model.len());
-            // Drained, through the shrinking.
-            let keys: Vec<u64> = model.keys().copied().collect();
-            for (n, key) in keys.iter().enumerate() {
-                prop_assert_eq!(map.remove(*key), model.remove(key));
-                if n % 16 == 0 {
-                    for other in &keys[n + 1..] {
-                        prop_assert!(map.get(*other).is_some());
-                    }
-                }
-            }
-            prop_assert_eq!(map.len(), 0);
+            against_a_map::<0>(&ops)?;
+            // A table kept from shrinking below 64 slots.
+            against_a_map::<64>(&ops)?;
         }
+    }
+
+    fn against_a_map<const FLOOR: usize>(ops: &[(u8, u64)]) -> Result<(), TestCaseError> {
+        let mut map = FlatMap::<u64, FLOOR>::default();
+        let mut model = HashMap::new();
+        for (i, &(op, k)) in ops.iter().enumerate() {
+            // Spread some keys so that homes differ, keep others close.
+            let key = if k % 2 == 0 {
+                k
+            } else {
+                k.wrapping_mul(0x2545_F491_4F6C_DD1D)
+            };
+            let i = i as u64;
+            match op {
+                0 => {
+                    let (v, made) = map.get_or_insert(key, || i);
+                    let was = model.get(&key).copied();
+                    prop_assert_eq!(made, was.is_none());
+                    prop_assert_eq!(*v, was.unwrap_or(i));
+                    model.entry(key).or_insert(i);
+                }
+                1 => prop_assert_eq!(map.insert(key, i), model.insert(key, i)),
+                _ => prop_assert_eq!(map.remove(key), model.remove(&key)),
+            }
+            prop_assert_eq!(map.len(), model.len());
+        }
+        for k in 0..400u64 {
+            for key in [k, k.wrapping_mul(0x2545_F491_4F6C_DD1D)] {
+                prop_assert_eq!(map.get(key), model.get(&key));
+            }
+        }
+        let mut all: Vec<(u64, u64)> = map.iter().collect();
+        all.sort_unstable();
+        let mut expected: Vec<(u64, u64)> = model.iter().map(|(&k, &v)| (k, v)).collect();
+        expected.sort_unstable();
+        prop_assert_eq!(all, expected);
+        map.retain(|k, _| k % 3 != 0);
+        model.retain(|k, _| k % 3 != 0);
+        prop_assert_eq!(map.len(), model.len());
+        // Drained, through the shrinking.
+        let keys: Vec<u64> = model.keys().copied().collect();
+        for (n, key) in keys.iter().enumerate() {
+            prop_assert_eq!(map.remove(*key), model.remove(key));
+            if n % 16 == 0 {
+                for other in &keys[n + 1..] {
+                    prop_assert!(map.get(*other).is_some());
+                }
+            }
+        }
+        prop_assert_eq!(map.len(), 0);
+        Ok(())
     }
 }

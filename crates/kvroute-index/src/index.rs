@@ -231,7 +231,7 @@ const REGISTRY_SHARDS: usize = 16;
 type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
-/// to 63 ranks stays in the blocks' inline bitsets. What lookups read of each
+/// to 31 ranks stays in the blocks' inline bitsets. What lookups read of each
 /// index is in [`Cells`], outside this lock.
 #[derive(Default)]
 struct Indices {
@@ -591,7 +591,7 @@ impl KvIndex {
         held.sort_unstable_by_key(|&(engine, r)| (r.shard(), engine));
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-        let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut order = Vec::new();
         let mut reader = ShardReader::new(&self.table);
         for (engine, r) in held {
             let shard = reader.shard(r.shard());
@@ -603,11 +603,27 @@ impl KvIndex {
             };
             let names = blocks.entry(r.key()).or_default();
             if names.is_empty() {
-                children.entry(entry.parent).or_default().push(r.key());
+                order.push((r, entry.tokens_hash()));
             }
-            names.push((engine, entry.tokens_hash));
+            names.push((engine, entry.tokens_hash()));
         }
         drop(reader);
+        // The parent a block's key and local hash name, of those the worker holds.
+        let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
+        for (r, tokens_hash) in order {
+            let parent = if r.is_root() {
+                Some(NO_PARENT)
+            } else {
+                r.parent_candidates(tokens_hash)
+                    .into_iter()
+                    .flatten()
+                    .map(BlockRef::key)
+                    .find(|p| blocks.contains_key(p))
+            };
+            if let Some(parent) = parent {
+                children.entry(parent).or_default().push(r.key());
+            }
+        }
         let mut events = Vec::new();
         let mut frontier = vec![(NO_PARENT, None)];
         while let Some((parent_seq, parent_engine)) = frontier.pop() {
@@ -819,7 +835,7 @@ impl KvIndex {
     /// returns the keys of the path as deep as it was walked. One walk: keys
     /// are chained lazily, as most long requests match only a short prefix, and
     /// kept only for the LRU. The workers still matching are a bitset while
-    /// they are all below 63 (any fleet of up to 63 ranks), else a sorted list,
+    /// they are all below 31 (any fleet of up to 31 ranks), else a sorted list,
     /// intersected with each block's holders by a merge when both are long.
     /// A worker's match is written as it drops out, without a list between.
     fn walk(
@@ -1043,11 +1059,15 @@ impl KvIndex {
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
-                        // New chains are mostly new blocks, a cache miss each:
-                        // their slots are fetched ahead, as a walk's are.
+                        // New chains are mostly new blocks, a cache miss each in
+                        // the table and in the engine map: their slots are
+                        // fetched ahead, as a walk's are (the engine map grown
+                        // first, so that none moves under the prefetches).
+                        state.blocks.reserve(blocks.len());
                         let mut ahead = parent;
                         for block in blocks.iter().take(PREFETCH_AHEAD) {
                             ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
+                            state.blocks.prefetch(block.block_hash);
                         }
                         for (i, block) in blocks.iter().enumerate() {
                             let r = BlockRef::child_of(parent, block.tokens_hash);
@@ -1063,6 +1083,7 @@ impl KvIndex {
                                 }
                             }
                             if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
+                                state.blocks.prefetch(later.block_hash);
                                 let next = BlockRef::child_of(ahead, later.tokens_hash);
                                 ahead = Some(next);
                                 if next.shard() == r.shard() {
@@ -1076,18 +1097,17 @@ impl KvIndex {
                                 }
                                 Some(_) => {}
                             }
-                            let parent_seq = parent.map_or(NO_PARENT, |p| p.key());
-                            let (added, created) = writer.shard(r.shard()).insert(
-                                seq,
-                                block.tokens_hash,
-                                parent_seq,
-                                slot.idx,
-                            );
+                            let (added, created) =
+                                writer
+                                    .shard(r.shard())
+                                    .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(eviction) = eviction.as_deref_mut() {
                                 eviction.memberships += counted * added as u64;
                                 if created {
-                                    eviction.lru.insert(seq, parent_seq);
+                                    eviction
+                                        .lru
+                                        .insert(seq, parent.map_or(NO_PARENT, |p| p.key()));
                                 }
                                 path.push(seq);
                             }

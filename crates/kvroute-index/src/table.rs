@@ -2,8 +2,8 @@
 //!
 //! One flat hash map per shard, keyed by the block's chain key, holds each
 //! distinct block once with the set of interned worker indices holding it in
-//! one word ([`Holders`]): a bitset in fleets of up to 63 ranks, else a list of
-//! up to three indices, else (a block shared by many workers of a large fleet)
+//! one 32-bit word ([`Holders`]): a bitset in fleets of up to 31 ranks, else a
+//! list of one or two indices, else (a block shared by many workers of a large fleet)
 //! a sorted list in the shard's spill map. See DESIGN.md for why the layout and
 //! the sharding rule were chosen.
 //!
@@ -21,15 +21,16 @@ use crate::flat::FlatMap;
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
 
+/// Slots a shard's table keeps once it grew past them (5 KiB): see [`FlatMap`].
+const SHARD_FLOOR: usize = 256;
+
 /// Marks "no parent" (a depth-0 block) in [`Entry::parent`].
 pub(crate) const NO_PARENT: u64 = 0;
 
-/// The index's key of a block whose local hash is `local`, following the block
-/// keyed `parent` (none at depth 0): a chain like Dynamo's sequence hash, so a
-/// key names a block with its whole prefix, but a folded 64×64→128-bit multiply
-/// instead of an xxh3 call. It costs about a nanosecond, which matters because
-/// a lookup must chain every block it probes. Dynamo's sequence hash is only
-/// needed on the wire; keys never leave the index.
+/// A chain key like Dynamo's sequence hash, so a key names a block with its
+/// whole prefix, but a folded 64×64→128-bit multiply instead of an xxh3 call:
+/// the predicted layer's keys ([`crate::predicted`]). The block table's keys
+/// are [`BlockRef`]s, whose step can be undone.
 pub(crate) fn chain_key(parent: Option<u64>, local: u64) -> u64 {
     let parent = parent.unwrap_or(0x243F_6A88_85A3_08D3);
     let product =
@@ -50,25 +51,88 @@ pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// A block's key in the table, which also says where it lives: the chain key
-/// with its low seven bits replaced by the block's shard and a depth-0 flag, so
-/// a worker's engine-hash map needs one word per block (57 bits of hash are
-/// plenty to tell blocks apart).
+/// A block's key in the table, which also says where it lives: 57 bits of
+/// chain hash above the block's shard and a depth-0 flag (the low seven bits),
+/// so a worker's engine-hash map needs one word per block (57 bits of hash
+/// are plenty to tell blocks apart).
+///
+/// The chain hash names a block with its whole prefix, like Dynamo's sequence
+/// hash, but costs a multiply, not an xxh3 call: a lookup chains every block
+/// it probes, and keys never leave the index. Its step is a bijection of the
+/// parent's hash for each local hash, so a block's parent follows from its own
+/// key and local hash ([`BlockRef::parent_candidates`]) and the table need not
+/// store it: a 24-byte slot, not 32.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct BlockRef(u64);
 
-const FLAG_BITS: u64 = 0x7F;
+/// Bits of chain hash in a key, above the flags.
+const HASH_BITS: u32 = 57;
+const HASH_MASK: u64 = (1 << HASH_BITS) - 1;
+/// The parent hash of depth-0 blocks.
+const ROOT_SEED: u64 = 0x243F_6A88_85A3_08D3 & HASH_MASK;
+/// Odd, so that multiplying by it modulo 2^57 is a bijection.
+const STEP_MUL: u64 = 0x9E37_79B9_7F4A_7C15 & HASH_MASK;
+const STEP_MUL_INV: u64 = inverse_mod_2_64(STEP_MUL) & HASH_MASK;
+const LOCAL_MUL: u64 = 0xD6E8_FEB8_6659_FD93;
+
+/// The inverse of odd `k` modulo 2^64 (Newton's iteration: each step doubles
+/// the correct low bits, from 3).
+const fn inverse_mod_2_64(k: u64) -> u64 {
+    let mut inv = k;
+    let mut i = 0;
+    while i < 5 {
+        inv = inv.wrapping_mul(2u64.wrapping_sub(k.wrapping_mul(inv)));
+        i += 1;
+    }
+    inv
+}
+
+/// A local hash folded to 57 bits, all of its bits mixed in.
+#[inline]
+fn local_mix(local: u64) -> u64 {
+    local.wrapping_mul(LOCAL_MUL) >> (64 - HASH_BITS)
+}
+
+/// The chain hash of the block with local hash `local` under the block of
+/// chain hash `parent`: for each `local`, a bijection of `parent` (xor, an odd
+/// multiply and a xorshift, all modulo 2^57).
+#[inline]
+fn chain_step(parent: u64, local: u64) -> u64 {
+    let x = ((parent ^ local_mix(local)).wrapping_mul(STEP_MUL)) & HASH_MASK;
+    x ^ (x >> 29)
+}
+
+/// The `parent` of [`chain_step`] (`x >> 29` has no bits past 57 − 29, so one
+/// xorshift undoes the other).
+fn chain_unstep(hash: u64, local: u64) -> u64 {
+    let x = hash ^ (hash >> 29);
+    (x.wrapping_mul(STEP_MUL_INV) & HASH_MASK) ^ local_mix(local)
+}
 
 impl BlockRef {
     /// The block whose local hash is `local`, following `parent` (none: depth 0).
     #[inline]
     pub fn child_of(parent: Option<BlockRef>, local: u64) -> BlockRef {
-        let raw = chain_key(parent.map(|p| p.0), local);
+        let raw = chain_step(parent.map_or(ROOT_SEED, |p| p.0 >> 7), local) << 7;
         let shard = match parent {
             Some(p) if !p.is_root() => p.shard(),
             _ => shard_of(raw),
         };
-        BlockRef((raw & !FLAG_BITS) | u64::from(shard) << 1 | u64::from(parent.is_none()))
+        BlockRef(raw | u64::from(shard) << 1 | u64::from(parent.is_none()))
+    }
+
+    /// The blocks that may be the parent of this one (not a depth-0 block),
+    /// whose local hash is `local`: the chain step is undone to the parent's
+    /// hash, but whether the parent is at depth 0, which sets its flags, is
+    /// not in the key. The first candidate is the depth-0 one, if this block's
+    /// shard allows it (a depth-1 block's shard is its own hash's, a deeper
+    /// one's its parent's); of two, the one a worker holds is the parent
+    /// (both held: odds of 2^-57).
+    pub fn parent_candidates(self, local: u64) -> [Option<BlockRef>; 2] {
+        let raw = chain_unstep(self.0 >> 7, local) << 7;
+        let root = (self.shard() == shard_of(self.0))
+            .then(|| BlockRef(raw | u64::from(shard_of(raw)) << 1 | 1));
+        [root, Some(BlockRef(raw | u64::from(self.shard()) << 1))]
     }
 
     pub fn from_key(key: u64) -> BlockRef {
@@ -109,40 +173,62 @@ pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
         .collect()
 }
 
-/// One distinct block.
+/// One distinct block: with its key, a 20-byte slot.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Entry {
     /// The workers holding the block, in one word (see [`Holders`]).
     pub workers: Holders,
-    /// The block's local hash and its parent's key, for dumps.
-    pub tokens_hash: u64,
-    pub parent: u64,
+    /// The block's local hash, for dumps (its parent follows from it and the
+    /// key: [`BlockRef::parent_candidates`]); in halves, so that the entry is
+    /// 4-byte aligned and packs beside its key.
+    tokens_hash: [u32; 2],
+}
+
+impl Entry {
+    fn new(tokens_hash: u64) -> Entry {
+        Entry {
+            workers: Holders::NONE,
+            tokens_hash: [tokens_hash as u32, (tokens_hash >> 32) as u32],
+        }
+    }
+
+    pub fn tokens_hash(&self) -> u64 {
+        u64::from(self.tokens_hash[0]) | u64::from(self.tokens_hash[1]) << 32
+    }
 }
 
 /// Worker indices below this are bits of the inline bitset.
-const BITSET_IDS: u32 = 63;
-/// Marks the list form of [`Holders`].
-const LIST_FLAG: u64 = 1 << 63;
-/// Bits of one worker index in the list form, three of them to a word.
-const SLOT_BITS: u32 = 21;
-/// An empty slot of the list form.
-const NO_ID: u64 = (1 << SLOT_BITS) - 1;
-/// The list form with all three slots empty: the holders are in the shard's
-/// spill map.
-const SPILLED: u64 = u64::MAX;
+const BITSET_IDS: u32 = 31;
+/// Marks the list forms of [`Holders`].
+const LIST_FLAG: u32 = 1 << 31;
+/// Marks, in a list form, one wide index instead of two narrow ones.
+const WIDE_FLAG: u32 = 1 << 30;
+/// Bits of one narrow index, two of them to a word.
+const SLOT_BITS: u32 = 15;
+/// An empty narrow slot, and the first index too wide for one.
+const NO_ID: u32 = (1 << SLOT_BITS) - 1;
+/// The bits of the wide index.
+const WIDE_MASK: u32 = WIDE_FLAG - 1;
+/// Neither inline form fits: the holders are in the shard's spill map.
+const SPILLED: u32 = u32::MAX;
 
-/// The set of workers holding a block, in the word the block's table slot
-/// keeps, in the first of these forms that fits:
-/// - a bitset of worker indices 0..63 (top bit clear; empty is 0), so a fleet
-///   of up to 63 ranks never leaves it and a lookup intersects with an AND;
-/// - a list of up to three indices of 21 bits each (top bit set), which covers
-///   most blocks of a large fleet, where few workers share a block;
+/// The set of workers holding a block, in the 32-bit word the block's table
+/// slot keeps, in the first of these forms that fits:
+/// - a bitset of worker indices 0..31 (top bit clear; empty is 0), so a fleet
+///   of up to 31 ranks never leaves it and a lookup intersects with an AND;
+/// - a list of up to two indices below 32 767, of 15 bits each (top bit set),
+///   or of one index below 2^30 − 1 (the next bit set too): in a large fleet
+///   nearly every block has one or two holders (at 1,024 workers, 97 % one and
+///   2.5 % two, on the conversation trace);
 /// - spilled: the sorted indices live in the shard's spill map.
 ///
-/// The form is a function of the set (each change re-encodes it), so equal sets
-/// are equal words and an empty set is 0.
+/// A 32-bit word, not 64 (which held a bitset of 63 and lists of three), takes
+/// 4 bytes off every block's slot; the blocks it sends to the spill map
+/// instead (three holders in a fleet past 31 ranks) are a fraction of a percent.
+/// The form is a function of the set (each change re-encodes it), so equal
+/// sets are equal words and an empty set is 0.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Holders(u64);
+pub(crate) struct Holders(u32);
 
 impl Holders {
     pub const NONE: Holders = Holders(0);
@@ -150,40 +236,90 @@ impl Holders {
     /// The word for `ids` (sorted, distinct); [`Holders::is_spilled`] when
     /// neither inline form fits them.
     fn encode(ids: &[u32]) -> Holders {
-        if ids.iter().all(|&i| i < BITSET_IDS) {
-            Holders(ids.iter().fold(0, |w, &i| w | 1 << i))
-        } else if ids.len() <= 3 && ids.iter().all(|&i| u64::from(i) < NO_ID) {
-            let slot = |s: usize| ids.get(s).map_or(NO_ID, |&i| u64::from(i));
-            Holders(LIST_FLAG | slot(0) | slot(1) << SLOT_BITS | slot(2) << (2 * SLOT_BITS))
-        } else {
-            Holders(SPILLED)
+        match ids {
+            _ if ids.iter().all(|&i| i < BITSET_IDS) => {
+                Holders(ids.iter().fold(0, |w, &i| w | 1 << i))
+            }
+            [a] if *a < NO_ID => Holders(LIST_FLAG | a | NO_ID << SLOT_BITS),
+            [a, b] if *b < NO_ID => Holders(LIST_FLAG | a | b << SLOT_BITS),
+            [a] if *a < WIDE_MASK => Holders(LIST_FLAG | WIDE_FLAG | a),
+            _ => Holders(SPILLED),
         }
     }
 
     /// The bitset, in the bitset form.
     #[inline]
     pub fn bitset(self) -> Option<u64> {
-        (self.0 & LIST_FLAG == 0).then_some(self.0)
+        (self.0 & LIST_FLAG == 0).then_some(u64::from(self.0))
     }
 
     pub fn is_spilled(self) -> bool {
         self.0 == SPILLED
     }
 
-    /// The indices of the list form, ascending.
+    /// The indices of a list form, ascending.
+    #[inline]
     fn listed(self) -> impl Iterator<Item = u32> {
-        (0..3)
-            .map(move |s| (self.0 >> (SLOT_BITS * s)) & NO_ID)
-            .filter(|&i| i != NO_ID)
-            .map(|i| i as u32)
+        let w = self.0;
+        let ids = if w & WIDE_FLAG != 0 {
+            [Some(w & WIDE_MASK), None]
+        } else {
+            let narrow = |s: u32| Some((w >> (SLOT_BITS * s)) & NO_ID).filter(|&i| i != NO_ID);
+            [narrow(0), narrow(1)]
+        };
+        ids.into_iter().flatten()
     }
 
     /// The indices of an inline form, ascending.
-    fn inline_ids(self) -> Vec<u32> {
-        match self.bitset() {
-            Some(b) => bits(b, 0).collect(),
-            None => self.listed().collect(),
+    fn inline_ids(self) -> InlineIds {
+        let mut ids = InlineIds {
+            ids: [0; BITSET_IDS as usize + 1],
+            len: 0,
+        };
+        let listed: &mut dyn Iterator<Item = u32> = match self.bitset() {
+            Some(b) => &mut bits(b, 0),
+            None => &mut self.listed(),
+        };
+        for id in listed {
+            ids.ids[ids.len] = id;
+            ids.len += 1;
         }
+        ids
+    }
+}
+
+/// The indices of an inline [`Holders`] form and room for one more, on the
+/// stack: a store or removal of a block in a fleet past 31 ranks re-encodes
+/// the list form, and allocating a `Vec` for it was one allocation per block.
+struct InlineIds {
+    ids: [u32; BITSET_IDS as usize + 1],
+    len: usize,
+}
+
+impl InlineIds {
+    fn as_slice(&self) -> &[u32] {
+        &self.ids[..self.len]
+    }
+
+    /// Adds `id`, keeping the order; false if present.
+    fn insert(&mut self, id: u32) -> bool {
+        let Err(at) = self.as_slice().binary_search(&id) else {
+            return false;
+        };
+        self.ids.copy_within(at..self.len, at + 1);
+        self.ids[at] = id;
+        self.len += 1;
+        true
+    }
+
+    /// Removes `id`; false if absent.
+    fn remove(&mut self, id: u32) -> bool {
+        let Ok(at) = self.as_slice().binary_search(&id) else {
+            return false;
+        };
+        self.ids.copy_within(at + 1..self.len, at);
+        self.len -= 1;
+        true
     }
 }
 
@@ -204,7 +340,7 @@ impl HolderSet<'_> {
         }
     }
 
-    /// The members of `set` (a bitset of indices 0..63) that hold the block.
+    /// The members of `set` (a bitset of indices 0..31) that hold the block.
     #[inline]
     pub fn mask(&self, set: u64) -> u64 {
         match self {
@@ -289,7 +425,7 @@ pub(crate) type SeqMap<V> = HashMap<u64, V, BuildHasherDefault<SeqHasher>>;
 
 #[derive(Default)]
 pub(crate) struct Shard {
-    pub entries: FlatMap<Entry>,
+    pub entries: FlatMap<Entry, SHARD_FLOOR>,
     /// Sorted holder indices of the blocks whose holders are spilled.
     pub spilled: SeqMap<Vec<u32>>,
 }
@@ -297,18 +433,14 @@ pub(crate) struct Shard {
 impl Shard {
     /// Adds `worker` to the block, creating it. Returns (whether the worker is
     /// new to the block, whether the block is new).
-    pub fn insert(&mut self, seq: u64, tokens_hash: u64, parent: u64, worker: u32) -> (bool, bool) {
+    pub fn insert(&mut self, seq: u64, tokens_hash: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        let (entry, created) = entries.get_or_insert(seq, || Entry {
-            workers: Holders::NONE,
-            tokens_hash,
-            parent,
-        });
+        let (entry, created) = entries.get_or_insert(seq, || Entry::new(tokens_hash));
         if let Some(b) = entry.workers.bitset()
             && worker < BITSET_IDS
         {
             let bit = 1 << worker;
-            entry.workers = Holders(b | bit);
+            entry.workers = Holders((b | bit) as u32);
             return (b & bit == 0, created);
         }
         if entry.workers.is_spilled() {
@@ -323,13 +455,12 @@ impl Shard {
             return (added, created);
         }
         let mut ids = entry.workers.inline_ids();
-        let Err(at) = ids.binary_search(&worker) else {
+        if !ids.insert(worker) {
             return (false, created);
-        };
-        ids.insert(at, worker);
-        entry.workers = Holders::encode(&ids);
+        }
+        entry.workers = Holders::encode(ids.as_slice());
         if entry.workers.is_spilled() {
-            spilled.insert(seq, ids);
+            spilled.insert(seq, ids.as_slice().to_vec());
         }
         (true, created)
     }
@@ -344,7 +475,7 @@ impl Shard {
         let held = if let Some(b) = entry.workers.bitset() {
             let held = worker < BITSET_IDS && b & 1 << worker != 0;
             if held {
-                entry.workers = Holders(b & !(1 << worker));
+                entry.workers = Holders((b & !(1 << worker)) as u32);
             }
             held
         } else if entry.workers.is_spilled() {
@@ -364,14 +495,11 @@ impl Shard {
             }
         } else {
             let mut ids = entry.workers.inline_ids();
-            match ids.binary_search(&worker) {
-                Ok(at) => {
-                    ids.remove(at);
-                    entry.workers = Holders::encode(&ids);
-                    true
-                }
-                Err(_) => false,
+            let held = ids.remove(worker);
+            if held {
+                entry.workers = Holders::encode(ids.as_slice());
             }
+            held
         };
         let empty = entry.workers == Holders::NONE;
         if empty {
@@ -390,7 +518,7 @@ impl Shard {
             shrink_sparse(&mut self.spilled);
             ids
         } else {
-            entry.workers.inline_ids()
+            entry.workers.inline_ids().as_slice().to_vec()
         }
     }
 
@@ -567,12 +695,90 @@ mod tests {
                 ids.iter().partition(|i| held.contains(i));
             prop_assert_eq!(kept, expect_kept);
             prop_assert_eq!(dropped, expect_dropped);
-            let bits: u64 = held.iter().filter(|&&i| i < 63).fold(0, |w, &i| w | 1 << i);
+            let bits: u64 = held.iter().filter(|&&i| i < 31).fold(0, |w, &i| w | 1 << i);
             let mut kept: Vec<u32> = ids.iter().copied().collect();
             HolderSet::Bits(bits).keep_held(&mut kept, |_| ());
             let in_bits: BTreeSet<u32> = bits_of(bits);
             prop_assert!(kept.iter().all(|i| in_bits.contains(i) && ids.contains(i)));
             prop_assert_eq!(kept.len(), ids.intersection(&in_bits).count());
+        }
+    }
+
+    proptest! {
+        /// A block's parent is among the candidates its key and local hash
+        /// give, at every depth, and a depth-0 candidate is offered only where
+        /// the block's shard allows one.
+        #[test]
+        fn the_chain_step_is_undone_to_the_parent(locals in prop::collection::vec(any::<u64>(), 2..40)) {
+            let path = path_refs(&locals);
+            prop_assert!(path[0].is_root());
+            for (depth, pair) in path.windows(2).enumerate() {
+                let (parent, child) = (pair[0], pair[1]);
+                prop_assert!(!child.is_root());
+                let [root, inner] = child.parent_candidates(locals[depth + 1]);
+                if depth == 0 {
+                    prop_assert_eq!(root, Some(parent));
+                } else {
+                    prop_assert_eq!(inner, Some(parent));
+                    prop_assert_ne!(root, Some(parent));
+                }
+            }
+        }
+
+        /// A block's holders follow adds and removals, against a set, through
+        /// every form (bitset, one or two narrow, one wide, spilled) and back.
+        #[test]
+        fn holders_follow_adds_and_removals(
+            ops in prop::collection::vec(
+                (any::<bool>(), prop_oneof![0..40u32, 32_760..32_775u32, (1u32 << 30) - 2..(1 << 30) + 2]),
+                1..200,
+            ),
+        ) {
+            let mut shard = Shard::default();
+            let mut model = BTreeSet::new();
+            const SEQ: u64 = 0x1234_5678_9ABC_DEF0;
+            for (add, worker) in ops {
+                if add {
+                    let (added, created) = shard.insert(SEQ, 7, worker);
+                    prop_assert_eq!(created, model.is_empty());
+                    prop_assert_eq!(added, model.insert(worker));
+                } else {
+                    let (held, gone) = shard.remove(SEQ, worker);
+                    prop_assert_eq!(held, model.remove(&worker));
+                    prop_assert_eq!(gone, held && model.is_empty());
+                }
+                let mut ids = Vec::new();
+                shard.holders(SEQ).ids_into(&mut ids);
+                prop_assert_eq!(ids, model.iter().copied().collect::<Vec<u32>>());
+                prop_assert_eq!(shard.spilled.len(), usize::from(
+                    shard.entries.get(SEQ).is_some_and(|e| e.workers.is_spilled())));
+            }
+        }
+
+        /// Every set of holders reads back as itself, in the first form that
+        /// fits, and equal sets are equal words.
+        #[test]
+        fn holders_read_back_as_encoded(
+            ids in prop::collection::btree_set(
+                prop_oneof![0..40u32, 32_700..32_800u32, (1u32 << 30) - 3..(1 << 30) + 3],
+                0..5,
+            ),
+        ) {
+            let ids: Vec<u32> = ids.into_iter().collect();
+            let word = Holders::encode(&ids);
+            let fits_bits = ids.iter().all(|&i| i < 31);
+            let fits_list = match ids.as_slice() {
+                [a] => *a < (1 << 30) - 1,
+                [_, b] => *b < NO_ID,
+                _ => false,
+            };
+            prop_assert_eq!(word.is_spilled(), !fits_bits && !fits_list);
+            prop_assert_eq!(word.bitset().is_some(), fits_bits);
+            if !word.is_spilled() {
+                let read = word.inline_ids();
+                prop_assert_eq!(read.as_slice(), ids.as_slice());
+            }
+            prop_assert_eq!(word == Holders::NONE, ids.is_empty());
         }
     }
 
