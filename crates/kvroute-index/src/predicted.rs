@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crate::event::WorkerKey;
 use crate::index::WorkerMatch;
-use crate::slots::Slots;
+use crate::slots::{GROUP, Slots};
 use crate::table::{SeqMap, chain_key, chain_keys};
 
 /// Limits of the predicted layer.
@@ -67,8 +67,7 @@ struct Generation {
 }
 
 impl Generation {
-    /// A generation over `entries`: a ready map from [`Spares`] when one is,
-    /// else an empty one that grows.
+    /// A generation over `entries`: a ready table from [`Spares`] when one is.
     fn new(opened: u64, entries: Slots) -> Self {
         Self {
             entries,
@@ -79,8 +78,11 @@ impl Generation {
         }
     }
 
-    fn expiry(&self, key: u64, serial: u64) -> Option<u64> {
-        self.entries.get(pair_key(key, serial))
+    /// The expiry of the worker's entry for block `p` of a path whose chain
+    /// keys are `keys`.
+    fn expiry(&self, keys: &[u64], p: usize, serial: u64) -> Option<u64> {
+        let group_key = pair_key(keys[p - p % GROUP], serial);
+        self.entries.get(group_key, pair_key(keys[p], serial))
     }
 }
 
@@ -121,7 +123,8 @@ struct Spares {
 const SPARES: usize = 2;
 
 impl Spares {
-    /// `None` if no thread can be started: generations' maps then grow.
+    /// `None` if no thread can be started: generations' tables are then made
+    /// on the request path.
     fn start(capacity: usize) -> Option<Self> {
         let ready = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let (to_prepare, requests) = std::sync::mpsc::channel::<Option<Slots>>();
@@ -207,10 +210,10 @@ impl PredictedIndex {
     /// path still expire no later than their parents.
     pub fn record_for(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant, ttl: Duration) {
         let ttl_ms = (ttl.as_millis().min(self.ttl_ms as u128)) as u64;
-        let keys = chain_keys(&local_hashes[..local_hashes.len().min(self.max_blocks)]);
-        if keys.is_empty() {
+        let mut keys = chain_keys(&local_hashes[..local_hashes.len().min(self.max_blocks)]);
+        let Some(&root) = keys.first() else {
             return;
-        }
+        };
         let now = self.millis(now);
         let expires = now.saturating_add(ttl_ms);
         let mut dropped = Vec::new();
@@ -223,8 +226,10 @@ impl PredictedIndex {
         {
             dropped.push(inner.pop_oldest());
         }
+        // A generation is never empty, and its table takes the path that opened it.
         let rotate = inner.generations.back().is_none_or(|g| {
-            g.entries.len() + keys.len() > self.generation_capacity && !g.entries.is_empty()
+            g.entries.len() + keys.len() > self.generation_capacity
+                || !g.entries.has_room(keys.len())
                 || now >= g.opened + self.ttl_ms / GENERATIONS as u64
         });
         if rotate {
@@ -232,19 +237,22 @@ impl PredictedIndex {
                 .spares
                 .as_ref()
                 .and_then(Spares::take)
-                .unwrap_or_default();
+                .filter(|t| t.has_room(keys.len()))
+                .unwrap_or_else(|| Slots::with_capacity(self.generation_capacity.max(keys.len())));
             inner.generations.push_back(Generation::new(now, entries));
         }
         let serial = inner.serial(worker);
         let generation = inner.generations.back_mut().expect("opened above");
-        let pairs: Vec<u64> = keys.iter().map(|&key| pair_key(key, serial)).collect();
+        for key in &mut keys {
+            *key = pair_key(*key, serial);
+        }
         let (mut added, mut new_root) = (0u64, false);
-        generation.entries.set_all(&pairs, expires, |depth| {
+        generation.entries.set_path(&keys, expires, |depth| {
             added += 1;
             new_root |= depth == 0;
         });
         if new_root {
-            generation.roots.entry(keys[0]).or_default().push(serial);
+            generation.roots.entry(root).or_default().push(serial);
         }
         generation.newest_expiry = generation.newest_expiry.max(expires);
         *generation.per_worker.entry(serial).or_default() += added;
@@ -273,45 +281,52 @@ impl PredictedIndex {
         let now = self.millis(now);
         let inner = self.inner.read().unwrap();
         let root = chain_key(None, first);
-        let mut candidates: Vec<u64> = inner
+        // (serial, generation) for each generation that lists the worker under
+        // this root: the only generations that can hold its entries along the
+        // request, since a record writes its path from block 0 and lists the
+        // worker when it writes block 0 (invariant 1). A probe then looks in one
+        // or two tables, not in every generation's.
+        let mut listed: Vec<(u64, usize)> = inner
             .generations
             .iter()
-            .filter_map(|g| g.roots.get(&root))
-            .flatten()
-            .copied()
+            .enumerate()
+            .filter_map(|(i, g)| Some((i, g.roots.get(&root)?)))
+            .flat_map(|(i, serials)| serials.iter().map(move |&serial| (serial, i)))
             .collect();
-        if candidates.is_empty() {
-            return Vec::new();
-        }
-        candidates.sort_unstable();
-        candidates.dedup();
-        candidates.retain(|&serial| inner.live(root, serial, now));
-        if candidates.is_empty() {
-            return Vec::new();
-        }
-        let keys = chain_keys(local_hashes);
-        candidates
-            .into_iter()
-            .filter_map(|serial| {
-                let &(worker, total_blocks) = inner.workers.get(&serial)?;
-                // The worker's live entries along the request form a prefix, so
-                // "holds block p" is true up to its depth and false after.
-                let (mut held, mut limit) = (1, keys.len());
-                while held < limit {
-                    let probe = held + (limit - held) / 2;
-                    if inner.live(keys[probe], serial, now) {
-                        held = probe + 1;
-                    } else {
-                        limit = probe;
-                    }
+        // By worker, then newest generation first.
+        listed.sort_unstable_by_key(|&(serial, i)| (serial, std::cmp::Reverse(i)));
+        let mut keys = None;
+        let mut generations = Vec::new();
+        let mut matches = Vec::new();
+        for listings in listed.chunk_by(|a, b| a.0 == b.0) {
+            let serial = listings[0].0;
+            generations.clear();
+            generations.extend(listings.iter().map(|&(_, i)| &inner.generations[i]));
+            if !live(&generations, &[root], 0, serial, now) {
+                continue;
+            }
+            let Some(&(worker, total_blocks)) = inner.workers.get(&serial) else {
+                continue;
+            };
+            let keys = keys.get_or_insert_with(|| chain_keys(local_hashes));
+            // The worker's live entries along the request form a prefix, so
+            // "holds block p" is true up to its depth and false after.
+            let (mut held, mut limit) = (1, keys.len());
+            while held < limit {
+                let probe = held + (limit - held) / 2;
+                if live(&generations, keys, probe, serial, now) {
+                    held = probe + 1;
+                } else {
+                    limit = probe;
                 }
-                Some(WorkerMatch {
-                    worker,
-                    depth: held as u32,
-                    total_blocks,
-                })
-            })
-            .collect()
+            }
+            matches.push(WorkerMatch {
+                worker,
+                depth: held as u32,
+                total_blocks,
+            });
+        }
+        matches
     }
 
     /// Forgets every prediction for `worker`. Its entries stop matching at once
@@ -342,14 +357,6 @@ impl PredictedIndex {
 }
 
 impl Inner {
-    /// Whether any generation has an unexpired entry of the worker for the block.
-    fn live(&self, key: u64, serial: u64, now: u64) -> bool {
-        self.generations
-            .iter()
-            .rev()
-            .any(|g| g.expiry(key, serial).is_some_and(|e| e > now))
-    }
-
     fn serial(&mut self, worker: WorkerKey) -> u64 {
         if let Some(&serial) = self.serials.get(&worker) {
             return serial;
@@ -371,6 +378,14 @@ impl Inner {
         }
         generation
     }
+}
+
+/// Whether any of `generations` has an unexpired entry of the worker for block
+/// `p` of the path whose chain keys are `keys`.
+fn live(generations: &[&Generation], keys: &[u64], p: usize, serial: u64, now: u64) -> bool {
+    generations
+        .iter()
+        .any(|g| g.expiry(keys, p, serial).is_some_and(|e| e > now))
 }
 
 #[cfg(test)]

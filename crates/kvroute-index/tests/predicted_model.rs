@@ -24,7 +24,8 @@ enum Op {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..4u8, prop::collection::vec(1..=TOKENS, 1..7))
+        // Past one group of entries placed together (slots.rs), up to three.
+        6 => (0..4u8, prop::collection::vec(1..=TOKENS, 1..12))
             .prop_map(|(worker, path)| Op::Record { worker, path }),
         1 => (0..4u8).prop_map(Op::RemoveWorker),
         3 => prop_oneof![Just(0), Just(1), Just(TTL_MS / 3), Just(TTL_MS - 1), Just(TTL_MS)]
@@ -110,10 +111,16 @@ fn run(ops: Vec<Op>, max_blocks: Option<usize>) -> Result<(), TestCaseError> {
     let start = Instant::now();
     let mut now = 0;
     let mut model = Model::default();
-    let paths = probe_paths();
+    let mut paths = probe_paths();
     for op in ops {
         match op {
             Op::Record { worker: w, path } => {
+                // Longer paths are probed too, with a changed last block.
+                if path.len() > 4 {
+                    let mut other = path.clone();
+                    *other.last_mut().unwrap() = path[path.len() - 1] % TOKENS + 1;
+                    paths.extend([path.clone(), other]);
+                }
                 index.record(worker(w), &path, start + Duration::from_millis(now));
                 model.record(worker(w), &path, now);
                 let recorded = path.len().min(max_blocks.unwrap_or(usize::MAX)) as u32;

@@ -281,6 +281,28 @@ pub fn forget_worker(worker_id: u64) {
     }
 }
 
+/// How often histogram samples are folded into their buckets.
+const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The exporter keeps every histogram sample until something drains it into
+/// the buckets; a render does, but a router nobody scrapes would hold every
+/// sample it ever recorded. A thread of its own drains them, as the exporter's
+/// own `install` would (that one also opens a listener, which `/metrics`
+/// already is).
+fn drain_histograms_periodically(handle: metrics_exporter_prometheus::PrometheusHandle) {
+    let started = std::thread::Builder::new()
+        .name("kvroute-metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(UPKEEP_INTERVAL);
+                handle.run_upkeep();
+            }
+        });
+    if let Err(error) = started {
+        tracing::warn!(%error, "cannot start the metrics upkeep thread: histogram samples are drained only by scrapes");
+    }
+}
+
 fn install() -> Renderer {
     let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
@@ -302,6 +324,7 @@ fn install() -> Renderer {
             Some(std::time::Duration::ZERO),
         )
         .build_recorder();
+    drain_histograms_periodically(recorder.handle());
     let (recorder, handle) = Expiring::new(recorder);
     metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");

@@ -238,13 +238,18 @@ impl Pieces {
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut cache = self.cache.get_or_default().borrow_mut();
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let split = bpe_openai::cl100k_base();
+        let bytes = text.as_bytes();
         let mut start = 0;
         while start < text.len() {
-            let end = piece_end(bpe_openai::cl100k_base(), true, text, start);
-            let piece = &text.as_bytes()[start..end];
-            match self.merges.as_ref().and_then(|merges| merges.token(piece)) {
+            let end = piece_end(split, true, text, start);
+            match self
+                .merges
+                .as_ref()
+                .and_then(|merges| merges.token_at(bytes, start, end))
+            {
                 Some(token) => ids.push(token),
-                None => cache.encode_into(piece, &mut ids, |piece, ids| {
+                None => cache.encode_into(bytes, start, end, &mut ids, |piece, ids| {
                     self.encode_piece(model, piece, ids)
                 })?,
             }

@@ -14,9 +14,12 @@
 //! Their own encoders allocate for every piece (tiktoken-rs and `bpe_openai`
 //! byte vectors and their state, `tokenizers` its word, heap and token
 //! strings). Here a piece of at most [`MAX_MERGED_BYTES`] bytes is merged in
-//! arrays on the stack, looking pairs up in one hash table of
-//! `(left, right) → (priority, merged)` with a multiplicative hash; a piece
-//! that is a token is found in a table of the tokens' bytes first. Longer
+//! arrays on the stack, looking pairs up in one table of
+//! `(left, right) → (priority, merged)` ([`PairTable`]: open addressing with
+//! a multiplicative hash, the pair and its merge in one 16-byte slot, so a
+//! lookup is a multiply and usually one cache line), and the tokens kept in
+//! place and linked, so that a merge moves nothing; a piece that is a token is
+//! found in a table of the tokens' bytes first. Longer
 //! pieces (rare: long runs of spaces or symbols) are left to the caller's
 //! encoder. The unit tests compare with tiktoken-rs and with the `tokenizers`
 //! model, on real vocabularies and on random little ones whose merge order is
@@ -36,8 +39,8 @@ pub(crate) struct MergeTable {
     byte_tokens: [u32; 256],
     /// The pieces that are one token, by their bytes.
     tokens: TokenIds,
-    /// How each pair of adjacent tokens merges, keyed by [`pair_key`].
-    pairs: FxHashMap<u64, Merge>,
+    /// How each pair of adjacent tokens merges.
+    pairs: PairTable,
 }
 
 #[derive(Clone, Copy)]
@@ -94,7 +97,7 @@ impl MergeTable {
                     .enumerate()
                     .map(|(id, &token)| (token, id as u32)),
             ),
-            pairs,
+            pairs: PairTable::new(&pairs),
         })
     }
 
@@ -143,7 +146,7 @@ impl MergeTable {
                     .copied()
             })?,
             tokens: TokenIds::new(std::iter::empty()),
-            pairs,
+            pairs: PairTable::new(&pairs),
         };
         let byte_of: FxHashMap<char, u8> = (0..=255u8)
             .map(|byte| (byte_chars[byte as usize], byte))
@@ -170,64 +173,137 @@ impl MergeTable {
     }
 
     /// The token `piece` is as a whole, if it is one (before any merging).
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn token(&self, piece: &[u8]) -> Option<u32> {
         self.tokens.get(piece)
+    }
+
+    /// [`Self::token`] of `text[start..end]`.
+    #[inline]
+    pub(crate) fn token_at(&self, text: &[u8], start: usize, end: usize) -> Option<u32> {
+        self.tokens.get_at(text, start, end)
     }
 
     /// Appends the tokens of `piece` to `out`, merging pairs from single
     /// bytes; `false` (and nothing appended) if `piece` is longer than
     /// [`MAX_MERGED_BYTES`]. The caller first asks [`Self::token`].
     pub(crate) fn merge_into(&self, piece: &[u8], out: &mut Vec<u32>) -> bool {
-        let mut len = piece.len();
+        let len = piece.len();
         if len > MAX_MERGED_BYTES {
             return false;
         }
         if len == 0 {
             return true;
         }
+        // The tokens stay where their first byte was; next[i] is where the
+        // token after the one at i is (`len`: none), so a merge only relinks.
         let mut tokens = [0u32; MAX_MERGED_BYTES];
-        // merges[i]: how tokens[i] and tokens[i + 1] merge.
+        // merges[i]: how the token at i merges with the next one.
         let mut merges = [NO_MERGE; MAX_MERGED_BYTES];
-        for (token, &byte) in tokens.iter_mut().zip(piece) {
-            *token = self.byte_tokens[byte as usize];
+        let mut next = [0u8; MAX_MERGED_BYTES];
+        for (i, &byte) in piece.iter().enumerate() {
+            tokens[i] = self.byte_tokens[byte as usize];
+            next[i] = (i + 1) as u8;
         }
         for i in 0..len - 1 {
-            merges[i] = self.pair(tokens[i], tokens[i + 1]);
+            merges[i] = self.pairs.get(tokens[i], tokens[i + 1]);
         }
-        while len > 1 {
-            let mut best = 0;
-            for i in 1..len - 1 {
-                if merges[i].priority < merges[best].priority {
-                    best = i;
+        loop {
+            // The lowest priority, the leftmost of equals, and the token before it.
+            let (mut best, mut before_best) = (0, None);
+            let (mut at, mut before) = (0, None);
+            while at < len {
+                if merges[at].priority < merges[best].priority {
+                    (best, before_best) = (at, before);
                 }
+                before = Some(at);
+                at = usize::from(next[at]);
             }
             let merge = merges[best];
             if merge.priority == u32::MAX {
                 break;
             }
             tokens[best] = merge.token;
-            tokens.copy_within(best + 2..len, best + 1);
-            if best + 2 < len {
-                merges.copy_within(best + 2..len - 1, best + 1);
-            }
-            len -= 1;
-            if best + 1 < len {
-                merges[best] = self.pair(tokens[best], tokens[best + 1]);
-            }
-            if best > 0 {
-                merges[best - 1] = self.pair(tokens[best - 1], tokens[best]);
+            next[best] = next[usize::from(next[best])];
+            let after = usize::from(next[best]);
+            merges[best] = if after < len {
+                self.pairs.get(tokens[best], tokens[after])
+            } else {
+                NO_MERGE
+            };
+            if let Some(before) = before_best {
+                merges[before] = self.pairs.get(tokens[before], tokens[best]);
             }
         }
-        out.extend_from_slice(&tokens[..len]);
+        let mut at = 0;
+        while at < len {
+            out.push(tokens[at]);
+            at = usize::from(next[at]);
+        }
         true
     }
+}
 
-    fn pair(&self, left: u32, right: u32) -> Merge {
-        self.pairs
-            .get(&pair_key(left, right))
-            .copied()
-            .unwrap_or(NO_MERGE)
+/// How pairs of adjacent tokens merge: open addressing with linear probing,
+/// at most three quarters full, a power of two long; an empty slot holds
+/// [`NO_MERGE`] (no pair merges with that priority).
+struct PairTable {
+    slots: Box<[PairSlot]>,
+    /// Right shift that leaves a hash's top bits, as many as index a slot.
+    shift: u32,
+}
+
+#[derive(Clone, Copy)]
+struct PairSlot {
+    left: u32,
+    right: u32,
+    merge: Merge,
+}
+
+impl PairTable {
+    fn new(pairs: &FxHashMap<u64, Merge>) -> Self {
+        let slots = (pairs.len() * 4 / 3 + 1).next_power_of_two().max(2);
+        let mut table = PairTable {
+            slots: vec![
+                PairSlot {
+                    left: 0,
+                    right: 0,
+                    merge: NO_MERGE,
+                };
+                slots
+            ]
+            .into_boxed_slice(),
+            shift: 64 - slots.trailing_zeros(),
+        };
+        // A pair of the highest priority would never merge (see the merge loop).
+        for (&key, &merge) in pairs.iter().filter(|(_, m)| m.priority != u32::MAX) {
+            let (left, right) = ((key >> 32) as u32, key as u32);
+            let mut at = table.home(left, right);
+            while table.slots[at].merge.priority != u32::MAX {
+                at = (at + 1) & (table.slots.len() - 1);
+            }
+            table.slots[at] = PairSlot { left, right, merge };
+        }
+        table
+    }
+
+    /// How `left` and `right` merge, or [`NO_MERGE`].
+    #[inline]
+    fn get(&self, left: u32, right: u32) -> Merge {
+        let mut at = self.home(left, right);
+        loop {
+            let slot = &self.slots[at];
+            if slot.merge.priority == u32::MAX || (slot.left == left && slot.right == right) {
+                return slot.merge;
+            }
+            at = (at + 1) & (self.slots.len() - 1);
+        }
+    }
+
+    /// The first slot to probe: the top bits of a Fibonacci hash of the pair.
+    #[inline]
+    fn home(&self, left: u32, right: u32) -> usize {
+        (pair_key(left, right).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
     }
 }
 

@@ -10,17 +10,17 @@
 //! cl100k_base does (see [`crate::hf`]), in front of their model.
 //!
 //! Each thread has its own cache (no lock on a path taken once per piece).
-//! It is a table of [`PIECE_CACHE_ENTRIES`] entries of one cache line each,
+//! It is a table of [`PIECE_CACHE_ENTRIES`] entries of two cache lines each,
 //! holding the piece's bytes (at most [`MAX_CACHED_PIECE_BYTES`]) and ids (at
-//! most [`MAX_CACHED_IDS`]) inline: 2 MiB, no allocation, one hash of four
-//! words and one line per lookup. (The `quick_cache` map it replaces kept
+//! most [`MAX_CACHED_IDS`]) inline: 4 MiB, no allocation, one hash of four
+//! words and the key's line of each way per lookup. (The `quick_cache` map it replaces kept
 //! keys and ids on the heap: two allocations per insert, and a `memcmp`
 //! through a pointer per lookup.) Entries are in sets of [`WAYS`]; each set
 //! evicts as a clock does, passing over once the entries hit since the hand
 //! last passed them, so the frequent pieces stay while a stream of rare ones
 //! passes through.
 
-use crate::vocab::words;
+use crate::vocab::words_at;
 
 /// Pieces one thread remembers at most.
 pub(crate) const PIECE_CACHE_ENTRIES: usize = 1 << 15;
@@ -29,8 +29,12 @@ pub(crate) const PIECE_CACHE_ENTRIES: usize = 1 << 15;
 /// every time: they are rare, and not keeping them keeps entries small.
 pub(crate) const MAX_CACHED_PIECE_BYTES: usize = 32;
 
-/// Pieces of more tokens are encoded every time (rare: pieces of odd bytes).
-pub(crate) const MAX_CACHED_IDS: usize = 6;
+/// Pieces of more tokens are encoded every time (rare: pieces of odd
+/// bytes). Rare words BPE splits into many tokens are the costliest to merge
+/// again (merging is quadratic in a piece's length): with 6, the router
+/// bench's steady state merged ~120 such pieces per prompt at ~1,800
+/// instructions each (callgrind).
+pub(crate) const MAX_CACHED_IDS: usize = 14;
 
 /// Entries per set.
 const WAYS: usize = 4;
@@ -72,18 +76,21 @@ impl PieceCache {
         }
     }
 
-    /// Appends the ids of `piece` to `out`: remembered ones, or those
-    /// `encode` appends.
+    /// Appends the ids of the piece `text[start..end]` to `out`: remembered
+    /// ones, or those `encode` appends.
     pub(crate) fn encode_into<E>(
         &mut self,
-        piece: &[u8],
+        text: &[u8],
+        start: usize,
+        end: usize,
         out: &mut Vec<u32>,
         encode: impl FnOnce(&[u8], &mut Vec<u32>) -> Result<(), E>,
     ) -> Result<(), E> {
+        let piece = &text[start..end];
         if piece.is_empty() || piece.len() > MAX_CACHED_PIECE_BYTES {
             return encode(piece, out);
         }
-        let key = words(piece);
+        let key = words_at(text, start, end);
         let set = self.set(&key, piece.len());
         let ways = &mut self.entries[set * WAYS..][..WAYS];
         for entry in ways.iter_mut() {
@@ -168,7 +175,9 @@ mod tests {
         for round in 0..3 {
             for piece in pieces {
                 let mut ids = vec![7];
-                cache.encode_into(piece.as_bytes(), &mut ids, bpe).unwrap();
+                cache
+                    .encode_into(piece.as_bytes(), 0, piece.len(), &mut ids, bpe)
+                    .unwrap();
                 let mut expected = vec![7];
                 bpe(piece.as_bytes(), &mut expected).unwrap();
                 assert_eq!(ids, expected, "{piece:?} in round {round}");
@@ -178,7 +187,7 @@ mod tests {
         let mut calls = 0;
         let mut ids = Vec::new();
         cache
-            .encode_into(long.as_bytes(), &mut ids, |piece, out| {
+            .encode_into(long.as_bytes(), 0, long.len(), &mut ids, |piece, out| {
                 calls += 1;
                 bpe(piece, out)
             })
@@ -200,7 +209,7 @@ mod tests {
             {
                 let mut ids = Vec::new();
                 cache
-                    .encode_into(piece.as_bytes(), &mut ids, |piece, out| {
+                    .encode_into(piece.as_bytes(), 0, piece.len(), &mut ids, |piece, out| {
                         misses.push(String::from_utf8_lossy(piece).into_owned());
                         bpe(piece, out)
                     })
@@ -232,9 +241,14 @@ mod tests {
                 out.extend(piece.iter().enumerate().map(|(i, &b)| u32::from(b) * 64 + i as u32));
                 Ok(())
             };
+            // The pieces within one text, as the encoders pass them.
+            let text = pieces.concat();
+            let mut start = 0;
             for piece in &pieces {
                 let mut got = vec![1];
-                cache.encode_into(piece.as_bytes(), &mut got, ids).unwrap();
+                let end = start + piece.len();
+                cache.encode_into(text.as_bytes(), start, end, &mut got, ids).unwrap();
+                start = end;
                 let mut expected = vec![1];
                 ids(piece.as_bytes(), &mut expected).unwrap();
                 prop_assert_eq!(got, expected);

@@ -115,17 +115,26 @@ impl TiktokenTokenizer {
         let mut pieces = self.pieces.get_or_default().borrow_mut();
         // About 4 bytes of English per token.
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
+        let bytes = text.as_bytes();
         let mut start = 0;
         while start < text.len() {
             let end = piece_end(self.bpe, self.ascii_split, text, start);
-            let piece = &text.as_bytes()[start..end];
-            match self.merges.and_then(|merges| merges.token(piece)) {
+            match self
+                .merges
+                .and_then(|merges| merges.token_at(bytes, start, end))
+            {
                 Some(token) => ids.push(token),
                 None => {
-                    let Ok(()) = pieces.encode_into::<Infallible>(piece, &mut ids, |piece, ids| {
-                        self.encode_piece(piece, ids);
-                        Ok(())
-                    });
+                    let Ok(()) = pieces.encode_into::<Infallible>(
+                        bytes,
+                        start,
+                        end,
+                        &mut ids,
+                        |piece, ids| {
+                            self.encode_piece(piece, ids);
+                            Ok(())
+                        },
+                    );
                 }
             }
             start = end;

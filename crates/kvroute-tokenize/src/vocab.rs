@@ -49,7 +49,7 @@ impl TokenIds {
                 table.long.insert(bytes.into(), id);
                 continue;
             }
-            let key = inline_key(bytes);
+            let key = words(bytes);
             let mut at = table.home(key, bytes.len());
             loop {
                 let slot = &mut table.slots[at];
@@ -68,19 +68,27 @@ impl TokenIds {
     }
 
     /// The id of the token whose bytes are `piece`, if there is one.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn get(&self, piece: &[u8]) -> Option<u32> {
-        if piece.len() > INLINE_KEY_BYTES {
-            return self.long.get(piece).copied();
+        self.get_at(piece, 0, piece.len())
+    }
+
+    /// The id of the token whose bytes are `text[start..end]`, if there is
+    /// one. (The text around the piece lets its key be read with whole loads.)
+    #[inline]
+    pub(crate) fn get_at(&self, text: &[u8], start: usize, end: usize) -> Option<u32> {
+        let len = end - start;
+        if len > INLINE_KEY_BYTES {
+            return self.long.get(&text[start..end]).copied();
         }
-        let key = inline_key(piece);
-        let mut at = self.home(key, piece.len());
+        let key = words_at(text, start, end);
+        let mut at = self.home(key, len);
         loop {
             let slot = &self.slots[at];
             if slot.len == 0 {
                 return None;
             }
-            if slot.key == key && slot.len as usize == piece.len() {
+            if slot.key == key && slot.len as usize == len {
                 return Some(slot.id);
             }
             at = (at + 1) & (self.slots.len() - 1);
@@ -98,12 +106,24 @@ impl TokenIds {
     }
 }
 
-/// The bytes of `piece` (at most [`INLINE_KEY_BYTES`]) as two little-endian
-/// words, zero after its end.
+/// The bytes of `text[start..end]` (at most `8 * N`) as `N` little-endian
+/// words, zero after its end: [`words`], but by `N` whole loads, masked,
+/// where `text` has `8 * N` bytes from `start` (nearly every piece but the
+/// last few of a text).
 #[inline]
-fn inline_key(piece: &[u8]) -> [u64; 2] {
-    debug_assert!(piece.len() <= INLINE_KEY_BYTES);
-    words(piece)
+pub(crate) fn words_at<const N: usize>(text: &[u8], start: usize, end: usize) -> [u64; N] {
+    let len = end - start;
+    let Some(window) = text.get(start..start + 8 * N) else {
+        return words(&text[start..end]);
+    };
+    let mut words = [0; N];
+    for (i, word) in words.iter_mut().enumerate() {
+        // The low `kept` bytes, 0 to 8 of them.
+        let kept = len.saturating_sub(8 * i).min(8);
+        let mask = ((1u128 << (8 * kept)) - 1) as u64;
+        *word = self::word(&window[8 * i..]) & mask;
+    }
+    words
 }
 
 /// The bytes of `piece` (at most `8 * N`) as `N` little-endian words, zero
@@ -174,7 +194,11 @@ mod tests {
                 [t.clone(), t[..t.len().saturating_sub(1)].to_vec(), [t.as_slice(), &[0]].concat()]
             });
             for probe in probes {
-                prop_assert_eq!(table.get(&probe), reference.get(probe.as_slice()).copied(), "{:?}", probe);
+                let expected = reference.get(probe.as_slice()).copied();
+                prop_assert_eq!(table.get(&probe), expected, "{:?}", probe);
+                // Within a text, with bytes on both sides that are not the piece's.
+                let text = [&[0xFF; 3][..], &probe, &[0xFF; 20]].concat();
+                prop_assert_eq!(table.get_at(&text, 3, 3 + probe.len()), expected, "{:?} in a text", probe);
             }
         }
     }
@@ -189,7 +213,15 @@ mod tests {
                 u64::from_le_bytes(padded[..8].try_into().unwrap()),
                 u64::from_le_bytes(padded[8..].try_into().unwrap()),
             ];
-            assert_eq!(inline_key(&bytes), expected, "{len} bytes");
+            assert_eq!(words::<2>(&bytes), expected, "{len} bytes");
+            // Read from within a longer text, as the encoders do.
+            let text: Vec<u8> = [&[0xAA; 3][..], &bytes, &[0x55; 20]].concat();
+            assert_eq!(words_at::<2>(&text, 3, 3 + len), expected, "{len} bytes");
+            assert_eq!(
+                words_at::<4>(&text, 3, 3 + len)[..2],
+                expected,
+                "{len} bytes"
+            );
         }
     }
 }

@@ -81,7 +81,7 @@ impl Lcg {
     }
 }
 
-fn quiet_config() -> Config {
+pub(super) fn quiet_config() -> Config {
     let mut config = Config {
         http_addr: ([127, 0, 0, 1], 0).into(),
         grpc_addr: ([127, 0, 0, 1], 0).into(),
@@ -119,11 +119,15 @@ pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
     let hf = TokenizerSpec::HuggingFace {
         dir_or_file: hf_dir.clone(),
     };
-    throughput(&args, &tiktoken, "tiktoken cl100k_base")?;
-    throughput(
-        &args,
-        &hf,
-        "Hugging Face tokenizer.json of cl100k_base's 100k tokens",
+    super::tokenize::throughput(
+        args.throughput_requests,
+        &[
+            (&tiktoken, "tiktoken cl100k_base"),
+            (
+                &hf,
+                "Hugging Face tokenizer.json of cl100k_base's 100k tokens",
+            ),
+        ],
     )?;
     println!(
         "\n== multi-turn: the last turn of a conversation whose earlier turns were routed, against tokenizing it with no cache (wall clock, one thread)"
@@ -143,7 +147,7 @@ pub fn run(args: BenchRouterArgs) -> anyhow::Result<()> {
 }
 
 /// Registers `n` streamed workers serving [`MODEL`].
-fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
+pub(super) fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
     for id in 0..n {
         state
             .registry
@@ -165,7 +169,7 @@ fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
 
 /// Routes `tokens` as the proxy does: decide, record the prediction, book the
 /// load (released at once, as if the response were instant).
-fn route_and_book(state: &AppState, tokens: &[u32]) -> anyhow::Result<WorkerKey> {
+pub(super) fn route_and_book(state: &AppState, tokens: &[u32]) -> anyhow::Result<WorkerKey> {
     let routed = state
         .route_now(MODEL, RouteInput::Tokens(tokens), None, &[])?
         .map_err(|e| anyhow::anyhow!("no worker: {e:?}"))?;
@@ -438,50 +442,6 @@ pub(super) fn text_prompts(n: usize) -> Vec<String> {
         .collect()
 }
 
-fn throughput(args: &BenchRouterArgs, spec: &TokenizerSpec, label: &str) -> anyhow::Result<()> {
-    let mut config = quiet_config();
-    config.tokenizer = spec.clone();
-    let state = AppState::new(config, None)?;
-    register_workers(&state, 64)?;
-    let prompts = text_prompts(args.throughput_requests);
-    let tokenizer = state.tokenizer.get().expect("configured above");
-    let mut tokenize = Histogram::<u64>::new(3)?;
-    let mut tokens_total = 0usize;
-    let started = Instant::now();
-    let cpu_started = thread_cpu_ns()?;
-    for prompt in &prompts {
-        let t = Instant::now();
-        let tokens = tokenizer.encode(prompt)?;
-        tokenize.record(t.elapsed().as_nanos() as u64)?;
-        tokens_total += tokens.len();
-        route_and_book(&state, &tokens)?;
-    }
-    let cpu_seconds = (thread_cpu_ns()? - cpu_started) as f64 / 1e9;
-    let per_second = prompts.len() as f64 / started.elapsed().as_secs_f64();
-    let per_cpu_second = prompts.len() as f64 / cpu_seconds;
-    println!(
-        "\n== throughput, {label}: {} distinct text prompts of {} tokens on average (a shared head, then Zipf-distributed words from a 50,000-word vocabulary), one thread doing tokenize + hash + match + schedule + book + release, 64 workers",
-        prompts.len(),
-        tokens_total / prompts.len().max(1)
-    );
-    println!(
-        "{}",
-        summary(
-            "  tokenize (all but the shared head's chunks miss the cache; tiktoken's piece cache warms from empty)",
-            &tokenize
-        )
-    );
-    println!(
-        "  routed {per_cpu_second:.0} requests per CPU-second of the routing thread ({per_second:.0} requests/s wall clock) (target ≥ 2,000 per core: {})",
-        if per_cpu_second >= 2000.0 {
-            "met"
-        } else {
-            "MISSED"
-        }
-    );
-    Ok(())
-}
-
 /// A stub worker answering every POST with a small completion.
 pub(super) async fn stub_worker() -> anyhow::Result<std::net::SocketAddr> {
     let body: &'static str = r#"{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
@@ -659,12 +619,6 @@ pub(super) fn pinned_runtime(cpu: usize) -> anyhow::Result<tokio::runtime::Runti
         .enable_all()
         .build()
         .context("cannot start the async runtime")
-}
-
-/// CPU time used so far by the calling thread, in nanoseconds: on a shared
-/// machine wall-clock time also counts the time other processes had the core.
-fn thread_cpu_ns() -> anyhow::Result<u64> {
-    schedstat_ns(std::path::Path::new("/proc/thread-self/schedstat"))
 }
 
 /// The first field of a schedstat file: nanoseconds on the CPU.
