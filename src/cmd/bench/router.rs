@@ -193,7 +193,10 @@ fn build_fleet(
     workers: u64,
     chain_tokens: usize,
 ) -> anyhow::Result<(Arc<AppState>, HeldChains)> {
-    let state = AppState::new(quiet_config(), None)?;
+    // With the process's metrics recorder, as `serve` runs, and installed
+    // before the first decision is timed (installing it calibrates a clock for
+    // up to 200 ms, once per process).
+    let state = AppState::new(quiet_config(), Some(kvroute_router::metrics::handle()))?;
     let hasher = BlockHasher::new(BLOCK_SIZE);
     register_workers(&state, workers)?;
     let blocks_per_chain = chain_tokens / BLOCK_SIZE;
