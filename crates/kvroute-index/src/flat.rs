@@ -61,7 +61,7 @@ impl<V> Slot<V> {
 
     #[inline]
     fn set_key(&mut self, key: u64) {
-        self.key = [key as u32, (key >> 32) as u32];
+        self.key = halves(key);
     }
 }
 

@@ -235,7 +235,7 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
                         let mut hist = latency_histogram();
                         let mut matches = Matches::default();
                         start.wait();
-                        let cpu_start = thread_cpu_time();
+                        let cpu_start = super::thread_cpu_time().unwrap_or_default();
                         for op in share {
                             match op {
                                 TimelineOp::Event { worker, event } => {
@@ -252,7 +252,12 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
                                 }
                             }
                         }
-                        (hist, thread_cpu_time().saturating_sub(cpu_start))
+                        (
+                            hist,
+                            super::thread_cpu_time()
+                                .unwrap_or_default()
+                                .saturating_sub(cpu_start),
+                        )
                     })
                 })
                 .collect();
@@ -283,14 +288,6 @@ fn best_match(
 /// Nanoseconds from 1 ns to 10 s at 3 significant figures.
 fn latency_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 10_000_000_000, 3).expect("valid bounds")
-}
-
-/// CPU time of the calling thread so far (Linux schedstat; zero elsewhere).
-fn thread_cpu_time() -> Duration {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .map_or(Duration::ZERO, Duration::from_nanos)
 }
 
 struct Memory {

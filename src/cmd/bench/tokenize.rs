@@ -220,17 +220,7 @@ struct ThreadUsage {
 
 impl ThreadUsage {
     fn now() -> anyhow::Result<Self> {
-        let mut clock = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `clock` is a valid, writable timespec for the call.
-        let status = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut clock) };
-        anyhow::ensure!(
-            status == 0,
-            "CLOCK_THREAD_CPUTIME_ID: {}",
-            std::io::Error::last_os_error()
-        );
+        let cpu = super::thread_cpu_time().context("CLOCK_THREAD_CPUTIME_ID")?;
         // SAFETY: all-zero bytes are a valid `rusage` (integers only).
         let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `usage` is a valid, writable rusage for the call.
@@ -241,7 +231,7 @@ impl ThreadUsage {
             std::io::Error::last_os_error()
         );
         Ok(ThreadUsage {
-            cpu_ns: clock.tv_sec as u64 * 1_000_000_000 + clock.tv_nsec as u64,
+            cpu_ns: cpu.as_nanos() as u64,
             minor_faults: usage.ru_minflt as u64,
             major_faults: usage.ru_majflt as u64,
             involuntary_switches: usage.ru_nivcsw as u64,
