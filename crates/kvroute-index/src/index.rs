@@ -894,7 +894,7 @@ impl KvIndex {
             {
                 last = BlockRef::child_of(Some(last), local);
                 ahead[depth % PREFETCH_AHEAD] = last;
-                shard.entries.prefetch(last.key());
+                shard.entries.prefetch_probe(last.key());
             }
             for depth in 1..local_hashes.len() {
                 let r = ahead[depth % PREFETCH_AHEAD];
@@ -904,7 +904,7 @@ impl KvIndex {
                 if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
                     last = BlockRef::child_of(Some(last), local);
                     ahead[depth % PREFETCH_AHEAD] = last;
-                    shard.entries.prefetch(last.key());
+                    shard.entries.prefetch_probe(last.key());
                 }
                 let holders = shard.holders(r.key());
                 let depth = depth as u32;
