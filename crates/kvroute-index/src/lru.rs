@@ -135,6 +135,12 @@ impl Lru {
         if self.pending.len() + path.len() > MAX_PENDING {
             self.apply_pending();
         }
+        if self.pending.capacity() == 0 {
+            // At its full size at once: grown by doubling, the lookup that
+            // crossed 32 Ki blocks copied 256 KiB into fresh pages (≈ 190 µs,
+            // a routing decision's p99 at 8k tokens).
+            self.pending.reserve_exact(MAX_PENDING);
+        }
         self.pending.extend(path.iter().rev());
     }
 

@@ -54,13 +54,15 @@ const GENERATIONS: usize = 16;
 /// expires no later than its entry for the block's parent (both are written by
 /// every record of a path through the block).
 struct Generation {
-    /// [`pair_key`] of (block chain key, worker serial) → expiry, ms since the layer's epoch.
+    /// [`pair_key`] of (block chain key, worker serial) → expiry, ms after `opened`.
     entries: Slots,
     /// Chain key of a depth-0 block → serials of the workers with an entry for it here.
     roots: SeqMap<Vec<u64>>,
     /// Worker serial → its entries here.
     per_worker: HashMap<u64, u64>,
-    /// When the generation took its first entry, ms since the epoch.
+    /// When the generation took its first entry, ms since the epoch: its
+    /// entries' expiries are kept as 32-bit offsets from it (49 days; a longer
+    /// TTL counts as that).
     opened: u64,
     /// The latest expiry of its entries: after it, the whole generation is dead.
     newest_expiry: u64,
@@ -82,7 +84,17 @@ impl Generation {
     /// keys are `keys`.
     fn expiry(&self, keys: &[u64], p: usize, serial: u64) -> Option<u64> {
         let group_key = pair_key(keys[p - p % GROUP], serial);
-        self.entries.get(group_key, pair_key(keys[p], serial))
+        let offset = self.entries.get(group_key, pair_key(keys[p], serial))?;
+        Some(self.opened + u64::from(offset))
+    }
+
+    /// `expires` (ms since the epoch) as kept in `entries`. Saturating keeps
+    /// the order of expiries, so a block still expires no earlier than its parent.
+    fn offset(&self, expires: u64) -> u32 {
+        expires
+            .saturating_sub(self.opened)
+            .try_into()
+            .unwrap_or(u32::MAX)
     }
 }
 
@@ -247,7 +259,8 @@ impl PredictedIndex {
             *key = pair_key(*key, serial);
         }
         let (mut added, mut new_root) = (0u64, false);
-        generation.entries.set_path(&keys, expires, |depth| {
+        let offset = generation.offset(expires);
+        generation.entries.set_path(&keys, offset, |depth| {
             added += 1;
             new_root |= depth == 0;
         });

@@ -8,31 +8,54 @@
 //! than the routing decision itself). With the slots of the next few keys
 //! already on their way, the misses overlap.
 //!
-//! Two more cuts to the misses: the entries of a path's consecutive blocks are
+//! More cuts to the misses: the entries of a path's consecutive blocks are
 //! placed together ([`GROUP`] to a cache line, found from the home of their
-//! group's first block, which a lookup knows as well as a record does), and
-//! the table lives in huge pages, so that a record's random lines do not each
-//! cost a TLB miss as well.
+//! group's first block, which a lookup knows as well as a record does); a slot
+//! is 8 bytes (a 32-bit fingerprint of the key and a 32-bit expiry), so a line
+//! takes eight of them and a fresh path misses once per eight blocks; and the
+//! table lives in huge pages, so that a record's random lines do not each cost
+//! a TLB miss as well.
+//!
+//! A fingerprint stands for its key: a lookup that meets another key's slot
+//! with the same 32 bits before its own (or an empty slot) takes that entry's
+//! expiry. The odds are 2^-32 per occupied slot compared, a few slots per
+//! probe at most half full; what it costs is one worker credited with a block
+//! it may not hold, for as long as the other entry lives: a routing choice made
+//! on one block too many, never a wrong answer to anyone.
 
-/// Marks an empty slot. A pair key of 0 is stored as [`ZERO_KEY`] instead (the
-/// odds that another key is that one are those of any two keys colliding).
-const EMPTY: u64 = 0;
-const ZERO_KEY: u64 = 0x5851_F42D_4C95_7F2D;
+/// Marks an empty slot. A key whose fingerprint would be 0 gets [`ZERO_TAG`]
+/// instead (one more key sharing that fingerprint).
+const EMPTY: u32 = 0;
+const ZERO_TAG: u32 = 0x4C95_7F2D;
 /// Consecutive blocks of a path whose entries are placed together: block `p`'s
 /// entry is sought from the home of the first block of its group (`p − p %
-/// GROUP`), so a record of a fresh path fills one cache line (four 16-byte
+/// GROUP`), so a record of a fresh path fills one cache line (eight 8-byte
 /// slots) per group instead of missing once per block.
-pub(crate) const GROUP: usize = 4;
+pub(crate) const GROUP: usize = 8;
 /// Groups whose lines are prefetched ahead of the one being written (4, 8, 16
-/// and 32 measured: 8 and 16 were best).
+/// and 32 measured with groups of four: 8 and 16 were best).
 const AHEAD: usize = 8;
 
-/// One cache line of slots: (key, expiry).
+/// One entry: its key's fingerprint and its expiry, in ms after a base the
+/// caller keeps (a generation's opening).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Slot {
+    tag: u32,
+    expiry: u32,
+}
+
+/// One cache line of slots.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([(u64, u64); GROUP]);
+struct Line([Slot; GROUP]);
 
-const EMPTY_LINE: Line = Line([(EMPTY, 0); GROUP]);
+const EMPTY_LINE: Line = Line(
+    [Slot {
+        tag: EMPTY,
+        expiry: 0,
+    }; GROUP],
+);
 
 /// A huge page (x86_64 and aarch64 Linux with 4 KiB pages).
 const HUGE_PAGE: usize = 2 << 20;
@@ -115,8 +138,16 @@ impl Slots {
     /// A table that takes `capacity` entries, every page of it written once (so
     /// that filling it faults nothing in). It never grows: a generation whose
     /// table cannot take a path gives way to a new one (see predicted.rs).
+    /// From 1 MiB on it takes a whole huge page: a generation at the default cap
+    /// (65 536 entries, 1 MiB of 8-byte slots) keeps the 2 MiB that 16-byte slots
+    /// took, a quarter full, rather than lose the huge page.
     pub fn with_capacity(capacity: usize) -> Self {
         let lines = (capacity * 2).div_ceil(GROUP).next_power_of_two().max(16);
+        let lines = if lines * size_of::<Line>() >= HUGE_PAGE / 2 {
+            lines.max(HUGE_PAGE / size_of::<Line>())
+        } else {
+            lines
+        };
         Self {
             lines: Lines::new(lines),
             len: 0,
@@ -146,64 +177,92 @@ impl Slots {
     /// The first slot of the line a group led by `group_key` starts from.
     #[inline]
     fn home(&self, group_key: u64) -> usize {
-        // Keys are uniform (chain keys xored with a worker's constant).
-        (stored_key(group_key) as usize & (self.lines.len() - 1)) * GROUP
+        // Keys are uniform (chain keys xored with a worker's constant); the
+        // low bits place a group, the high ones are its keys' fingerprints.
+        (group_key as usize & (self.lines.len() - 1)) * GROUP
     }
 
     #[inline]
-    fn slot(&self, at: usize) -> (u64, u64) {
+    fn mask(&self) -> usize {
+        self.lines.len() * GROUP - 1
+    }
+
+    #[inline]
+    fn slot(&self, at: usize) -> Slot {
         self.lines[at / GROUP].0[at % GROUP]
     }
 
+    #[inline]
+    fn slot_mut(&mut self, at: usize) -> &mut Slot {
+        &mut self.lines[at / GROUP].0[at % GROUP]
+    }
+
     /// The expiry of `key`, whose group's first key is `group_key`.
-    pub fn get(&self, group_key: u64, key: u64) -> Option<u64> {
-        let key = stored_key(key);
-        let mask = self.lines.len() * GROUP - 1;
+    pub fn get(&self, group_key: u64, key: u64) -> Option<u32> {
+        let tag = tag(key);
+        let mask = self.mask();
         let mut at = self.home(group_key);
         loop {
-            match self.slot(at) {
-                (EMPTY, _) => return None,
-                (k, expiry) if k == key => return Some(expiry),
-                _ => at = (at + 1) & mask,
+            let slot = self.slot(at);
+            if slot.tag == tag {
+                return Some(slot.expiry);
             }
+            if slot.tag == EMPTY {
+                return None;
+            }
+            at = (at + 1) & mask;
         }
     }
 
     /// Sets the entries of a path to `expiry`: `keys[i]` is the key of its
-    /// block `i`, from block 0. Calls `added(i)` for each `keys[i]` that was
-    /// not in the table. The table must have room for them all ([`Self::has_room`]).
-    pub fn set_path(&mut self, keys: &[u64], expiry: u64, mut added: impl FnMut(usize)) {
+    /// block `i`, from block 0, and a key fixes every key before it (chain
+    /// keys do). Calls `added(i)` for each `keys[i]` that was not in the
+    /// table. The table must have room for them all ([`Self::has_room`]).
+    pub fn set_path(&mut self, keys: &[u64], expiry: u32, mut added: impl FnMut(usize)) {
         assert!(self.has_room(keys.len()), "a path past the table's room");
+        let mask = self.mask();
+        // Once a block is new here, so is every later one: a table holds a
+        // block only if some record wrote its path, parent included. The rest
+        // are then placed without comparing keys, each in the first empty
+        // slot after the previous one, which is where a search from the
+        // group's home would end (every slot from the home to the previous
+        // one is taken).
+        let mut fresh = false;
         for (g, group) in keys.chunks(GROUP).enumerate() {
             if let Some(&ahead) = keys.get((g + AHEAD) * GROUP) {
                 self.prefetch(self.home(ahead));
             }
             let home = self.home(group[0]);
+            let mut at = home;
             for (j, &key) in group.iter().enumerate() {
-                if self.set(home, key, expiry) {
-                    added(g * GROUP + j);
+                let tag = tag(key);
+                if !fresh {
+                    at = home;
+                    loop {
+                        let slot = self.slot_mut(at);
+                        if slot.tag == tag {
+                            slot.expiry = expiry;
+                            break;
+                        }
+                        if slot.tag == EMPTY {
+                            fresh = true;
+                            break;
+                        }
+                        at = (at + 1) & mask;
+                    }
+                    if !fresh {
+                        continue;
+                    }
+                } else {
+                    while self.slot(at).tag != EMPTY {
+                        at = (at + 1) & mask;
+                    }
                 }
-            }
-        }
-    }
-
-    /// Sets one key, sought from `home`; returns whether it is new.
-    fn set(&mut self, home: usize, key: u64, expiry: u64) -> bool {
-        let key = stored_key(key);
-        let mask = self.lines.len() * GROUP - 1;
-        let mut at = home;
-        loop {
-            let slot = &mut self.lines[at / GROUP].0[at % GROUP];
-            if slot.0 == key {
-                slot.1 = expiry;
-                return false;
-            }
-            if slot.0 == EMPTY {
-                *slot = (key, expiry);
+                *self.slot_mut(at) = Slot { tag, expiry };
                 self.len += 1;
-                return true;
+                added(g * GROUP + j);
+                at = (at + 1) & mask;
             }
-            at = (at + 1) & mask;
         }
     }
 
@@ -223,9 +282,13 @@ impl Slots {
     }
 }
 
+/// A key's fingerprint: its high half, never [`EMPTY`].
 #[inline]
-fn stored_key(key: u64) -> u64 {
-    if key == EMPTY { ZERO_KEY } else { key }
+fn tag(key: u64) -> u32 {
+    match (key >> 32) as u32 {
+        EMPTY => ZERO_TAG,
+        tag => tag,
+    }
 }
 
 #[cfg(test)]
@@ -257,7 +320,7 @@ mod tests {
     #[test]
     fn behaves_as_a_map() {
         let mut slots = Slots::with_capacity(4_000);
-        let mut model: HashMap<u64, (u64, u64)> = HashMap::new();
+        let mut model: HashMap<u64, (u64, u32)> = HashMap::new();
         let mut rng = 1u64;
         let mut next = || {
             rng = rng
@@ -266,7 +329,7 @@ mod tests {
             rng >> 33
         };
         for round in 0..3 {
-            let mut step = 0;
+            let mut step = 0u32;
             loop {
                 step += 1;
                 // Few tokens, so that paths share prefixes and many keys are set again.

@@ -24,8 +24,9 @@ enum Op {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        // Past one group of entries placed together (slots.rs), up to three.
-        6 => (0..4u8, prop::collection::vec(1..=TOKENS, 1..12))
+        // Past one group of entries placed together (slots.rs, eight to a
+        // group), up to three.
+        6 => (0..4u8, prop::collection::vec(1..=TOKENS, 1..25))
             .prop_map(|(worker, path)| Op::Record { worker, path }),
         1 => (0..4u8).prop_map(Op::RemoveWorker),
         3 => prop_oneof![Just(0), Just(1), Just(TTL_MS / 3), Just(TTL_MS - 1), Just(TTL_MS)]
@@ -167,7 +168,7 @@ proptest! {
     #[test]
     fn with_a_cap_knows_a_subset_of_the_model(
         ops in prop::collection::vec(op_strategy(), 1..40),
-        max_blocks in 1..12usize,
+        max_blocks in 1..26usize,
     ) {
         run(ops, Some(max_blocks))?;
     }

@@ -194,6 +194,9 @@ pub struct Fleet {
     pub(crate) changed_bookings: Option<FxHashSet<WorkerKey>>,
 }
 
+/// Load keys count the `kv` cost's rank part in sixteenths of a block.
+const LOAD_KEY_SCALE: f64 = 16.0;
+
 /// Tunables the registry needs from the config.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -607,7 +610,13 @@ impl Fleet {
     fn load_key(rank: &Rank, limits: &Limits) -> u64 {
         let cost = limits.overlap_weight * rank.prefill_tokens() as f64 / limits.block_size as f64
             + rank.active_blocks() as f64;
-        (cost * 16.0) as u64
+        (cost * LOAD_KEY_SCALE) as u64
+    }
+
+    /// That part of the cost for a load key: truncated, the key keeps at
+    /// least this much of it (up to rounding).
+    pub(crate) fn load_from_key(load_key: u64) -> f64 {
+        load_key as f64 / LOAD_KEY_SCALE
     }
 
     pub(crate) fn rekey(&mut self, key: WorkerKey, limits: &Limits) {
