@@ -476,42 +476,40 @@ impl Shard {
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        let Some(entry) = entries.get_mut(seq) else {
-            return (false, false);
-        };
-        let held = if let Some(b) = entry.workers.bitset() {
-            let held = worker < BITSET_IDS && b & 1 << worker != 0;
-            if held {
-                entry.workers = Holders((b & !(1 << worker)) as u32);
-            }
-            held
-        } else if entry.workers.is_spilled() {
-            let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
-            match ids.binary_search(&worker) {
-                Ok(at) => {
-                    ids.remove(at);
-                    let encoded = Holders::encode(ids);
-                    if !encoded.is_spilled() {
-                        entry.workers = encoded;
-                        spilled.remove(&seq);
-                        shrink_sparse(spilled);
-                    }
-                    true
+        let (mut held, mut empty) = (false, false);
+        entries.change_or_remove(seq, |entry| {
+            held = if let Some(b) = entry.workers.bitset() {
+                let held = worker < BITSET_IDS && b & 1 << worker != 0;
+                if held {
+                    entry.workers = Holders((b & !(1 << worker)) as u32);
                 }
-                Err(_) => false,
-            }
-        } else {
-            let mut ids = entry.workers.inline_ids();
-            let held = ids.remove(worker);
-            if held {
-                entry.workers = Holders::encode(ids.as_slice());
-            }
-            held
-        };
-        let empty = entry.workers == Holders::NONE;
-        if empty {
-            entries.remove(seq);
-        }
+                held
+            } else if entry.workers.is_spilled() {
+                let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
+                match ids.binary_search(&worker) {
+                    Ok(at) => {
+                        ids.remove(at);
+                        let encoded = Holders::encode(ids);
+                        if !encoded.is_spilled() {
+                            entry.workers = encoded;
+                            spilled.remove(&seq);
+                            shrink_sparse(spilled);
+                        }
+                        true
+                    }
+                    Err(_) => false,
+                }
+            } else {
+                let mut ids = entry.workers.inline_ids();
+                let held = ids.remove(worker);
+                if held {
+                    entry.workers = Holders::encode(ids.as_slice());
+                }
+                held
+            };
+            empty = entry.workers == Holders::NONE;
+            empty
+        });
         (held, empty)
     }
 
