@@ -579,6 +579,14 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
                     indexer.name()
                 );
             }
+            // What the pools' churn left: tables laid out for churn, not growth.
+            if let Live::Kvroute(index) = &live {
+                let memberships = index.stats().memberships.max(1);
+                println!(
+                    "  kvroute heap at the end of the replay: {:.1} B per membership ({memberships} memberships)",
+                    index.heap_bytes() as f64 / memberships as f64
+                );
+            }
         }
     });
     drop(live);
