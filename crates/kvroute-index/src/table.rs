@@ -16,6 +16,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crossbeam_utils::CachePadded;
+
 use crate::flat::{FlatMap, Zeroable};
 
 /// Shards of the block table; a power of two.
@@ -586,13 +588,15 @@ pub(crate) fn bits(mut word: u64, base: u32) -> impl Iterator<Item = u32> {
 
 /// The shards, each behind its own lock.
 pub(crate) struct Table {
-    shards: Box<[RwLock<Shard>]>,
+    /// Each on cache lines of its own: two ingest threads writing neighbouring
+    /// shards otherwise bounced one line between their cores.
+    shards: Box<[CachePadded<RwLock<Shard>>]>,
 }
 
 impl Table {
     pub fn new() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
         }
     }
 
