@@ -183,6 +183,29 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
     }
 
+    /// Starts bringing `key`'s first slot and the cache line after it into
+    /// the cache: a lookup that finds its key probes about 2.8 slots on
+    /// average at 78 % full (linear probing: (1 + 1/(1 − load)) / 2), 56
+    /// bytes of 20-byte slots, so it often reads past its home slot's line. For the walk, where every block it
+    /// reaches is probed; a stored chain's inserts stop at the first free slot.
+    #[inline]
+    pub fn prefetch_probe(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let slot: *const i8 = self.slots[self.home(key)..].as_ptr().cast();
+            // SAFETY: as in `prefetch`; the second address may lie past the
+            // table, where a prefetch does nothing (it is never read).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(slot);
+                _mm_prefetch::<_MM_HINT_T0>(slot.wrapping_add(64));
+            }
+        }
+    }
+
     /// Room for `additional` more entries without growing, grown by a
     /// quarter at least (so that reserving before each insert of a few does
     /// not resize every time).

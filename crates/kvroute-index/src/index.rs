@@ -861,12 +861,12 @@ impl KvIndex {
             return path;
         };
         let mut reader = ShardReader::new(&self.table);
-        let mut parent = BlockRef::child_of(None, first);
+        let root = BlockRef::child_of(None, first);
         if keep_path {
-            path.push(parent.key());
+            path.push(root.key());
         }
         // The result is sized once, from the holders of block 0.
-        let mut active = match reader.shard(parent.shard()).holders(parent.key()) {
+        let mut active = match reader.shard(root.shard()).holders(root.key()) {
             HolderSet::Bits(0) => return path,
             HolderSet::Bits(b) => Active::Bits(b),
             other => {
@@ -879,83 +879,85 @@ impl KvIndex {
             Active::Bits(b) => b.count_ones() as usize,
             Active::Ids(ids) => ids.len(),
         });
-        // The slot of the block PREFETCH_AHEAD further on is on its way while
-        // this one is probed (chain keys need no table): a long match in a
-        // large table misses the cache once per block.
-        let mut ahead = parent;
-        for &local in local_hashes.iter().skip(1).take(PREFETCH_AHEAD) {
-            ahead = BlockRef::child_of(Some(ahead), local);
-        }
-        for (depth, &local) in local_hashes.iter().enumerate().skip(1) {
-            let r = BlockRef::child_of(Some(parent), local);
-            if keep_path {
-                path.push(r.key());
+        // Every deeper block lives in the anchor's (block 1's) shard: one
+        // read lock from here on. Each key is chained once, PREFETCH_AHEAD
+        // blocks before it is probed, and its slot prefetched then (chain keys
+        // need no table): a long match in a large table would otherwise miss
+        // the cache once per block. `ahead[d % PREFETCH_AHEAD]` is block d's
+        // key until the walk reaches it.
+        if let Some(&local) = local_hashes.get(1) {
+            let anchor = BlockRef::child_of(Some(root), local);
+            let shard = reader.shard(anchor.shard());
+            let mut ahead = [anchor; PREFETCH_AHEAD];
+            let mut last = anchor;
+            for (depth, &local) in local_hashes
+                .iter()
+                .enumerate()
+                .take(PREFETCH_AHEAD + 1)
+                .skip(2)
+            {
+                last = BlockRef::child_of(Some(last), local);
+                ahead[depth % PREFETCH_AHEAD] = last;
+                shard.entries.prefetch_probe(last.key());
             }
-            parent = r;
-            let shard = reader.shard(r.shard());
-            if depth == 1 {
-                // The anchor's shard is read from here on: the blocks up to
-                // `ahead` now, the later ones as the walk reaches them.
-                let mut early = r;
-                for &local in local_hashes.iter().skip(2).take(PREFETCH_AHEAD - 1) {
-                    early = BlockRef::child_of(Some(early), local);
-                    shard.entries.prefetch(early.key());
+            for depth in 1..local_hashes.len() {
+                let r = ahead[depth % PREFETCH_AHEAD];
+                if keep_path {
+                    path.push(r.key());
                 }
-            }
-            if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
-                ahead = BlockRef::child_of(Some(ahead), local);
-                // Deeper blocks live in their anchor's shard, the one read now.
-                if ahead.shard() == r.shard() {
-                    shard.entries.prefetch(ahead.key());
+                if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
+                    last = BlockRef::child_of(Some(last), local);
+                    ahead[depth % PREFETCH_AHEAD] = last;
+                    shard.entries.prefetch_probe(last.key());
                 }
-            }
-            let holders = shard.holders(r.key());
-            let depth = depth as u32;
-            let left = match &mut active {
-                Active::Bits(set) => {
-                    let still = holders.mask(*set);
-                    bits(*set & !still, 0).for_each(|i| emit(matches, i, depth));
-                    *set = still;
-                    still != 0
-                }
-                Active::Ids(ids) => {
-                    match holders {
-                        _ if holders.len() * 8 < ids.len() => holders.keep_held(ids, |run| {
-                            matches.extend(run.iter().map(|&idx| IndexMatch { idx, depth }));
-                        }),
-                        HolderSet::Spilled(held) => {
-                            // Both sorted: a merge, or a search in what is left of
-                            // the holders per id when those are far more.
-                            let search = ids.len() * 8 < held.len();
-                            let mut at = 0;
-                            ids.retain(|&i| {
-                                if search {
-                                    at += held[at..].partition_point(|&h| h < i);
-                                } else {
-                                    while held.get(at).is_some_and(|&h| h < i) {
-                                        at += 1;
+                let holders = shard.holders(r.key());
+                let depth = depth as u32;
+                let left = match &mut active {
+                    Active::Bits(set) => {
+                        let still = holders.mask(*set);
+                        bits(*set & !still, 0).for_each(|i| emit(matches, i, depth));
+                        *set = still;
+                        still != 0
+                    }
+                    Active::Ids(ids) => {
+                        match holders {
+                            _ if holders.len() * 8 < ids.len() => holders.keep_held(ids, |run| {
+                                matches.extend(run.iter().map(|&idx| IndexMatch { idx, depth }));
+                            }),
+                            HolderSet::Spilled(held) => {
+                                // Both sorted: a merge, or a search in what is left of
+                                // the holders per id when those are far more.
+                                let search = ids.len() * 8 < held.len();
+                                let mut at = 0;
+                                ids.retain(|&i| {
+                                    if search {
+                                        at += held[at..].partition_point(|&h| h < i);
+                                    } else {
+                                        while held.get(at).is_some_and(|&h| h < i) {
+                                            at += 1;
+                                        }
                                     }
-                                }
-                                let keep = held.get(at) == Some(&i);
+                                    let keep = held.get(at) == Some(&i);
+                                    if !keep {
+                                        emit(matches, i, depth);
+                                    }
+                                    keep
+                                });
+                            }
+                            other => ids.retain(|&i| {
+                                let keep = other.contains(i);
                                 if !keep {
                                     emit(matches, i, depth);
                                 }
                                 keep
-                            });
+                            }),
                         }
-                        other => ids.retain(|&i| {
-                            let keep = other.contains(i);
-                            if !keep {
-                                emit(matches, i, depth);
-                            }
-                            keep
-                        }),
+                        !ids.is_empty()
                     }
-                    !ids.is_empty()
+                };
+                if !left {
+                    return path;
                 }
-            };
-            if !left {
-                return path;
             }
         }
         let full = local_hashes.len() as u32;

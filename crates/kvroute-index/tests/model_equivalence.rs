@@ -393,3 +393,55 @@ fn wide_fleets_match_the_model() {
     let workers = (0..1010).filter(|&w| model.last_event_id(WorkerKey::new(w, 0)).is_some());
     assert_eq!(index.stats().workers, workers.count() as u64);
 }
+
+/// A chain of `len` blocks of `chain`, engine hashes 100, 101, ... in order.
+fn chain_prefix(chain: &[u64], len: usize) -> EventKind {
+    let blocks: Vec<(u64, u64)> = (0..len).map(|d| (100 + d as u64, chain[d])).collect();
+    model::stored(None, &blocks)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Paths longer than the blocks a walk chains and prefetches ahead of
+    /// the one it probes (16), in the bitset and in the lists of holders
+    /// (after 40 fillers): each worker holds a prefix of one long chain, less
+    /// a block removed now and then, and every cut of the chain, and the
+    /// chain with one block changed, match as the model says.
+    #[test]
+    fn long_paths_match_the_model(
+        chain in prop::collection::vec(1..=TOKENS, 1..70),
+        held in prop::collection::vec((0..70usize, prop::option::of(0..70u64)), 1..5),
+        changed in 0..70usize,
+        fillers in prop_oneof![Just(0u64), Just(40)],
+    ) {
+        let index = KvIndex::new(IndexConfig::default());
+        let mut model = Model::default();
+        let mut apply = |key: WorkerKey, event: KvEvent| {
+            prop_assert_eq!(index.apply(key, &event), model.apply(key, &event));
+            Ok(())
+        };
+        for f in 0..fillers {
+            let kind = EventKind::Removed { block_hashes: vec![0] };
+            apply(WorkerKey::new(1_000 + f, 0), KvEvent { event_id: 1, kind })?;
+        }
+        for (w, &(len, removed)) in held.iter().enumerate() {
+            let key = WorkerKey::new(w as u64, 0);
+            let kind = chain_prefix(&chain, len.min(chain.len()));
+            apply(key, KvEvent { event_id: 1, kind })?;
+            if let Some(r) = removed {
+                let kind = EventKind::Removed { block_hashes: vec![100 + r] };
+                apply(key, KvEvent { event_id: 2, kind })?;
+            }
+        }
+        let mut other = chain.clone();
+        if let Some(t) = other.get_mut(changed) {
+            *t = *t % TOKENS + 1;
+        }
+        for path in (1..=chain.len()).map(|cut| &chain[..cut]).chain([&other[..]]) {
+            let expected = model.find_matches(path);
+            prop_assert_eq!(sorted(index.find_matches(path)), expected.clone(), "path {:?}", path);
+            check_pairs(&index, path, &expected);
+        }
+    }
+}

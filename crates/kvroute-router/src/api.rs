@@ -360,7 +360,8 @@ async fn parse<'a>(
     endpoint: Option<Endpoint>,
 ) -> Result<Parsed<'a>, RouterError> {
     let (mut parsed, source) = parse_body(state, headers, body, endpoint)?;
-    let started = Instant::now();
+    // Token ids take no tokenizing: no clock reads for them.
+    let started = (!matches!(source, PromptSource::Tokens(_))).then(Instant::now);
     let tokenized = match source {
         PromptSource::Tokens(tokens) => Some((tokens, Vec::new())),
         PromptSource::Text(text) => {
@@ -383,7 +384,8 @@ async fn parse<'a>(
                 .await?
         }
     };
-    metrics::observe_phase("tokenize", started);
+    let took = started.map_or(std::time::Duration::ZERO, |started| started.elapsed());
+    metrics::record_phase("tokenize", took);
     match tokenized {
         Some((tokens, multimodal)) => {
             parsed.tokens = tokens;

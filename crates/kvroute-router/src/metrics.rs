@@ -439,7 +439,13 @@ pub fn hot() -> &'static Hot {
 
 /// Records the time since `started` as one phase of the routing overhead.
 pub fn observe_phase(phase: &'static str, started: std::time::Instant) {
-    let elapsed = started.elapsed().as_secs_f64();
+    record_phase(phase, started.elapsed());
+}
+
+/// Records `took` as one phase of the routing overhead (for a caller that
+/// has read the clock already).
+pub fn record_phase(phase: &'static str, took: std::time::Duration) {
+    let elapsed = took.as_secs_f64();
     match PHASES.iter().position(|&p| p == phase) {
         Some(i) => hot().phases[i].record(elapsed),
         None => metrics::histogram!(OVERHEAD, "phase" => phase).record(elapsed),

@@ -7,7 +7,8 @@
 //! predictions), and [`crate::upstream`] does the talking and the measuring.
 
 use std::pin::Pin;
-use std::time::Instant;
+use std::task::Poll;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -92,17 +93,17 @@ pub async fn forward(
         let predicted_cached_tokens = prompt_tokens.saturating_sub(decision.new_prefill_tokens);
         hot.predicted_cached_tokens
             .increment(predicted_cached_tokens);
-        if tried.is_empty() {
-            metrics::observe_phase("total", request.received);
-        }
         let sent = Instant::now();
+        if tried.is_empty() {
+            metrics::record_phase("total", sent.duration_since(request.received));
+        }
         let post = std::pin::pin!(state.upstream.post(
             &decision.base_url,
             request.path,
             request.headers,
             request.body.clone(),
         ));
-        let result = until_response(post, &mut booking).await;
+        let result = until_response(post, &mut booking, state.upstream.first_byte_timeout()).await;
         let reason = match result {
             Ok(response) if !response.status().is_server_error() => {
                 let (mut parts, incoming) = response.into_parts();
@@ -184,24 +185,40 @@ pub async fn forward(
     Err(last_error.expect("the loop ran at least once and failed"))
 }
 
-/// Waits for the worker's response headers. A non-streaming response's headers
-/// come only when generation is over, so the request's prefill booking is
-/// released at the estimated first token meanwhile (see [`crate::booking`]).
-/// `post` is pinned by the caller, so that its future is stored once.
+/// Waits for the worker's response headers, at most `first_byte_timeout`. A
+/// non-streaming response's headers come only when generation is over, so the
+/// request's prefill booking is released at the estimated first token
+/// meanwhile (see [`crate::booking`]). One timer serves both deadlines: set
+/// for the estimate, then moved to the timeout when it fires, so a request
+/// registers one timer, not two. `post` is pinned by the caller, so that its
+/// future is stored once.
 async fn until_response<T>(
-    mut post: Pin<&mut impl Future<Output = T>>,
+    mut post: Pin<&mut impl Future<Output = Result<T, Failure>>>,
     booking: &mut Booking,
-) -> T {
-    let Some(estimate) = booking.first_token_estimate() else {
-        return post.await;
-    };
-    tokio::select! {
-        response = &mut post => response,
-        _ = tokio::time::sleep(estimate) => {
-            booking.release_prefill();
-            post.await
+    first_byte_timeout: Duration,
+) -> Result<T, Failure> {
+    let started = tokio::time::Instant::now();
+    let timed_out = started + first_byte_timeout;
+    // An estimate past the timeout would never be reached.
+    let mut estimate = booking
+        .first_token_estimate()
+        .filter(|&estimate| estimate < first_byte_timeout);
+    let timer = tokio::time::sleep_until(estimate.map_or(timed_out, |e| started + e));
+    let mut timer = std::pin::pin!(timer);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(result) = post.as_mut().poll(cx) {
+            return Poll::Ready(result);
         }
-    }
+        while timer.as_mut().poll(cx).is_ready() {
+            if estimate.take().is_none() {
+                return Poll::Ready(Err(Failure::Timeout));
+            }
+            booking.release_prefill();
+            timer.as_mut().reset(timed_out);
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -214,6 +231,7 @@ mod tests {
     use super::until_response;
     use crate::registry::tests::{limits, reg};
     use crate::registry::{Registry, Source};
+    use crate::upstream::Failure;
 
     const KEY: WorkerKey = WorkerKey {
         worker_id: 1,
@@ -224,34 +242,70 @@ mod tests {
         registry.lock().ranks[&KEY].booked_prefill_tokens
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_non_streaming_requests_prefill_is_released_at_its_estimated_first_token() {
+    /// A rank whose streams took 1 ms per prefilled token to their first
+    /// token, and a booking of 200 prompt tokens on it (estimate: 200 ms).
+    fn booked_with_estimate() -> (Arc<Registry>, crate::booking::Booking) {
         let registry = Arc::new(Registry::new(limits()));
         registry.register(reg(1, &["m"]), Source::Stream).unwrap();
-        // A stream on the rank took 1 ms per prefilled token to its first token.
         let mut stream = registry.book(KEY, 100, 1);
         stream.first_token(Duration::from_millis(100));
         drop(stream);
-
-        let mut booking = registry.book(KEY, 200, 1);
+        let booking = registry.book(KEY, 200, 1);
         assert_eq!(
             booking.first_token_estimate(),
             Some(Duration::from_millis(200))
         );
-        // The worker answers only when generation is over, after 5 s.
-        let generation = std::pin::pin!(tokio::time::sleep(Duration::from_secs(5)));
+        (registry, booking)
+    }
+
+    /// A worker that answers only when generation is over, after `after`.
+    async fn answers_after(after: Duration) -> Result<(), Failure> {
+        tokio::time::sleep(after).await;
+        Ok(())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_non_streaming_requests_prefill_is_released_at_its_estimated_first_token() {
+        let (registry, mut booking) = booked_with_estimate();
+        let generation = std::pin::pin!(answers_after(Duration::from_secs(5)));
         let observe = async {
             tokio::time::sleep(Duration::from_millis(150)).await;
             let before = booked_prefill(&registry);
             tokio::time::sleep(Duration::from_millis(100)).await;
             (before, booked_prefill(&registry))
         };
-        let ((), (before, after)) = tokio::join!(until_response(generation, &mut booking), observe);
+        let (answer, (before, after)) = tokio::join!(
+            until_response(generation, &mut booking, Duration::from_secs(60)),
+            observe
+        );
+        assert!(answer.is_ok());
         assert_eq!((before, after), (200, 0));
         assert_eq!(
             registry.lock().ranks[&KEY].booked_requests,
             1,
             "still in flight"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_byte_timeout_fires_after_the_estimate_released_the_prefill() {
+        let (registry, mut booking) = booked_with_estimate();
+        let started = tokio::time::Instant::now();
+        let silent = std::pin::pin!(answers_after(Duration::from_secs(3600)));
+        let answer = until_response(silent, &mut booking, Duration::from_secs(2)).await;
+        assert!(matches!(answer, Err(Failure::Timeout)), "{answer:?}");
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert_eq!(booked_prefill(&registry), 0, "released at the estimate");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_before_the_estimate_fires_at_the_timeout() {
+        let (registry, mut booking) = booked_with_estimate();
+        let started = tokio::time::Instant::now();
+        let silent = std::pin::pin!(answers_after(Duration::from_secs(3600)));
+        let answer = until_response(silent, &mut booking, Duration::from_millis(50)).await;
+        assert!(matches!(answer, Err(Failure::Timeout)), "{answer:?}");
+        assert_eq!(started.elapsed(), Duration::from_millis(50));
+        assert_eq!(booked_prefill(&registry), 200, "the estimate never came");
     }
 }

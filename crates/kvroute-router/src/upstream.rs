@@ -245,6 +245,11 @@ impl Upstream {
         self.idle_timeout
     }
 
+    /// How long a request may wait for its response headers.
+    pub fn first_byte_timeout(&self) -> Duration {
+        self.first_byte_timeout
+    }
+
     /// A new connection to the worker. Boxed, as it moves from the request to
     /// the response body and the idle list (and it is large).
     async fn connect(&self, target: &Target) -> Result<Box<Conn>, Failure> {
@@ -323,7 +328,9 @@ impl Upstream {
         }
     }
 
-    /// POSTs `body` to `base_url` + `path` and waits for the response headers.
+    /// POSTs `body` to `base_url` + `path` and waits for the response headers,
+    /// for as long as the caller polls: it applies [`Self::first_byte_timeout`]
+    /// with the one timer it also uses for the request's first-token estimate.
     pub async fn post(
         &self,
         base_url: &Arc<str>,
@@ -331,10 +338,9 @@ impl Upstream {
         headers: &HeaderMap,
         body: Bytes,
     ) -> Result<Response<WorkerBody>, Failure> {
-        let sent = self.send(base_url, Method::POST, path, Some(headers), body);
-        let (response, conn) = tokio::time::timeout(self.first_byte_timeout, sent)
-            .await
-            .map_err(|_| Failure::Timeout)??;
+        let (response, conn) = self
+            .send(base_url, Method::POST, path, Some(headers), body)
+            .await?;
         let (parts, body) = response.into_parts();
         let body = WorkerBody::new(body, conn, Arc::clone(&self.pool), Arc::clone(base_url));
         Ok(Response::from_parts(parts, body))
@@ -553,13 +559,15 @@ pin_project_lite::pin_project! {
     pub struct TrackedBody {
         // `None` once cut off by the idle timeout.
         inner: Option<WorkerBody>,
-        // Moved to the last data frame's deadline only when it fires: resetting
-        // a timer per frame takes the timer wheel's lock, and wakes the I/O
-        // driver with a syscall whenever it becomes the earliest timer.
-        #[pin]
-        idle: tokio::time::Sleep,
+        // Made the first time the worker's body is not ready (never, for most
+        // small responses, which arrive with their headers), and moved to the
+        // last data frame's deadline only when it fires: resetting a timer per
+        // frame takes the timer wheel's lock, and wakes the I/O driver with a
+        // syscall whenever it becomes the earliest timer.
+        idle: Option<Pin<Box<tokio::time::Sleep>>>,
         idle_timeout: Duration,
-        last_data: tokio::time::Instant,
+        // When the headers came, then the last data frame.
+        last_data: Instant,
         sse: bool,
         flight: Flight,
         sent: Instant,
@@ -584,11 +592,12 @@ impl TrackedBody {
     ) -> Self {
         // An empty body is complete before hyper would ever poll it.
         let empty = inner.is_end_stream();
+        let now = Instant::now();
         let mut body = Self {
             inner: Some(inner),
-            idle: tokio::time::sleep(idle_timeout),
+            idle: None,
             idle_timeout,
-            last_data: tokio::time::Instant::now(),
+            last_data: now,
             sse,
             flight: Flight {
                 booking: Some(booking),
@@ -600,16 +609,19 @@ impl TrackedBody {
             _held: held,
         };
         if empty {
-            complete(&mut body.flight, sent, None);
+            complete(&mut body.flight, sent, now, None);
         }
         body
     }
 }
 
-/// The worker's body ended as it meant to: once, with its end-to-end latency.
-fn complete(flight: &mut Flight, sent: Instant, check: Option<&Check>) {
+/// The worker's body ended as it meant to (by `now`): once, with its
+/// end-to-end latency.
+fn complete(flight: &mut Flight, sent: Instant, now: Instant, check: Option<&Check>) {
     if !flight.finished {
-        metrics::hot().e2e.record(sent.elapsed().as_secs_f64());
+        metrics::hot()
+            .e2e
+            .record(now.duration_since(sent).as_secs_f64());
         if let Some(check) = check {
             check.finish();
         }
@@ -625,14 +637,16 @@ impl Body for TrackedBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
+        let this = self.project();
         let Some(inner) = this.inner.as_mut() else {
             return Poll::Ready(None);
         };
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                // One clock read for the frame's metrics, deadline and end.
+                let mut now = None;
                 if frame.is_data() {
-                    let now = Instant::now();
+                    let now = *now.insert(Instant::now());
                     match *this.last_frame {
                         None => {
                             let ttft = now.duration_since(*this.sent);
@@ -656,13 +670,14 @@ impl Body for TrackedBody {
                         metrics::hot().inter_token.record_many(0.0, joined - 1);
                     }
                     *this.last_frame = Some(now);
-                    *this.last_data = tokio::time::Instant::now();
+                    *this.last_data = now;
                 }
                 if let (Some(check), Some(data)) = (this.check.as_mut(), frame.data_ref()) {
                     check.push(data);
                 }
                 if this.inner.as_ref().is_some_and(WorkerBody::is_end_stream) {
-                    complete(this.flight, *this.sent, this.check.as_ref());
+                    let now = now.unwrap_or_else(Instant::now);
+                    complete(this.flight, *this.sent, now, this.check.as_ref());
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -671,19 +686,24 @@ impl Body for TrackedBody {
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Ready(None) => {
-                complete(this.flight, *this.sent, this.check.as_ref());
+                complete(this.flight, *this.sent, Instant::now(), this.check.as_ref());
                 Poll::Ready(None)
             }
             Poll::Pending => {
+                let deadline =
+                    || tokio::time::Instant::from_std(*this.last_data + *this.idle_timeout);
+                let idle = this
+                    .idle
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline())));
                 loop {
-                    if this.idle.as_mut().poll(cx).is_pending() {
+                    if idle.as_mut().poll(cx).is_pending() {
                         return Poll::Pending;
                     }
-                    let deadline = *this.last_data + *this.idle_timeout;
-                    if deadline <= this.idle.deadline() {
+                    let deadline = deadline();
+                    if deadline <= idle.deadline() {
                         break;
                     }
-                    this.idle.as_mut().reset(deadline);
+                    idle.as_mut().reset(deadline);
                 }
                 let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
                 let error = RouterError::UpstreamTimeout(format!(

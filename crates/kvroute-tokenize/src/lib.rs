@@ -28,6 +28,7 @@ mod chat_template;
 mod chunks;
 mod error;
 mod hf;
+mod huge;
 mod merges;
 mod pieces;
 mod prompt;

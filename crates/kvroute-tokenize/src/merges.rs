@@ -28,6 +28,7 @@
 use rustc_hash::FxHashMap;
 use serde_json::Value;
 
+use crate::huge::HugeSlice;
 use crate::vocab::TokenIds;
 
 /// The longest piece [`MergeTable::merge_into`] encodes.
@@ -248,7 +249,7 @@ impl MergeTable {
 /// at most three quarters full, a power of two long; an empty slot holds
 /// [`NO_MERGE`] (no pair merges with that priority).
 struct PairTable {
-    slots: Box<[PairSlot]>,
+    slots: HugeSlice<PairSlot>,
     /// Right shift that leaves a hash's top bits, as many as index a slot.
     shift: u32,
 }
@@ -264,15 +265,14 @@ impl PairTable {
     fn new(pairs: &FxHashMap<u64, Merge>) -> Self {
         let slots = (pairs.len() * 4 / 3 + 1).next_power_of_two().max(2);
         let mut table = PairTable {
-            slots: vec![
+            slots: HugeSlice::filled(
                 PairSlot {
                     left: 0,
                     right: 0,
                     merge: NO_MERGE,
-                };
-                slots
-            ]
-            .into_boxed_slice(),
+                },
+                slots,
+            ),
             shift: 64 - slots.trailing_zeros(),
         };
         // A pair of the highest priority would never merge (see the merge loop).

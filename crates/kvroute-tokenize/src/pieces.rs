@@ -20,6 +20,7 @@
 //! last passed them, so the frequent pieces stay while a stream of rare ones
 //! passes through.
 
+use crate::huge::HugeSlice;
 use crate::vocab::words_at;
 
 /// Pieces one thread remembers at most.
@@ -41,7 +42,7 @@ const WAYS: usize = 4;
 
 pub(crate) struct PieceCache {
     /// Sets of [`WAYS`] entries, a power of two of them.
-    entries: Box<[Entry]>,
+    entries: HugeSlice<Entry>,
     /// Each set's clock hand: where it looks for the next entry to replace.
     hands: Box<[u8]>,
 }
@@ -71,7 +72,7 @@ impl PieceCache {
     pub(crate) fn with_capacity(capacity: usize) -> Self {
         let sets = capacity.div_ceil(WAYS).next_power_of_two();
         PieceCache {
-            entries: vec![Entry::default(); sets * WAYS].into_boxed_slice(),
+            entries: HugeSlice::filled(Entry::default(), sets * WAYS),
             hands: vec![0; sets].into_boxed_slice(),
         }
     }

@@ -12,13 +12,15 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::huge::HugeSlice;
+
 /// Keys up to this long live in the slots.
 const INLINE_KEY_BYTES: usize = 16;
 
 pub(crate) struct TokenIds {
     /// Open addressing with linear probing; a power of two long, at most half
     /// full.
-    slots: Box<[Slot]>,
+    slots: HugeSlice<Slot>,
     /// The tokens longer than [`INLINE_KEY_BYTES`].
     long: FxHashMap<Box<[u8]>, u32>,
 }
@@ -38,7 +40,7 @@ impl TokenIds {
     pub(crate) fn new<'a>(tokens: impl ExactSizeIterator<Item = (&'a [u8], u32)>) -> Self {
         let slots = (tokens.len() * 2).next_power_of_two().max(16);
         let mut table = TokenIds {
-            slots: vec![Slot::default(); slots].into_boxed_slice(),
+            slots: HugeSlice::filled(Slot::default(), slots),
             long: FxHashMap::default(),
         };
         for (bytes, id) in tokens {

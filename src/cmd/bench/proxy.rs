@@ -50,6 +50,10 @@ pub struct BenchProxyArgs {
     /// target in the same rounds, for a before/after beside nginx.
     #[arg(long)]
     baseline: Option<PathBuf>,
+    /// Only the proxy hop: skip the streamed-chunk delay and ingest latency
+    /// at saturation (for quicker before/after runs).
+    #[arg(long)]
+    hop_only: bool,
 }
 
 /// Concurrent clients in every measurement.
@@ -329,6 +333,9 @@ pub fn run(args: BenchProxyArgs) -> anyhow::Result<()> {
             .join()
             .map_err(|_| anyhow::anyhow!("the proxy measurement panicked"))
     })??;
+    if args.hop_only {
+        return Ok(());
+    }
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(super::saturation::sse_while_tokenizing(text_prompts(32), 4))
 }

@@ -368,5 +368,20 @@ pub(super) fn throughput(
             if overall >= 2000.0 { "met" } else { "MISSED" }
         );
     }
+    // The tokenizers' tables ask for 2 MiB pages (kvroute-tokenize's `huge`
+    // module); whether the kernel gave them shows here.
+    if let Some(huge) = std::fs::read_to_string("/proc/self/smaps_rollup")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("AnonHugePages:"))
+                .map(str::to_owned)
+        })
+    {
+        println!(
+            "\n  the process's memory in transparent huge pages: {}",
+            huge.trim_start_matches("AnonHugePages:").trim()
+        );
+    }
     Ok(())
 }
