@@ -38,6 +38,9 @@ use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
 use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 
+/// Whether each replay prints its threads' usage (`--threads`).
+static THREAD_DETAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
 
@@ -73,6 +76,9 @@ struct Args {
     only: Option<String>,
     /// The indexes run (all three unless `--index`, for profiling one).
     indexers: Vec<Indexer>,
+    /// Print each replay thread's user and system CPU, page faults and
+    /// context switches (`--threads`): where a replay's CPU went.
+    threads: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -85,6 +91,7 @@ fn parse_args() -> Result<Args, String> {
         requests: None,
         only: None,
         indexers: Indexer::ALL.to_vec(),
+        threads: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -101,6 +108,7 @@ fn parse_args() -> Result<Args, String> {
                     .filter(|&n| n > 0)
                     .ok_or("--rounds must be a positive integer")?;
             }
+            "--threads" => args.threads = true,
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),
             "--index" => {
@@ -113,7 +121,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads]"
                 ));
             }
         }
@@ -154,6 +162,7 @@ fn main() {
         {
             continue;
         }
+        THREAD_DETAIL.store(args.threads, std::sync::atomic::Ordering::Relaxed);
         compare(&runtime, &requests, workers, args.rounds, &args.indexers);
     }
 }
@@ -377,9 +386,13 @@ fn process_cpu() -> Duration {
 }
 
 /// One operation in an indexer's own types, converted before the clock starts.
+/// Run in place (`&mut`), so that a replay neither copies each operation out
+/// of its vector nor frees the vector inside the timed span: both were charged
+/// to the index (at 16 workers, about a tenth of kvroute's replay CPU).
 enum Op<'a> {
     Event(WorkerKey, &'a KvEvent),
-    Dynamo(RouterEvent),
+    /// Taken when run: Dynamo's queue owns its events.
+    Dynamo(Option<RouterEvent>),
     Match(&'a [u64]),
     DynamoMatch(Vec<LocalBlockHash>),
 }
@@ -424,7 +437,7 @@ fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
 fn convert(indexer: Indexer, op: &TimelineOp) -> Op<'_> {
     match (op, indexer) {
         (TimelineOp::Event { worker, event }, Indexer::Dynamo) => {
-            Op::Dynamo(to_dynamo(*worker, event))
+            Op::Dynamo(Some(to_dynamo(*worker, event)))
         }
         (TimelineOp::Event { worker, event }, _) => Op::Event(*worker, event),
         (TimelineOp::Match { tokens_hashes }, Indexer::Dynamo) => {
@@ -482,10 +495,10 @@ impl Live {
         }
     }
 
-    fn run(&self, op: Op<'_>) {
+    fn run(&self, op: &mut Op<'_>) {
         match (self, op) {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
-                std::hint::black_box(index.apply(worker, event));
+                std::hint::black_box(index.apply(*worker, event));
             }
             // Every matching worker as an (index, depth) pair, and the key of
             // the deepest resolved: what a decision needs named.
@@ -494,17 +507,18 @@ impl Live {
                 let best = matches.deepest().and_then(|m| index.resolve(matches, m));
                 std::hint::black_box((matches.pairs(), best));
             }),
-            (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(worker, event),
+            (Live::Dashmap(index), Op::Event(worker, event)) => index.apply(*worker, event),
             (Live::Dashmap(index), Op::Match(hashes)) => {
                 std::hint::black_box(index.find_matches(hashes));
             }
             (Live::Dynamo(index), Op::Dynamo(event)) => {
+                let event = event.take().expect("each operation runs once");
                 index
                     .enqueue_event(event)
                     .expect("Dynamo's event threads are running");
             }
             (Live::Dynamo(index), Op::DynamoMatch(hashes)) => {
-                std::hint::black_box(index.backend().find_matches(&hashes, false));
+                std::hint::black_box(index.backend().find_matches(hashes, false));
             }
             _ => unreachable!("ops are converted for their indexer"),
         }
@@ -532,25 +546,48 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
     std::thread::scope(|scope| {
         let handles: Vec<_> = shares
             .into_iter()
-            .map(|share| {
+            .map(|mut share| {
                 let (live, start) = (&live, &start);
-                scope.spawn(move || {
+                // Named, so that a profile can select the replay (`perf
+                // report --comm replay`).
+                let thread = std::thread::Builder::new().name("replay".into());
+                let spawned = thread.spawn_scoped(scope, move || {
                     start.wait();
-                    for op in share {
+                    let before = thread_usage();
+                    for op in share.iter_mut() {
                         live.run(op);
                     }
-                })
+                    let usage = thread_usage().since(&before);
+                    // Freed by the caller, after the clock stops.
+                    (share, usage)
+                });
+                spawned.expect("a replay thread starts")
             })
             .collect();
         let cpu = process_cpu();
         start.wait();
         let t = Instant::now();
-        for h in handles {
-            h.join().unwrap();
-        }
+        let done: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
         live.settle(runtime);
         run.wall = t.elapsed();
         run.cpu = process_cpu().saturating_sub(cpu);
+        if THREAD_DETAIL.load(std::sync::atomic::Ordering::Relaxed) {
+            for (thread, (share, usage)) in done.iter().enumerate() {
+                let ops = share.len();
+                println!(
+                    "  {} replay thread {thread}: {ops} ops, {usage}",
+                    indexer.name()
+                );
+            }
+            // What the pools' churn left: tables laid out for churn, not growth.
+            if let Live::Kvroute(index) = &live {
+                let memberships = index.stats().memberships.max(1);
+                println!(
+                    "  kvroute heap at the end of the replay: {:.1} B per membership ({memberships} memberships)",
+                    index.heap_bytes() as f64 / memberships as f64
+                );
+            }
+        }
     });
     drop(live);
     run
@@ -567,14 +604,14 @@ fn settled_lookups(
     let live = Live::new(indexer);
     let mut hist = histogram();
     let mut unsettled = false;
-    for op in converted(indexer, ops) {
+    for mut op in converted(indexer, ops) {
         if matches!(op, Op::Match(_) | Op::DynamoMatch(_)) {
             if std::mem::take(&mut unsettled) {
                 live.settle(runtime);
             }
             let switches = involuntary_switches();
             let t = Instant::now();
-            live.run(op);
+            live.run(&mut op);
             let elapsed = t.elapsed();
             // A lookup during which the scheduler took the CPU away measures
             // the machine's other load, not the index: left out, and counted.
@@ -584,19 +621,66 @@ fn settled_lookups(
                 *preempted += 1;
             }
         } else {
-            live.run(op);
+            live.run(&mut op);
             unsettled = true;
         }
     }
     hist
 }
 
-/// Times the calling thread was descheduled against its will so far.
-fn involuntary_switches() -> i64 {
+/// One thread's resource usage so far, or between two readings.
+struct Usage {
+    user: Duration,
+    system: Duration,
+    minor_faults: i64,
+    voluntary_switches: i64,
+    involuntary_switches: i64,
+}
+
+impl Usage {
+    fn since(&self, earlier: &Usage) -> Usage {
+        Usage {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+            minor_faults: self.minor_faults - earlier.minor_faults,
+            voluntary_switches: self.voluntary_switches - earlier.voluntary_switches,
+            involuntary_switches: self.involuntary_switches - earlier.involuntary_switches,
+        }
+    }
+}
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "user {:.1} ms, system {:.1} ms, {} minor faults, {} voluntary and {} involuntary switches",
+            self.user.as_secs_f64() * 1e3,
+            self.system.as_secs_f64() * 1e3,
+            self.minor_faults,
+            self.voluntary_switches,
+            self.involuntary_switches
+        )
+    }
+}
+
+/// The calling thread's usage so far.
+fn thread_usage() -> Usage {
     // SAFETY: an all-zero rusage is valid, and getrusage writes one.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
-    usage.ru_nivcsw
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    Usage {
+        user: time(usage.ru_utime),
+        system: time(usage.ru_stime),
+        minor_faults: usage.ru_minflt,
+        voluntary_switches: usage.ru_nvcsw,
+        involuntary_switches: usage.ru_nivcsw,
+    }
+}
+
+/// Times the calling thread was descheduled against its will so far.
+fn involuntary_switches() -> i64 {
+    thread_usage().involuntary_switches
 }
 
 /// Heap bytes an index holds per (worker, block) membership after applying the
@@ -612,7 +696,7 @@ fn bytes_per_membership(
         if let TimelineOp::Event { .. } = op {
             // Converted inside the counted span, so the events Dynamo frees
             // after applying them were counted when allocated.
-            live.run(convert(indexer, op));
+            live.run(&mut convert(indexer, op));
         }
     }
     live.settle(runtime);

@@ -25,6 +25,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use crossbeam_utils::CachePadded;
+
 use crate::cells::{Cell, Cells};
 use crate::digest::{BlockSetDigest, IndexedDigest};
 use crate::event::{
@@ -265,8 +267,8 @@ struct EvictionScan {
 /// The global index. All methods take `&self` and may be called from many threads.
 pub struct KvIndex {
     table: Table,
-    /// Workers by key, sharded by key.
-    registry: Box<[RwLock<WorkerMap>]>,
+    /// Workers by key, sharded by key; each shard on cache lines of its own.
+    registry: Box<[CachePadded<RwLock<WorkerMap>>]>,
     indices: Mutex<Indices>,
     /// Per interned index, for lookups: key, liveness, size.
     cells: Cells,
@@ -285,7 +287,9 @@ impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         Self {
             table: Table::new(),
-            registry: (0..REGISTRY_SHARDS).map(|_| RwLock::default()).collect(),
+            registry: (0..REGISTRY_SHARDS)
+                .map(|_| CachePadded::default())
+                .collect(),
             indices: Mutex::default(),
             cells: Cells::default(),
             eviction: config.max_blocks.map(|max| {

@@ -16,6 +16,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use crossbeam_utils::CachePadded;
+
 use crate::flat::{FlatMap, Zeroable};
 
 /// Shards of the block table; a power of two.
@@ -476,42 +478,40 @@ impl Shard {
     /// Returns (whether the worker held it, whether the block is gone).
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
         let Shard { entries, spilled } = self;
-        let Some(entry) = entries.get_mut(seq) else {
-            return (false, false);
-        };
-        let held = if let Some(b) = entry.workers.bitset() {
-            let held = worker < BITSET_IDS && b & 1 << worker != 0;
-            if held {
-                entry.workers = Holders((b & !(1 << worker)) as u32);
-            }
-            held
-        } else if entry.workers.is_spilled() {
-            let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
-            match ids.binary_search(&worker) {
-                Ok(at) => {
-                    ids.remove(at);
-                    let encoded = Holders::encode(ids);
-                    if !encoded.is_spilled() {
-                        entry.workers = encoded;
-                        spilled.remove(&seq);
-                        shrink_sparse(spilled);
-                    }
-                    true
+        let (mut held, mut empty) = (false, false);
+        entries.change_or_remove(seq, |entry| {
+            held = if let Some(b) = entry.workers.bitset() {
+                let held = worker < BITSET_IDS && b & 1 << worker != 0;
+                if held {
+                    entry.workers = Holders((b & !(1 << worker)) as u32);
                 }
-                Err(_) => false,
-            }
-        } else {
-            let mut ids = entry.workers.inline_ids();
-            let held = ids.remove(worker);
-            if held {
-                entry.workers = Holders::encode(ids.as_slice());
-            }
-            held
-        };
-        let empty = entry.workers == Holders::NONE;
-        if empty {
-            entries.remove(seq);
-        }
+                held
+            } else if entry.workers.is_spilled() {
+                let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
+                match ids.binary_search(&worker) {
+                    Ok(at) => {
+                        ids.remove(at);
+                        let encoded = Holders::encode(ids);
+                        if !encoded.is_spilled() {
+                            entry.workers = encoded;
+                            spilled.remove(&seq);
+                            shrink_sparse(spilled);
+                        }
+                        true
+                    }
+                    Err(_) => false,
+                }
+            } else {
+                let mut ids = entry.workers.inline_ids();
+                let held = ids.remove(worker);
+                if held {
+                    entry.workers = Holders::encode(ids.as_slice());
+                }
+                held
+            };
+            empty = entry.workers == Holders::NONE;
+            empty
+        });
         (held, empty)
     }
 
@@ -588,13 +588,15 @@ pub(crate) fn bits(mut word: u64, base: u32) -> impl Iterator<Item = u32> {
 
 /// The shards, each behind its own lock.
 pub(crate) struct Table {
-    shards: Box<[RwLock<Shard>]>,
+    /// Each on cache lines of its own: two ingest threads writing neighbouring
+    /// shards otherwise bounced one line between their cores.
+    shards: Box<[CachePadded<RwLock<Shard>>]>,
 }
 
 impl Table {
     pub fn new() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            shards: (0..SHARDS).map(|_| CachePadded::default()).collect(),
         }
     }
 
