@@ -22,7 +22,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crossbeam_utils::CachePadded;
@@ -33,7 +33,7 @@ use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::flat::FlatMap;
-use crate::lru::{Cursor, Lru};
+use crate::lru::{Cursor, DRAIN_AT, Lru, MAX_PENDING};
 use crate::table::{
     BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
@@ -249,6 +249,85 @@ struct Eviction {
     evicted_blocks: u64,
 }
 
+/// The `max_blocks` limit's state and the lookups' touches waiting for it,
+/// shared with the recency thread.
+struct Limited {
+    eviction: Mutex<Eviction>,
+    /// Lookups' deferred touches not yet handed to the order, each path leaf
+    /// first, in arrival order. A lookup appends here and never waits for the
+    /// eviction lock; whoever takes that lock next moves them into the order's
+    /// own list first ([`Limited::lock`]).
+    touches: Mutex<Vec<u64>>,
+    /// Threads waiting for `eviction`: the recency thread lets them in between
+    /// its slices (the lock is not fair, and it would otherwise take it back
+    /// at once, slice after slice).
+    waiting: AtomicU32,
+}
+
+impl Limited {
+    fn lock(&self) -> MutexGuard<'_, Eviction> {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let mut eviction = self.eviction.lock().unwrap();
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        eviction.lru.defer(&mut self.touches.lock().unwrap());
+        eviction
+    }
+
+    /// Writes down a lookup's touch; the touches now waiting.
+    fn touch_later(&self, path: &[u64]) -> usize {
+        let mut touches = self.touches.lock().unwrap();
+        if touches.capacity() == 0 {
+            touches.reserve_exact(MAX_PENDING);
+        }
+        touches.extend(path.iter().rev());
+        touches.len()
+    }
+}
+
+/// Applies lookups' deferred LRU touches off the request path (see
+/// [`crate::lru`]). Woken when [`DRAIN_AT`] touches wait, it applies them a
+/// slice at a time, letting the eviction lock go between slices, so an event
+/// or a pin waits for one slice at most. A lookup applies them itself (all of
+/// them, milliseconds) only if this thread falls [`MAX_PENDING`] behind:
+/// before, every lookup on a fleet that stored nothing meanwhile (a quiet
+/// fleet, or workers without events) eventually did.
+struct Recency {
+    wake: std::sync::mpsc::SyncSender<()>,
+}
+
+/// Touches applied per hold of the eviction lock by the recency thread, about
+/// 10 µs.
+const RECENCY_SLICE: usize = 128;
+
+impl Recency {
+    /// `None` if no thread can be started: lookups then apply the touches
+    /// when too many wait, as before.
+    fn start(limited: &Arc<Limited>) -> Option<Self> {
+        let (wake, woken) = std::sync::mpsc::sync_channel(1);
+        let limited = Arc::downgrade(limited);
+        std::thread::Builder::new()
+            .name("kvroute-recency".into())
+            .spawn(move || {
+                // Ends when the index (the sender) is dropped.
+                for () in woken {
+                    loop {
+                        let Some(limited) = limited.upgrade() else {
+                            return;
+                        };
+                        if limited.lock().lru.apply_some(RECENCY_SLICE) {
+                            break;
+                        }
+                        while limited.waiting.load(Ordering::Relaxed) > 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                }
+            })
+            .ok()?;
+        Some(Self { wake })
+    }
+}
+
 /// How a dump paces itself: at most `batch` blocks per critical section, and
 /// `between` called while it holds no lock.
 struct Pace<'f> {
@@ -272,7 +351,8 @@ pub struct KvIndex {
     indices: Mutex<Indices>,
     /// Per interned index, for lookups: key, liveness, size.
     cells: Cells,
-    eviction: Option<Mutex<Eviction>>,
+    eviction: Option<Arc<Limited>>,
+    recency: Option<Recency>,
     /// Counters of removed workers.
     retired: Mutex<Counters>,
 }
@@ -285,6 +365,18 @@ impl Default for KvIndex {
 
 impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
+        let eviction = config.max_blocks.map(|max| {
+            Arc::new(Limited {
+                eviction: Mutex::new(Eviction {
+                    lru: Lru::default(),
+                    memberships: 0,
+                    max_memberships: max as u64,
+                    evicted_blocks: 0,
+                }),
+                touches: Mutex::default(),
+                waiting: AtomicU32::new(0),
+            })
+        });
         Self {
             table: Table::new(),
             registry: (0..REGISTRY_SHARDS)
@@ -292,14 +384,8 @@ impl KvIndex {
                 .collect(),
             indices: Mutex::default(),
             cells: Cells::default(),
-            eviction: config.max_blocks.map(|max| {
-                Mutex::new(Eviction {
-                    lru: Lru::default(),
-                    memberships: 0,
-                    max_memberships: max as u64,
-                    evicted_blocks: 0,
-                })
-            }),
+            recency: eviction.as_ref().and_then(Recency::start),
+            eviction,
             retired: Mutex::default(),
         }
     }
@@ -724,11 +810,16 @@ impl KvIndex {
         };
         if let Some(eviction) = &self.eviction {
             let deepest = matches.deepest().map_or(0, |m| m.depth);
-            eviction
-                .lock()
-                .unwrap()
-                .lru
-                .touch_later(&seqs[..deepest as usize]);
+            let waiting = eviction.touch_later(&seqs[..deepest as usize]);
+            if waiting >= MAX_PENDING {
+                // The recency thread fell behind (or could not start).
+                eviction.lock().lru.apply_some(usize::MAX);
+            } else if waiting >= DRAIN_AT
+                && let Some(recency) = &self.recency
+            {
+                // Full: a wake-up is already on its way.
+                let _ = recency.wake.try_send(());
+            }
         }
     }
 
@@ -775,13 +866,13 @@ impl KvIndex {
             return Vec::new();
         };
         let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
-        eviction.lock().unwrap().lru.pin(&seqs, 1);
+        eviction.lock().lru.pin(&seqs, 1);
         seqs
     }
 
     fn unpin_seqs(&self, seqs: &[u64]) {
         if let Some(eviction) = &self.eviction {
-            eviction.lock().unwrap().lru.pin(seqs, -1);
+            eviction.lock().lru.pin(seqs, -1);
         }
     }
 
@@ -796,7 +887,7 @@ impl KvIndex {
         let eviction = self
             .eviction
             .as_ref()
-            .map_or(0, |e| e.lock().unwrap().lru.heap_bytes());
+            .map_or(0, |e| e.lock().lru.heap_bytes());
         self.table.heap_bytes() + workers + eviction
     }
 
@@ -804,7 +895,7 @@ impl KvIndex {
     pub fn evicted_blocks(&self) -> u64 {
         self.eviction
             .as_ref()
-            .map_or(0, |e| e.lock().unwrap().evicted_blocks)
+            .map_or(0, |e| e.lock().evicted_blocks)
     }
 
     pub fn stats(&self) -> IndexStats {
@@ -1035,7 +1126,7 @@ impl KvIndex {
     }
 
     fn lock_eviction(&self) -> Option<MutexGuard<'_, Eviction>> {
-        self.eviction.as_ref().map(|e| e.lock().unwrap())
+        self.eviction.as_deref().map(Limited::lock)
     }
 
     /// Applies one event's contents to the worker's state; returns its outcome.
@@ -1333,6 +1424,40 @@ mod tests {
             .map_or(0, |m| m.depth)
     }
 
+    /// Lookups on a fleet that stores nothing leave their touches to the
+    /// recency thread: the list empties without an event or a full list
+    /// forcing it (before, it grew until a lookup applied 64 Ki at once).
+    #[test]
+    fn deferred_touches_are_applied_off_the_lookup_path() {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        });
+        let worker = WorkerKey::new(1, 0);
+        index.apply(
+            worker,
+            &KvEvent {
+                event_id: 1,
+                kind: chain(1, 64, None),
+            },
+        );
+        let path: Vec<u64> = (1..=64).collect();
+        for _ in 0..=DRAIN_AT / 64 {
+            assert_eq!(depth(&index, &path, worker), 64);
+        }
+        // Taking the lock hands the lookups' touches to the order's list.
+        let limited = index.eviction.as_ref().unwrap();
+        let pending = || limited.lock().lru.pending();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while pending() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} touches still pending",
+                pending()
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Between a dump's batches the applying thread holds no lock: a lookup and
     /// another worker's event, run on another thread, complete there (the old
     /// apply held the worker's and the eviction lock throughout). They see the
@@ -1496,7 +1621,7 @@ mod tests {
             assert_eq!(index.indices.lock().unwrap().free.len(), 2);
             assert!(!index.cells.any_hidden());
             if let Some(eviction) = &index.eviction {
-                assert_eq!(eviction.lock().unwrap().memberships, 8);
+                assert_eq!(eviction.lock().memberships, 8);
             }
         }
     }

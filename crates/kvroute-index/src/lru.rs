@@ -11,19 +11,28 @@
 //! cursor after each victim instead of restarting at the tail, so evicting M blocks
 //! past K skipped ones (pinned or not leaves) visits M + K nodes.
 //!
-//! A lookup's touch is only written down ([`Lru::touch_later`]) and done before
-//! the order is next read or changed (the next store, removal or eviction scan):
-//! moving a routed prompt's few hundred blocks is a few cache misses each, which
-//! the routing decision need not wait for. Done in arrival order before anything
-//! else, the deferred touches leave the same order as touching at once.
+//! A lookup's touch is only written down (by the index, outside this order's
+//! lock, then handed over with [`Lru::defer`]) and done before the order is
+//! next read or changed (the next store, removal or eviction scan): moving a
+//! routed prompt's few hundred blocks is a few cache misses each, which the
+//! routing decision need not wait for. Done in arrival order before anything
+//! else, the deferred touches leave the same order as touching at once. The
+//! index's recency thread applies them in short slices ([`Lru::apply_some`])
+//! when nothing else does, so a lookup rarely finds too many waiting and has
+//! to apply them all itself (64 Ki moves, 3–12 ms).
+
+use std::collections::VecDeque;
 
 use crate::table::{NO_PARENT, SeqMap, map_bytes};
 
 const NIL: u32 = u32::MAX;
 
 /// Deferred touches kept at most, in blocks (512 KiB); past it a lookup
-/// does the touches itself.
-const MAX_PENDING: usize = 1 << 16;
+/// applies them itself.
+pub(crate) const MAX_PENDING: usize = 1 << 16;
+
+/// Deferred touches past which a lookup wakes the recency thread.
+pub(crate) const DRAIN_AT: usize = 1 << 13;
 
 struct Node {
     seq: u64,
@@ -44,7 +53,7 @@ pub(crate) struct Lru {
     tail: Option<u32>,
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
-    pending: Vec<u64>,
+    pending: VecDeque<u64>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -130,27 +139,40 @@ impl Lru {
         }
     }
 
-    /// [`Self::touch`], done before the order is next read or changed.
-    pub fn touch_later(&mut self, path: &[u64]) {
-        if self.pending.len() + path.len() > MAX_PENDING {
+    /// Takes over touches written down elsewhere, in order (each path leaf
+    /// first), leaving `touches` empty.
+    pub fn defer(&mut self, touches: &mut Vec<u64>) {
+        if self.pending.len() + touches.len() > MAX_PENDING {
             self.apply_pending();
         }
-        if self.pending.capacity() == 0 {
+        if self.pending.capacity() == 0 && !touches.is_empty() {
             // At its full size at once: grown by doubling, the lookup that
             // crossed 32 Ki blocks copied 256 KiB into fresh pages (≈ 190 µs,
             // a routing decision's p99 at 8k tokens).
             self.pending.reserve_exact(MAX_PENDING);
         }
-        self.pending.extend(path.iter().rev());
+        self.pending.extend(touches.drain(..));
     }
 
     fn apply_pending(&mut self) {
-        let mut pending = std::mem::take(&mut self.pending);
-        for &seq in &pending {
+        self.apply_some(usize::MAX);
+    }
+
+    /// Deferred touches waiting.
+    #[cfg(test)]
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Applies the `n` oldest deferred touches; true when none are left.
+    pub fn apply_some(&mut self, n: usize) -> bool {
+        for _ in 0..n.min(self.pending.len()) {
+            let Some(seq) = self.pending.pop_front() else {
+                break;
+            };
             self.move_to_head(seq);
         }
-        pending.clear();
-        self.pending = pending;
+        self.pending.is_empty()
     }
 
     fn move_to_head(&mut self, seq: u64) {
@@ -298,6 +320,8 @@ mod tests {
         Insert(u64),
         Remove(u64),
         TouchLater(Vec<u64>),
+        /// The recency thread's slice: changes nothing the order shows.
+        ApplySome(usize),
         Evict,
     }
 
@@ -307,6 +331,7 @@ mod tests {
             (0..12u64).prop_map(Op::Insert),
             (0..12u64).prop_map(Op::Remove),
             proptest::collection::vec(0..12u64, 0..5).prop_map(Op::TouchLater),
+            (0..6usize).prop_map(Op::ApplySome),
             Just(Op::Evict),
         ]
     }
@@ -334,13 +359,16 @@ mod tests {
                         model.retain(|&s| s != seq);
                     }
                     Op::TouchLater(path) => {
-                        lru.touch_later(&path);
+                        lru.defer(&mut path.iter().rev().copied().collect());
                         for seq in path.iter().rev() {
                             if let Some(at) = model.iter().position(|s| s == seq) {
                                 model.remove(at);
                                 model.insert(0, *seq);
                             }
                         }
+                    }
+                    Op::ApplySome(n) => {
+                        lru.apply_some(n);
                     }
                     Op::Evict => {
                         let victim = lru.next_victim(&mut Cursor::default());
