@@ -14,13 +14,16 @@
 //! - [`tiers`] pairs a device-tier index with an offload-tier one (blocks a
 //!   worker keeps in host memory or on disk) over one event sequence per rank;
 //! - [`predicted`] remembers the router's own decisions for a while, for workers
-//!   that publish no events and for requests that race the engine's first event.
+//!   that publish no events and for requests that race the engine's first event;
+//! - [`huge`] allocates tables of megabytes read at random in 2 MiB pages (the
+//!   predicted layer's, and the tokenizer's).
 
 mod cells;
 pub mod digest;
 pub mod event;
 mod flat;
 pub mod hash;
+pub mod huge;
 pub mod index;
 mod lru;
 pub mod predicted;

@@ -23,6 +23,8 @@
 //! it may not hold, for as long as the other entry lives: a routing choice made
 //! on one block too many, never a wrong answer to anyone.
 
+use crate::huge::{HUGE_PAGE, HugeSlice};
+
 /// Marks an empty slot. A key whose fingerprint would be 0 gets [`ZERO_TAG`]
 /// instead (one more key sharing that fingerprint).
 const EMPTY: u32 = 0;
@@ -57,80 +59,11 @@ const EMPTY_LINE: Line = Line(
     }; GROUP],
 );
 
-/// A huge page (x86_64 and aarch64 Linux with 4 KiB pages).
-const HUGE_PAGE: usize = 2 << 20;
-
-/// The table's memory: one allocation, which from 2 MiB on is aligned to huge
-/// pages and advised to be backed by them (Linux's transparent huge pages).
-/// A record writes thousands of lines at random in megabytes: with 4 KiB
-/// pages, nearly every group also missed the TLB (a nested page walk under a
-/// hypervisor), and the prefetches waited on those walks.
-struct Lines {
-    ptr: std::ptr::NonNull<Line>,
-    len: usize,
-}
-
-// SAFETY: `Lines` owns its lines as a `Vec` would.
-unsafe impl Send for Lines {}
-// SAFETY: as above; shared access is read-only.
-unsafe impl Sync for Lines {}
-
-impl Lines {
-    /// `len` empty lines, every page of them written.
-    fn new(len: usize) -> Self {
-        let layout = Self::layout(len);
-        // SAFETY: the layout's size is not zero (at least one line).
-        let raw = unsafe { std::alloc::alloc(layout) };
-        let Some(ptr) = std::ptr::NonNull::new(raw.cast::<Line>()) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        #[cfg(target_os = "linux")]
-        if layout.align() == HUGE_PAGE {
-            // SAFETY: the range is this allocation, huge-page aligned; the advice
-            // only changes how its pages are backed. Refused advice costs nothing.
-            unsafe { libc::madvise(raw.cast(), layout.size(), libc::MADV_HUGEPAGE) };
-        }
-        // SAFETY: in bounds; all-zero bytes are empty lines.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
-        Self { ptr, len }
-    }
-
-    fn layout(len: usize) -> std::alloc::Layout {
-        let size = len.max(1) * size_of::<Line>();
-        let align = if size >= HUGE_PAGE {
-            HUGE_PAGE
-        } else {
-            align_of::<Line>()
-        };
-        std::alloc::Layout::from_size_align(size, align).expect("a table fits in memory")
-    }
-}
-
-impl std::ops::Deref for Lines {
-    type Target = [Line];
-    fn deref(&self) -> &[Line] {
-        // SAFETY: `len` initialised lines, owned by `self`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Lines {
-    fn deref_mut(&mut self) -> &mut [Line] {
-        // SAFETY: as in `deref`, borrowed mutably through `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for Lines {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) };
-    }
-}
-
 pub(crate) struct Slots {
-    /// A power of two long, at most half of their slots in use.
-    lines: Lines,
+    /// A power of two long, at most half of their slots in use. In huge pages
+    /// from 2 MiB on: a record writes thousands of lines at random in
+    /// megabytes, and with 4 KiB pages nearly every group also missed the TLB.
+    lines: HugeSlice<Line>,
     len: usize,
 }
 
@@ -149,7 +82,7 @@ impl Slots {
             lines
         };
         Self {
-            lines: Lines::new(lines),
+            lines: HugeSlice::filled(EMPTY_LINE, lines),
             len: 0,
         }
     }

@@ -28,7 +28,6 @@ mod chat_template;
 mod chunks;
 mod error;
 mod hf;
-mod huge;
 mod merges;
 mod pieces;
 mod prompt;

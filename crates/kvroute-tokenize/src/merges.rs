@@ -28,8 +28,8 @@
 use rustc_hash::FxHashMap;
 use serde_json::Value;
 
-use crate::huge::HugeSlice;
 use crate::vocab::TokenIds;
+use kvroute_index::huge::HugeSlice;
 
 /// The longest piece [`MergeTable::merge_into`] encodes.
 pub(crate) const MAX_MERGED_BYTES: usize = 64;

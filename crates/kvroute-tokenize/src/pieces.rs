@@ -20,8 +20,8 @@
 //! last passed them, so the frequent pieces stay while a stream of rare ones
 //! passes through.
 
-use crate::huge::HugeSlice;
 use crate::vocab::words_at;
+use kvroute_index::huge::HugeSlice;
 
 /// Pieces one thread remembers at most.
 pub(crate) const PIECE_CACHE_ENTRIES: usize = 1 << 15;

@@ -12,7 +12,7 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::huge::HugeSlice;
+use kvroute_index::huge::HugeSlice;
 
 /// Keys up to this long live in the slots.
 const INLINE_KEY_BYTES: usize = 16;

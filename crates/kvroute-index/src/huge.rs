@@ -1,29 +1,33 @@
 //! Tables of several MiB in 2 MiB pages, where the kernel gives them: the
-//! vocabulary's tokens (`vocab`), its merge pairs (`merges`) and each
-//! tokenizing thread's piece cache (`pieces`).
+//! predicted layer's generations ([`crate::predicted`]) here, and the
+//! tokenizer's vocabulary, merge pairs and piece caches (kvroute-tokenize).
 //!
-//! Nearly every piece of a prompt is looked up in these tables at a random
-//! place. In 4 KiB pages cl100k_base's 18 MiB of them span about 4,600 pages,
-//! more than the TLB holds, so most lookups also walk the page tables, and
-//! those walks read memory that competes for the cache with everything else
-//! on the machine: the router bench's rounds swung by up to 40 % between
-//! runs of one binary. In 2 MiB pages they span nine.
+//! Those tables are read or written at random places across megabytes. In 4
+//! KiB pages nearly every access also misses the TLB, and under the bench
+//! machine's hypervisor a miss is a nested page walk whose reads compete for
+//! the cache with everything else: a record's prefetches waited on those
+//! walks, and the tokenizer's throughput swung by up to 40 % between runs of
+//! one binary. In 2 MiB pages a table spans a handful.
 //!
 //! Linux backs memory with transparent huge pages when it is configured to
 //! for all memory or, as commonly (and on the bench machine), only for memory
 //! that asks with `madvise(MADV_HUGEPAGE)`. A table here is therefore its own
-//! mapping, aligned to 2 MiB, that asks before it is first written. Where the
-//! kernel has no huge page to give, or elsewhere than Linux, its pages stay
-//! small: only speed depends on it.
+//! mapping, aligned to 2 MiB, that asks before it is first written. (Not the
+//! allocator's: an aligned allocation from it may come from pages already
+//! touched, after a large free raised malloc's mmap threshold, and its last
+//! partial 2 MiB cannot be advised; with it the tokenizer's tables had half
+//! as much in huge pages, 24–31 MiB against 61, and lost 5–15 % of its
+//! throughput.) Where the kernel has no huge page to give, or elsewhere than
+//! Linux, its pages stay small: only speed depends on it.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
 /// A huge page's size on x86_64 and aarch64 Linux (with 4 KiB base pages).
-const HUGE_PAGE: usize = 2 << 20;
+pub const HUGE_PAGE: usize = 2 << 20;
 
 /// A fixed-length slice of `T` in its own memory mapping (see the module).
-pub(crate) struct HugeSlice<T: Copy> {
+pub struct HugeSlice<T: Copy> {
     /// The first element, 2 MiB aligned when the slice spans a huge page.
     ptr: NonNull<T>,
     len: usize,
@@ -40,7 +44,7 @@ unsafe impl<T: Copy + Sync> Sync for HugeSlice<T> {}
 impl<T: Copy> HugeSlice<T> {
     /// `len` copies of `value`. Aborts as a failed allocation does when the
     /// memory cannot be mapped.
-    pub(crate) fn filled(value: T, len: usize) -> Self {
+    pub fn filled(value: T, len: usize) -> Self {
         let bytes = len
             .checked_mul(size_of::<T>())
             .expect("a table's size fits in memory");
