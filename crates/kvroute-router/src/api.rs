@@ -486,7 +486,7 @@ fn parse_body<'a>(
             }
         },
     };
-    let pin = match headers.get(WORKER_HEADER) {
+    let pin = match headers.get(crate::proxy::WORKER_HEADER_NAME) {
         None => None,
         Some(value) => Some(
             value

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::task::AtomicWaker;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, header};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -598,11 +598,18 @@ impl Body for WorkerBody {
 }
 
 /// Response headers that describe the worker's connection, not the response.
+/// Looked for before any is removed: a small response has a few headers and
+/// none of these, and each removal is a hash lookup.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
-        headers.remove(name);
+    let hop_by_hop = |name: &HeaderName| {
+        name == header::CONNECTION || name == header::TRANSFER_ENCODING || name == "keep-alive"
+    };
+    if headers.keys().any(hop_by_hop) {
+        for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
+            headers.remove(name);
+        }
+        headers.remove("keep-alive");
     }
-    headers.remove("keep-alive");
 }
 
 /// What a proxied response keeps until it ends: the blocks its worker uses stay
@@ -926,6 +933,19 @@ mod tests {
             }
         });
         (url, writes, acks)
+    }
+
+    #[test]
+    fn hop_by_hop_response_headers_are_stripped_and_the_rest_kept() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", "application/json".parse().unwrap());
+        super::strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        for name in ["connection", "transfer-encoding", "keep-alive"] {
+            headers.insert(name, "x".parse().unwrap());
+        }
+        super::strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.keys().collect::<Vec<_>>(), ["content-type"]);
     }
 
     #[tokio::test]
