@@ -1169,35 +1169,37 @@ impl KvIndex {
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
+                        // Each block's key, chained once.
+                        let mut refs = Vec::with_capacity(blocks.len());
+                        let mut at = parent;
+                        for block in blocks {
+                            let r = BlockRef::child_of(at, block.tokens_hash);
+                            refs.push(r);
+                            at = Some(r);
+                        }
                         // New chains are mostly new blocks, a cache miss each in
                         // the table and in the engine map: their slots are
                         // fetched ahead, as a walk's are (the engine map grown
                         // first, so that none moves under the prefetches).
                         state.blocks.reserve(blocks.len());
-                        let mut ahead = parent;
                         for block in blocks.iter().take(PREFETCH_AHEAD) {
-                            ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
-                            state.blocks.prefetch(block.block_hash);
+                            state.blocks.prefetch_insert(block.block_hash);
                         }
-                        for (i, block) in blocks.iter().enumerate() {
-                            let r = BlockRef::child_of(parent, block.tokens_hash);
+                        for (i, (block, &r)) in blocks.iter().zip(&refs).enumerate() {
                             let seq = r.key();
                             if i == 0 {
                                 let shard = writer.shard(r.shard());
-                                let mut early = r;
-                                for block in blocks.iter().skip(1).take(PREFETCH_AHEAD - 1) {
-                                    early = BlockRef::child_of(Some(early), block.tokens_hash);
+                                for early in refs.iter().take(PREFETCH_AHEAD).skip(1) {
                                     if early.shard() == r.shard() {
-                                        shard.entries.prefetch(early.key());
+                                        shard.entries.prefetch_insert(early.key());
                                     }
                                 }
                             }
                             if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
-                                state.blocks.prefetch(later.block_hash);
-                                let next = BlockRef::child_of(ahead, later.tokens_hash);
-                                ahead = Some(next);
+                                state.blocks.prefetch_insert(later.block_hash);
+                                let next = refs[i + PREFETCH_AHEAD];
                                 if next.shard() == r.shard() {
-                                    writer.shard(r.shard()).entries.prefetch(next.key());
+                                    writer.shard(r.shard()).entries.prefetch_insert(next.key());
                                 }
                             }
                             match state.blocks.insert(block.block_hash, r) {
@@ -1454,7 +1456,9 @@ mod tests {
             },
         );
         let path: Vec<u64> = (1..=64).collect();
-        for _ in 0..=DRAIN_AT / 64 {
+        // The last lookup brings the list to DRAIN_AT and wakes the thread:
+        // touches written after its last slice would wait for the next lock.
+        for _ in 0..DRAIN_AT / 64 {
             assert_eq!(depth(&index, &path, worker), 64);
         }
         // Taking the lock hands the lookups' touches to the order's list.
