@@ -14,6 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvroute_index::ExtraKeys;
 use serde::Deserialize;
@@ -275,19 +276,34 @@ impl Parsed<'_> {
 
 async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Bytes), RouterError> {
     let (parts, body) = request.into_parts();
-    let limit = state.config.body_limit_bytes;
-    let bytes = Limited::new(body, limit)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.downcast_ref::<LengthLimitError>().is_some() {
-                RouterError::PayloadTooLarge(limit)
-            } else {
-                RouterError::BadRequest(format!("cannot read the request body: {e}"))
-            }
-        })?
-        .to_bytes();
-    Ok((parts.headers, bytes))
+    let body = whole_body(body, state.config.body_limit_bytes).await?;
+    Ok((parts.headers, body))
+}
+
+/// A request's body, at most `limit` bytes of it.
+async fn whole_body(body: axum::body::Body, limit: usize) -> Result<Bytes, RouterError> {
+    let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
+        if e.downcast_ref::<LengthLimitError>().is_some() {
+            RouterError::PayloadTooLarge(limit)
+        } else {
+            RouterError::BadRequest(format!("cannot read the request body: {e}"))
+        }
+    };
+    let mut body = Limited::new(body, limit);
+    // A small body comes whole in its first frame: taken as it is, not
+    // collected into a list first.
+    let first = match body.frame().await {
+        None => return Ok(Bytes::new()),
+        Some(frame) => frame.map_err(failed)?.into_data().unwrap_or_default(),
+    };
+    if body.is_end_stream() {
+        return Ok(first);
+    }
+    let rest = body.collect().await.map_err(failed)?.to_bytes();
+    let mut whole = bytes::BytesMut::with_capacity(first.len() + rest.len());
+    whole.extend_from_slice(&first);
+    whole.extend_from_slice(&rest);
+    Ok(whole.freeze())
 }
 
 /// The fields of an OpenAI request body that routing needs, read straight
@@ -796,6 +812,35 @@ mod tests {
         assert_eq!(
             plain_token_ids(b"[ 0 ,\t4294967295\n]"),
             Some(vec![0, u32::MAX])
+        );
+    }
+
+    /// A body of `frames`, sent one by one.
+    fn streamed(frames: &[&'static str]) -> axum::body::Body {
+        let frames: Vec<Result<Bytes, Infallible>> = frames
+            .iter()
+            .map(|f| Ok(Bytes::from_static(f.as_bytes())))
+            .collect();
+        axum::body::Body::from_stream(futures_util::stream::iter(frames))
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_from_one_frame_or_many_and_its_limit_holds() {
+        let one = whole_body(axum::body::Body::from("{\"a\":1}"), 64).await;
+        assert_eq!(one.unwrap(), "{\"a\":1}");
+        let many = whole_body(streamed(&["{\"a\"", ":", "1}"]), 64).await;
+        assert_eq!(many.unwrap(), "{\"a\":1}");
+        let empty = whole_body(axum::body::Body::empty(), 64).await;
+        assert_eq!(empty.unwrap(), "");
+        let over = whole_body(streamed(&["12345", "67890"]), 8).await;
+        assert!(
+            matches!(over, Err(RouterError::PayloadTooLarge(8))),
+            "{over:?}"
+        );
+        let over = whole_body(axum::body::Body::from("123456789"), 8).await;
+        assert!(
+            matches!(over, Err(RouterError::PayloadTooLarge(8))),
+            "{over:?}"
         );
     }
 
