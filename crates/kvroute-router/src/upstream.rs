@@ -159,7 +159,8 @@ impl Conn {
 
     /// Polls the connection with `poll`, for the task of `cx`, until it is
     /// ready or nothing woke the connection while it ran. Only one task at a
-    /// time may poll a connection: the one holding it.
+    /// time may poll a connection: the one holding it. A task out of tokio's
+    /// budget is not re-run here: the runtime defers that wake past the poll.
     fn poll<T>(
         &mut self,
         cx: &mut Context<'_>,
