@@ -36,7 +36,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
-use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
+use kvroute_index::{ApplyOutcome, EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 
 /// Whether each replay prints its threads' usage (`--threads`).
 static THREAD_DETAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -44,7 +44,7 @@ static THREAD_DETAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
 
-/// Replay threads, and Dynamo's event threads.
+/// Replay threads (unless `--replay-threads`), and Dynamo's event threads.
 const THREADS: usize = 2;
 /// Tokens per block of the Mooncake traces (Dynamo wants a block size).
 const BLOCK_SIZE: u32 = 512;
@@ -79,6 +79,9 @@ struct Args {
     /// Print each replay thread's user and system CPU, page faults and
     /// context switches (`--threads`): where a replay's CPU went.
     threads: bool,
+    /// Replay threads (`--replay-threads`, for diagnosis: one thread shows
+    /// what two cost each other); the reported runs use [`THREADS`].
+    replay_threads: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -92,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
         only: None,
         indexers: Indexer::ALL.to_vec(),
         threads: false,
+        replay_threads: THREADS,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -109,6 +113,13 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--rounds must be a positive integer")?;
             }
             "--threads" => args.threads = true,
+            "--replay-threads" => {
+                args.replay_threads = value("--replay-threads")?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--replay-threads must be a positive integer")?;
+            }
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),
             "--index" => {
@@ -121,7 +132,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads] [--replay-threads N]"
                 ));
             }
         }
@@ -146,10 +157,11 @@ fn main() {
     };
     let requests: Vec<Vec<u64>> = trace.into_iter().map(|r| r.hash_ids).collect();
     println!(
-        "trace {} ({} requests), {} rounds, {THREADS} replay threads, Dynamo with {THREADS} event threads",
+        "trace {} ({} requests), {} rounds, {} replay threads, Dynamo with {THREADS} event threads",
         args.trace.display(),
         requests.len(),
-        args.rounds
+        args.rounds,
+        args.replay_threads
     );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -163,19 +175,14 @@ fn main() {
             continue;
         }
         THREAD_DETAIL.store(args.threads, std::sync::atomic::Ordering::Relaxed);
-        compare(&runtime, &requests, workers, args.rounds, &args.indexers);
+        compare(&runtime, &requests, workers, &args);
     }
 }
 
 /// One timeline: replays (alternating the indexers' order each round), memory,
 /// and the ratios.
-fn compare(
-    runtime: &tokio::runtime::Runtime,
-    requests: &[Vec<u64>],
-    workers: usize,
-    rounds: usize,
-    indexers: &[Indexer],
-) {
+fn compare(runtime: &tokio::runtime::Runtime, requests: &[Vec<u64>], workers: usize, args: &Args) {
+    let (rounds, indexers) = (args.rounds, &args.indexers[..]);
     let ops = derive_timeline(requests.iter().map(Vec::as_slice), workers, 512);
     let shape = Shape::of(&ops);
     println!(
@@ -191,7 +198,7 @@ fn compare(
         order.rotate_left(round % indexers.len());
         for indexer in order {
             let i = indexers.iter().position(|&x| x == indexer).unwrap();
-            let run = replay(runtime, indexer, &ops);
+            let run = replay(runtime, indexer, &ops, args.replay_threads);
             results[i].add(run, shape.ops());
             let settled = settled_lookups(runtime, indexer, &ops, &mut results[i].preempted);
             results[i]
@@ -376,12 +383,17 @@ fn histogram() -> Histogram<u64> {
 /// CPU time of the whole process so far, every thread's (Dynamo's event
 /// threads included).
 fn process_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// CPU time so far of `clock`, a CPU-time clock.
+fn cpu_clock(clock: libc::clockid_t) -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec, which `ts` is.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
@@ -391,10 +403,25 @@ fn process_cpu() -> Duration {
 /// to the index (at 16 workers, about a tenth of kvroute's replay CPU).
 enum Op<'a> {
     Event(WorkerKey, &'a KvEvent),
+    /// A run of one worker's events with no lookup between them, as the
+    /// worker publishes them in one message (the events of one engine step:
+    /// a routed request's stored chain and the evictions it caused) and
+    /// kvroute's router applies them ([`KvIndex::apply_batch`]).
+    Events(WorkerKey, Vec<&'a KvEvent>),
     /// Taken when run: Dynamo's queue owns its events.
     Dynamo(Option<RouterEvent>),
     Match(&'a [u64]),
     DynamoMatch(Vec<LocalBlockHash>),
+}
+
+impl Op<'_> {
+    /// Operations of the timeline this one stands for.
+    fn ops(&self) -> usize {
+        match self {
+            Op::Events(_, events) => events.len(),
+            _ => 1,
+        }
+    }
 }
 
 fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
@@ -452,17 +479,36 @@ fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op<'_>> {
     ops.iter().map(|op| convert(indexer, op)).collect()
 }
 
-/// The timeline split over the replay threads: each thread gets the events of
-/// its share of the workers and every `THREADS`-th lookup, in timeline order.
-fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
-    let mut shares: Vec<Vec<Op>> = (0..THREADS).map(|_| Vec::new()).collect();
+/// The timeline split over `threads` replay threads: each thread gets the
+/// events of its share of the workers and every `threads`-th lookup, in
+/// timeline order.
+fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_>>> {
+    let mut shares: Vec<Vec<Op>> = (0..threads).map(|_| Vec::new()).collect();
     let mut lookups = 0;
+    // kvroute's events go in runs (see `Op::Events`): the worker of the run
+    // the last operation began or extended.
+    let mut run = None;
     for op in ops {
         let thread = match op {
-            TimelineOp::Event { worker, .. } => worker.worker_id as usize % THREADS,
+            TimelineOp::Event { worker, event } => {
+                let thread = worker.worker_id as usize % threads;
+                if indexer == Indexer::Kvroute {
+                    if run == Some(*worker)
+                        && let Some(Op::Events(_, events)) = shares[thread].last_mut()
+                    {
+                        events.push(event);
+                    } else {
+                        shares[thread].push(Op::Events(*worker, vec![event]));
+                    }
+                    run = Some(*worker);
+                    continue;
+                }
+                thread
+            }
             TimelineOp::Match { .. } => {
+                run = None;
                 lookups += 1;
-                lookups % THREADS
+                lookups % threads
             }
         };
         shares[thread].push(convert(indexer, op));
@@ -474,6 +520,8 @@ thread_local! {
     /// Each replay thread's buffer for kvroute's lookups, kept across lookups
     /// as a router keeps one per routing thread (`KvIndex::find_matches_into`).
     static MATCHES: std::cell::RefCell<Matches> = std::cell::RefCell::new(Matches::default());
+    /// Each replay thread's buffer for a run's outcomes.
+    static OUTCOMES: std::cell::RefCell<Vec<ApplyOutcome>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 enum Live {
@@ -499,6 +547,13 @@ impl Live {
         match (self, op) {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(*worker, event));
+            }
+            (Live::Kvroute(index), Op::Events(worker, events)) => {
+                OUTCOMES.with_borrow_mut(|outcomes| {
+                    outcomes.clear();
+                    index.apply_batch(*worker, events.iter().copied(), outcomes);
+                    std::hint::black_box(outcomes);
+                });
             }
             // Every matching worker as an (index, depth) pair, and the key of
             // the deepest resolved: what a decision needs named.
@@ -535,10 +590,15 @@ impl Live {
 }
 
 /// One replay of `ops` on a fresh index.
-fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp]) -> Run {
-    let shares = shares(indexer, ops);
+fn replay(
+    runtime: &tokio::runtime::Runtime,
+    indexer: Indexer,
+    ops: &[TimelineOp],
+    threads: usize,
+) -> Run {
+    let shares = shares(indexer, ops, threads);
     let live = Live::new(indexer);
-    let start = Barrier::new(THREADS + 1);
+    let start = Barrier::new(threads + 1);
     let mut run = Run {
         wall: Duration::ZERO,
         cpu: Duration::ZERO,
@@ -572,8 +632,13 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
         run.wall = t.elapsed();
         run.cpu = process_cpu().saturating_sub(cpu);
         if THREAD_DETAIL.load(std::sync::atomic::Ordering::Relaxed) {
+            println!(
+                "  {} replay: process CPU {:.1} ms",
+                indexer.name(),
+                run.cpu.as_secs_f64() * 1e3
+            );
             for (thread, (share, usage)) in done.iter().enumerate() {
-                let ops = share.len();
+                let ops: usize = share.iter().map(Op::ops).sum();
                 println!(
                     "  {} replay thread {thread}: {ops} ops, {usage}",
                     indexer.name()
@@ -630,6 +695,9 @@ fn settled_lookups(
 
 /// One thread's resource usage so far, or between two readings.
 struct Usage {
+    /// The thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`): exact, where `user`
+    /// and `system` are split by the kernel's ticks.
+    cpu: Duration,
     user: Duration,
     system: Duration,
     minor_faults: i64,
@@ -640,6 +708,7 @@ struct Usage {
 impl Usage {
     fn since(&self, earlier: &Usage) -> Usage {
         Usage {
+            cpu: self.cpu.saturating_sub(earlier.cpu),
             user: self.user.saturating_sub(earlier.user),
             system: self.system.saturating_sub(earlier.system),
             minor_faults: self.minor_faults - earlier.minor_faults,
@@ -653,7 +722,8 @@ impl std::fmt::Display for Usage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "user {:.1} ms, system {:.1} ms, {} minor faults, {} voluntary and {} involuntary switches",
+            "CPU {:.1} ms (user {:.1} ms, system {:.1} ms), {} minor faults, {} voluntary and {} involuntary switches",
+            self.cpu.as_secs_f64() * 1e3,
             self.user.as_secs_f64() * 1e3,
             self.system.as_secs_f64() * 1e3,
             self.minor_faults,
@@ -670,6 +740,7 @@ fn thread_usage() -> Usage {
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
     let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     Usage {
+        cpu: cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID),
         user: time(usage.ru_utime),
         system: time(usage.ru_stime),
         minor_faults: usage.ru_minflt,
