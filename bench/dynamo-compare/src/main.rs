@@ -422,6 +422,60 @@ impl Op<'_> {
             _ => 1,
         }
     }
+
+    /// Starts bringing the operation's input into the cache, one level of
+    /// indirection at a time: `level` 0 the list of a run's events, 1 the
+    /// events, 2 their block hashes (or a lookup's hashes). A router applies
+    /// an event it has just decoded from its stream, and hashes a request it
+    /// has just read, so its input is in the cache; the timeline's, made long
+    /// before the clock started (tens of MB), is not. Reading it cold was a
+    /// tenth of kvroute's replay at 16 workers (DESIGN.md, "Ingest under
+    /// churn"). Each replay thread fetches the input of the next three
+    /// operations while it runs one, for every index alike.
+    fn prefetch(&self, level: u8) {
+        match (self, level) {
+            (Op::Events(_, events), 0) => prefetch_slice(events),
+            (Op::Event(_, event), 1) => prefetch_slice(std::slice::from_ref(*event)),
+            (Op::Events(_, events), 1) => {
+                events
+                    .iter()
+                    .for_each(|event| prefetch_slice(std::slice::from_ref(*event)));
+            }
+            (Op::Event(_, event), 2) => prefetch_event(event),
+            (Op::Events(_, events), 2) => events.iter().for_each(|event| prefetch_event(event)),
+            (Op::Dynamo(Some(event)), 2) => match &event.event.data {
+                KvCacheEventData::Stored(stored) => prefetch_slice(&stored.blocks),
+                KvCacheEventData::Removed(removed) => prefetch_slice(&removed.block_hashes),
+                _ => {}
+            },
+            (Op::Match(hashes), 2) => prefetch_slice(hashes),
+            (Op::DynamoMatch(hashes), 2) => prefetch_slice(hashes),
+            _ => {}
+        }
+    }
+}
+
+fn prefetch_event(event: &KvEvent) {
+    match &event.kind {
+        EventKind::Stored { blocks, .. } => prefetch_slice(blocks),
+        EventKind::Removed { block_hashes } => prefetch_slice(block_hashes),
+        EventKind::Cleared => {}
+    }
+}
+
+/// Prefetches the cache lines of `items`.
+fn prefetch_slice<T>(items: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let start: *const i8 = items.as_ptr().cast();
+        for offset in (0..size_of_val(items)).step_by(64) {
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch reads
+            // nothing architecturally and cannot fault, and the address is
+            // inside `items`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
+        }
+    }
 }
 
 fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
@@ -614,8 +668,13 @@ fn replay(
                 let spawned = thread.spawn_scoped(scope, move || {
                     start.wait();
                     let before = thread_usage();
-                    for op in share.iter_mut() {
-                        live.run(op);
+                    for i in 0..share.len() {
+                        for (ahead, level) in [(3, 0), (2, 1), (1, 2)] {
+                            if let Some(op) = share.get(i + ahead) {
+                                op.prefetch(level);
+                            }
+                        }
+                        live.run(&mut share[i]);
                     }
                     let usage = thread_usage().since(&before);
                     // Freed by the caller, after the clock stops.
