@@ -36,7 +36,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
 use hdrhistogram::Histogram;
 use kvroute_index::timeline::{TimelineOp, derive_timeline};
-use kvroute_index::{ApplyOutcome, EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
+use kvroute_index::{EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 
 /// Whether each replay prints its threads' usage (`--threads`).
 static THREAD_DETAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -406,7 +406,7 @@ enum Op<'a> {
     /// A run of one worker's events with no lookup between them, as the
     /// worker publishes them in one message (the events of one engine step:
     /// a routed request's stored chain and the evictions it caused) and
-    /// kvroute's router applies them ([`KvIndex::apply_batch`]).
+    /// kvroute's router applies them ([`KvIndex::with_worker`]).
     Events(WorkerKey, Vec<&'a KvEvent>),
     /// Taken when run: Dynamo's queue owns its events.
     Dynamo(Option<RouterEvent>),
@@ -574,8 +574,6 @@ thread_local! {
     /// Each replay thread's buffer for kvroute's lookups, kept across lookups
     /// as a router keeps one per routing thread (`KvIndex::find_matches_into`).
     static MATCHES: std::cell::RefCell<Matches> = std::cell::RefCell::new(Matches::default());
-    /// Each replay thread's buffer for a run's outcomes.
-    static OUTCOMES: std::cell::RefCell<Vec<ApplyOutcome>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 enum Live {
@@ -603,10 +601,10 @@ impl Live {
                 std::hint::black_box(index.apply(*worker, event));
             }
             (Live::Kvroute(index), Op::Events(worker, events)) => {
-                OUTCOMES.with_borrow_mut(|outcomes| {
-                    outcomes.clear();
-                    index.apply_batch(*worker, events.iter().copied(), outcomes);
-                    std::hint::black_box(outcomes);
+                index.with_worker(*worker, |worker| {
+                    for event in events {
+                        std::hint::black_box(worker.apply(event));
+                    }
                 });
             }
             // Every matching worker as an (index, depth) pair, and the key of

@@ -343,6 +343,39 @@ struct EvictionScan {
     evicted_this_pass: bool,
 }
 
+/// One worker of a [`KvIndex`], found and locked for a run of its events
+/// (see [`KvIndex::with_worker`]).
+pub struct WorkerEvents<'a> {
+    index: &'a KvIndex,
+    slot: &'a WorkerSlot,
+    state: MutexGuard<'a, WorkerState>,
+}
+
+impl WorkerEvents<'_> {
+    /// [`KvIndex::apply`] of one event.
+    pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
+        self.index.apply_locked(self.slot, &mut self.state, event)
+    }
+
+    /// [`KvIndex::skip`] of one event id.
+    pub fn skip(&mut self, event_id: u64) -> ApplyOutcome {
+        match self.state.last_event_id {
+            Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
+            Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
+                expected: last + 1,
+                got: event_id,
+            },
+            _ => {
+                self.state.last_event_id = Some(event_id);
+                ApplyOutcome::Applied {
+                    rejected_blocks: 0,
+                    unknown_removals: 0,
+                }
+            }
+        }
+    }
+}
+
 /// The global index. All methods take `&self` and may be called from many threads.
 pub struct KvIndex {
     table: Table,
@@ -392,33 +425,38 @@ impl KvIndex {
 
     /// Offers one event of `worker`; see [`ApplyOutcome`].
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
-        self.with_slot(worker, |slot| {
-            self.apply_locked(slot, &mut slot.state.lock().unwrap(), event)
-        })
+        self.with_worker(worker, |events| events.apply(event))
     }
 
-    /// Offers a run of `worker`'s events, in order, as one message of its
-    /// stream brings them; appends each one's outcome to `outcomes`. The same
-    /// as [`Self::apply`] on each in turn, but the worker is looked up and
-    /// locked once for the run, not once an event: at 16 workers nearly every
-    /// event is a one-block removal, and the lookup and the lock were a fifth
-    /// of one (DESIGN.md, "Ingest under churn"). Lookups still see each event
-    /// whole or not at all; the worker's other callers (a dump, a digest) wait
-    /// for the whole run.
-    pub fn apply_batch<'e>(
+    /// Takes event `event_id` of `worker` in sequence without applying
+    /// anything: it belongs to another index that shares the worker's event
+    /// sequence (the other tier of a [`crate::TieredIndex`]). Not counted.
+    pub fn skip(&self, worker: WorkerKey, event_id: u64) -> ApplyOutcome {
+        self.with_worker(worker, |events| events.skip(event_id))
+    }
+
+    /// Runs `f` with `worker` found and locked, for a run of its events (as
+    /// one message of its stream brings them) applied through
+    /// [`WorkerEvents`]: each the same as [`Self::apply`] or [`Self::skip`],
+    /// but the worker is looked up and locked once for the run, not once an
+    /// event. At 16 workers nearly every event is a one-block removal, and the
+    /// lookup and the lock were a tenth of one (DESIGN.md, "Ingest under
+    /// churn"). Lookups still see each event whole or not at all; the
+    /// worker's other callers (a dump, a digest, its removal) wait for the
+    /// whole run. `f` must not call into this index (it would wait for
+    /// itself); it may lock a worker of another index (the other tier).
+    pub fn with_worker<R>(
         &self,
         worker: WorkerKey,
-        events: impl IntoIterator<Item = &'e KvEvent>,
-        outcomes: &mut Vec<ApplyOutcome>,
-    ) {
+        f: impl FnOnce(&mut WorkerEvents<'_>) -> R,
+    ) -> R {
         self.with_slot(worker, |slot| {
-            let mut state = slot.state.lock().unwrap();
-            outcomes.extend(
-                events
-                    .into_iter()
-                    .map(|event| self.apply_locked(slot, &mut state, event)),
-            );
-        });
+            f(&mut WorkerEvents {
+                index: self,
+                slot,
+                state: slot.state.lock().unwrap(),
+            })
+        })
     }
 
     /// [`Self::apply`] under the worker's lock.
@@ -447,29 +485,6 @@ impl KvIndex {
         };
         state.counters.count(event.kind.type_name(), outcome);
         outcome
-    }
-
-    /// Takes event `event_id` of `worker` in sequence without applying
-    /// anything: it belongs to another index that shares the worker's event
-    /// sequence (the other tier of a [`crate::TieredIndex`]). Not counted.
-    pub fn skip(&self, worker: WorkerKey, event_id: u64) -> ApplyOutcome {
-        self.with_slot(worker, |slot| {
-            let mut state = slot.state.lock().unwrap();
-            match state.last_event_id {
-                Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
-                Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
-                    expected: last + 1,
-                    got: event_id,
-                },
-                _ => {
-                    state.last_event_id = Some(event_id);
-                    ApplyOutcome::Applied {
-                        rejected_blocks: 0,
-                        unknown_removals: 0,
-                    }
-                }
-            }
-        })
     }
 
     /// Forgets `worker` entirely, its event sequence included.

@@ -210,7 +210,7 @@ fn run_after_fillers(ops: Vec<Op>, fillers: u64) -> Result<(), TestCaseError> {
 }
 
 /// [`run`] with each run of one worker's consecutive events applied in one
-/// [`KvIndex::apply_batch`], as its stream's message would bring them: every
+/// [`KvIndex::with_worker`], as its stream's message would bring them: every
 /// outcome and the state after the run are the model's, event by event.
 fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let index = KvIndex::new(IndexConfig::default());
@@ -243,8 +243,8 @@ fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         next = Some((id_step, kind));
                     }
                 }
-                let mut outcomes = Vec::new();
-                index.apply_batch(key, &events, &mut outcomes);
+                let outcomes: Vec<_> =
+                    index.with_worker(key, |w| events.iter().map(|e| w.apply(e)).collect());
                 prop_assert_eq!(outcomes, expected);
             }
             Op::RemoveWorker(w) => {
