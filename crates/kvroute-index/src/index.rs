@@ -349,12 +349,23 @@ pub struct WorkerEvents<'a> {
     index: &'a KvIndex,
     slot: &'a WorkerSlot,
     state: MutexGuard<'a, WorkerState>,
+    /// With `max_blocks`, the limit's lock, taken by the run's first applied
+    /// event and held to the run's end: one lock a run, not one an event
+    /// (every writer takes it, so the ingest threads passed it to each other
+    /// event by event).
+    eviction: Option<MutexGuard<'a, Eviction>>,
 }
 
 impl WorkerEvents<'_> {
     /// [`KvIndex::apply`] of one event.
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
-        self.index.apply_locked(self.slot, &mut self.state, event)
+        let WorkerEvents {
+            index,
+            slot,
+            state,
+            eviction,
+        } = self;
+        index.apply_locked(slot, state, eviction, event)
     }
 
     /// [`KvIndex::skip`] of one event id.
@@ -455,15 +466,17 @@ impl KvIndex {
                 index: self,
                 slot,
                 state: slot.state.lock().unwrap(),
+                eviction: None,
             })
         })
     }
 
     /// [`Self::apply`] under the worker's lock.
-    fn apply_locked(
-        &self,
+    fn apply_locked<'a>(
+        &'a self,
         slot: &WorkerSlot,
         state: &mut WorkerState,
+        eviction: &mut Option<MutexGuard<'a, Eviction>>,
         event: &KvEvent,
     ) -> ApplyOutcome {
         let outcome = match state.last_event_id {
@@ -474,9 +487,11 @@ impl KvIndex {
             },
             _ => {
                 state.last_event_id = Some(event.event_id);
-                let mut eviction = self.lock_eviction();
+                if eviction.is_none() {
+                    *eviction = self.lock_eviction();
+                }
                 self.sweep_dangling(slot, state, eviction.is_some());
-                let outcome = self.apply_kind(slot, state, &event.kind, &mut eviction);
+                let outcome = self.apply_kind(slot, state, &event.kind, eviction);
                 if let Some(eviction) = eviction.as_deref_mut() {
                     self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
                 }
