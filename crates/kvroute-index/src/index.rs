@@ -222,6 +222,16 @@ type EngineMap = FlatMap<BlockRef>;
 /// that long for it.
 const DUMP_BATCH: usize = 512;
 
+/// Blocks an event stores or removes, as [`WorkerEvents`] counts them under
+/// the limit's lock; a clear (all of the worker's) counts as a whole batch.
+fn blocks_changed(kind: &EventKind) -> usize {
+    match kind {
+        EventKind::Stored { blocks, .. } => blocks.len(),
+        EventKind::Removed { block_hashes } => block_hashes.len(),
+        EventKind::Cleared => DUMP_BATCH,
+    }
+}
+
 /// Blocks ahead of the one probed whose slots a walk or a stored chain
 /// prefetches.
 const PREFETCH_AHEAD: usize = 16;
@@ -350,10 +360,13 @@ pub struct WorkerEvents<'a> {
     slot: &'a WorkerSlot,
     state: MutexGuard<'a, WorkerState>,
     /// With `max_blocks`, the limit's lock, taken by the run's first applied
-    /// event and held to the run's end: one lock a run, not one an event
-    /// (every writer takes it, so the ingest threads passed it to each other
-    /// event by event).
+    /// event and held for the run, [`DUMP_BATCH`] blocks at most: one lock a
+    /// run, not one an event (every writer takes it, so the ingest threads
+    /// passed it to each other event by event), and a lookup's pin waits no
+    /// longer than for a dump's batch (a message may bring 64 Ki events).
     eviction: Option<MutexGuard<'a, Eviction>>,
+    /// Blocks applied since `eviction` was taken.
+    under_eviction: usize,
 }
 
 impl WorkerEvents<'_> {
@@ -364,8 +377,17 @@ impl WorkerEvents<'_> {
             slot,
             state,
             eviction,
+            under_eviction,
         } = self;
-        index.apply_locked(slot, state, eviction, event)
+        let outcome = index.apply_locked(slot, state, eviction, event);
+        if eviction.is_some() {
+            *under_eviction += blocks_changed(&event.kind);
+            if *under_eviction >= DUMP_BATCH {
+                *eviction = None;
+                *under_eviction = 0;
+            }
+        }
+        outcome
     }
 
     /// [`KvIndex::skip`] of one event id.
@@ -467,6 +489,7 @@ impl KvIndex {
                 slot,
                 state: slot.state.lock().unwrap(),
                 eviction: None,
+                under_eviction: 0,
             })
         })
     }
@@ -1485,6 +1508,31 @@ mod tests {
             .iter()
             .find(|m| m.worker == worker)
             .map_or(0, |m| m.depth)
+    }
+
+    /// A run of a worker's events holds the limit's lock from its first
+    /// applied event on, but lets it go once a dump's batch of blocks went
+    /// under it, so that a lookup's pin never waits for a whole message.
+    #[test]
+    fn a_run_holds_the_limits_lock_for_a_batch_of_blocks_at_most() {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        });
+        let free = || index.eviction.as_ref().unwrap().eviction.try_lock().is_ok();
+        let stored = |event_id, first, len| KvEvent {
+            event_id,
+            kind: chain(first, len, None),
+        };
+        index.with_worker(WorkerKey::new(1, 0), |events| {
+            assert!(free());
+            events.apply(&stored(1, 1, 4));
+            assert!(!free(), "held between the events of a run");
+            events.apply(&stored(2, 100, DUMP_BATCH as u64 - 4));
+            assert!(free(), "let go after a batch of blocks");
+            events.apply(&stored(3, 5_000, 1));
+            assert!(!free());
+        });
+        assert!(free());
     }
 
     /// Lookups on a fleet that stores nothing leave their touches to the
