@@ -7,7 +7,9 @@
 //! of LRU block pools fed by a Mooncake trace), so this harness and
 //! `kvroute bench index` replay the same workload. Every index gets the same
 //! threads: two replay threads, each applying the events of half the workers
-//! and every other lookup, in timeline order. Dynamo's events are applied by its
+//! and every other lookup, in timeline order (kvroute's events a run of one
+//! worker's at a time, as its router applies a message), each prefetching its
+//! next operations' input, which a router has in its cache. Dynamo's events are applied by its
 //! own two event threads (the replay threads enqueue them, as its router does)
 //! and a run ends when its queues are flushed; its lookups run inline on the
 //! replay threads, as in Dynamo. Throughput (ops/s, and ops per CPU-second of
