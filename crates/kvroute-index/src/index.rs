@@ -372,22 +372,25 @@ pub struct WorkerEvents<'a> {
 impl WorkerEvents<'_> {
     /// [`KvIndex::apply`] of one event.
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
-        let WorkerEvents {
-            index,
-            slot,
-            state,
-            eviction,
-            under_eviction,
-        } = self;
-        let outcome = index.apply_locked(slot, state, eviction, event);
-        if eviction.is_some() {
-            *under_eviction += blocks_changed(&event.kind);
-            if *under_eviction >= DUMP_BATCH {
-                *eviction = None;
-                *under_eviction = 0;
+        let outcome =
+            self.index
+                .apply_locked(self.slot, &mut self.state, &mut self.eviction, event);
+        if self.eviction.is_some() {
+            self.under_eviction += blocks_changed(&event.kind);
+            if self.under_eviction >= DUMP_BATCH {
+                self.let_limit_go();
             }
         }
         outcome
+    }
+
+    /// Lets the `max_blocks` limit's lock go, if the run holds it (the next
+    /// applied event takes it again). A caller running the workers of two
+    /// indexes at once (a rank's two tiers) holds one limit at a time: two
+    /// runs that took the two in opposite orders would wait for each other.
+    pub fn let_limit_go(&mut self) {
+        self.eviction = None;
+        self.under_eviction = 0;
     }
 
     /// [`KvIndex::skip`] of one event id.

@@ -109,9 +109,12 @@ impl TieredIndex {
         tier: Tier,
         event: &KvEvent,
     ) -> ApplyOutcome {
+        // One tier's limit held at a time (see `WorkerEvents::let_limit_go`).
         if matches!(event.kind, EventKind::Cleared) {
+            offload.let_limit_go();
             let outcome = device.apply(event);
             if matches!(outcome, ApplyOutcome::Applied { .. }) {
+                device.let_limit_go();
                 offload.apply(event);
             }
             return outcome;
@@ -119,6 +122,7 @@ impl TieredIndex {
         let applied = |outcome| matches!(outcome, ApplyOutcome::Applied { .. });
         match tier {
             Tier::Device => {
+                offload.let_limit_go();
                 let outcome = device.apply(event);
                 if applied(outcome) {
                     offload.skip(event.event_id);
@@ -126,6 +130,7 @@ impl TieredIndex {
                 outcome
             }
             Tier::Offload => {
+                device.let_limit_go();
                 let outcome = offload.apply(event);
                 if applied(outcome) {
                     device.skip(event.event_id);
@@ -301,6 +306,60 @@ mod tests {
                 batched.tier(tier).stats().memberships,
                 one_by_one.tier(tier).stats().memberships
             );
+        }
+    }
+
+    /// Runs that apply both tiers' events hold one tier's limit at a time:
+    /// two ranks whose messages take the tiers in opposite orders never wait
+    /// for each other (holding the first tier's limit while taking the
+    /// second's, they did).
+    #[test]
+    fn runs_across_both_tiers_never_wait_for_each_other() {
+        const RUNS: u64 = 100_000;
+        let bounded = IndexConfig {
+            max_blocks: Some(1 << 20),
+        };
+        let tiers = Arc::new(TieredIndex::new(bounded.clone(), bounded));
+        let (done, finished) = std::sync::mpsc::channel();
+        let start = Arc::new(std::sync::Barrier::new(2));
+        for (worker, tiers_in_order) in [
+            (1, [Tier::Device, Tier::Offload]),
+            (2, [Tier::Offload, Tier::Device]),
+        ] {
+            let (tiers, done, start) = (tiers.clone(), done.clone(), start.clone());
+            std::thread::spawn(move || {
+                let key = WorkerKey::new(worker, 0);
+                let mut outcomes = Vec::new();
+                start.wait();
+                for run in 0..RUNS {
+                    let events: Vec<_> = tiers_in_order
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &tier)| {
+                            let event = KvEvent {
+                                event_id: 2 * run + i as u64 + 1,
+                                kind: EventKind::Removed {
+                                    block_hashes: vec![run],
+                                },
+                            };
+                            (tier, event)
+                        })
+                        .collect();
+                    outcomes.clear();
+                    tiers.apply_batch(key, &events, &mut outcomes);
+                    assert!(
+                        outcomes
+                            .iter()
+                            .all(|o| matches!(o, ApplyOutcome::Applied { .. }))
+                    );
+                }
+                done.send(()).unwrap();
+            });
+        }
+        for _ in 0..2 {
+            finished
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .expect("both ranks' runs finish");
         }
     }
 }
