@@ -49,6 +49,13 @@ impl Default for TieredIndex {
     }
 }
 
+/// Events applied under one hold of a worker's locks. A message may bring
+/// 64 Ki of them, and the worker's registry shard stays read-locked meanwhile
+/// (a worker joining that shard waits); a run of 256 keeps that wait under a
+/// millisecond while the lookup and lock stay a small part of each event (the
+/// comparator's runs average 20.5 events at 16 workers).
+const RUN_EVENTS: usize = 256;
+
 impl TieredIndex {
     pub fn new(device: IndexConfig, offload: IndexConfig) -> Self {
         Self {
@@ -74,21 +81,22 @@ impl TieredIndex {
 
     /// [`Self::apply`] of each of a run of `worker`'s events, in order (one
     /// message of its stream), with the worker looked up and locked once in
-    /// each tier for the run (see [`KvIndex::with_worker`]); appends each
-    /// event's outcome to `outcomes`.
+    /// each tier for every [`RUN_EVENTS`] of them (see
+    /// [`KvIndex::with_worker`]); appends each event's outcome to `outcomes`.
     pub fn apply_batch(
         &self,
         worker: WorkerKey,
         events: &[(Tier, KvEvent)],
         outcomes: &mut Vec<ApplyOutcome>,
     ) {
-        self.with_worker(worker, |device, offload| {
-            outcomes.extend(
-                events
-                    .iter()
-                    .map(|(tier, event)| Self::apply_to(device, offload, *tier, event)),
-            );
-        });
+        for run in events.chunks(RUN_EVENTS) {
+            self.with_worker(worker, |device, offload| {
+                outcomes.extend(
+                    run.iter()
+                        .map(|(tier, event)| Self::apply_to(device, offload, *tier, event)),
+                );
+            });
+        }
     }
 
     /// `f` with `worker` locked in both tiers, the device tier's first.
@@ -289,6 +297,17 @@ mod tests {
             (Tier::Device, stored(10, None, 7)),
             (Tier::Offload, stored(11, None, 8)),
         ];
+        // A message longer than one run: stores and removals across runs.
+        let mut events = events;
+        for i in 0..2 * RUN_EVENTS as u64 + 7 {
+            let (event_id, hash) = (12 + i, 100 + i / 2);
+            events.push(if i % 2 == 0 {
+                (Tier::Device, stored(event_id, Some(6), hash))
+            } else {
+                // Every other one a block it holds, else an unknown one.
+                (Tier::Device, removed(event_id, hash + 1000 * (i % 4 / 2)))
+            });
+        }
         let one_by_one = TieredIndex::default();
         let expected: Vec<_> = events
             .iter()
