@@ -43,9 +43,9 @@ use thread_local::ThreadLocal;
 
 use crate::cache::{Kind, TokenCache};
 use crate::chunks::Cuts;
+use crate::encode::encode_pieces;
 use crate::merges::MergeTable;
 use crate::pieces::PieceCache;
-use crate::split::piece_end;
 use crate::{ChatMessage, TokenizeError};
 
 const IM_START: &str = "<|im_start|>";
@@ -115,30 +115,18 @@ impl TiktokenTokenizer {
         let mut pieces = self.pieces.get_or_default().borrow_mut();
         // About 4 bytes of English per token.
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
-        let bytes = text.as_bytes();
-        let mut start = 0;
-        while start < text.len() {
-            let end = piece_end(self.bpe, self.ascii_split, text, start);
-            match self
-                .merges
-                .and_then(|merges| merges.token_at(bytes, start, end))
-            {
-                Some(token) => ids.push(token),
-                None => {
-                    let Ok(()) = pieces.encode_into::<Infallible>(
-                        bytes,
-                        start,
-                        end,
-                        &mut ids,
-                        |piece, ids| {
-                            self.encode_piece(piece, ids);
-                            Ok(())
-                        },
-                    );
-                }
-            }
-            start = end;
-        }
+        let Ok(()) = encode_pieces::<Infallible>(
+            self.bpe,
+            self.ascii_split,
+            self.merges,
+            &mut pieces,
+            text,
+            &mut ids,
+            |piece, ids| {
+                self.encode_piece(piece, ids);
+                Ok(())
+            },
+        );
         ids
     }
 
