@@ -48,7 +48,8 @@ pub(crate) struct PieceCache {
 }
 
 #[derive(Clone, Copy, Default)]
-#[repr(align(64))]
+/// `C` layout: the key leads, in the line [`PieceCache::prefetch`] asks for.
+#[repr(C, align(64))]
 struct Entry {
     /// The piece's bytes, zero after its end.
     key: [u64; MAX_CACHED_PIECE_BYTES / 8],
@@ -115,6 +116,26 @@ impl PieceCache {
             *victim(ways, &mut self.hands[set]) = entry;
         }
         Ok(())
+    }
+
+    /// Asks for the lines [`Self::encode_into`] will compare with the piece
+    /// `text[start..end]` (the first of each way's entry) ahead of its use.
+    #[inline]
+    pub(crate) fn prefetch(&self, text: &[u8], start: usize, end: usize) {
+        let len = end - start;
+        if len == 0 || len > MAX_CACHED_PIECE_BYTES {
+            return;
+        }
+        let set = self.set(&words_at(text, start, end), len);
+        #[cfg(target_arch = "x86_64")]
+        for entry in &self.entries[set * WAYS..][..WAYS] {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch reads
+            // nothing architecturally and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(entry).cast()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = set;
     }
 
     /// The set `key` belongs to.
