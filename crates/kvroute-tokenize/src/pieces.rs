@@ -47,19 +47,20 @@ pub(crate) struct PieceCache {
     hands: Box<[u8]>,
 }
 
+/// `C` layout: what a lookup compares (the key and its length) in the first
+/// line, the ids from there into the second.
 #[derive(Clone, Copy, Default)]
-/// `C` layout: the key leads, in the line [`PieceCache::prefetch`] asks for.
 #[repr(C, align(64))]
 struct Entry {
     /// The piece's bytes, zero after its end.
     key: [u64; MAX_CACHED_PIECE_BYTES / 8],
-    ids: [u32; MAX_CACHED_IDS],
     /// The piece's length; 0: an empty entry.
     len: u8,
     /// How many of `ids` are the piece's.
     count: u8,
     /// Hit since its set last evicted.
     hit: bool,
+    ids: [u32; MAX_CACHED_IDS],
 }
 
 impl Default for PieceCache {
@@ -118,8 +119,8 @@ impl PieceCache {
         Ok(())
     }
 
-    /// Asks for the lines [`Self::encode_into`] will compare with the piece
-    /// `text[start..end]` (the first of each way's entry) ahead of its use.
+    /// Asks for the entries [`Self::encode_into`] will compare with the piece
+    /// `text[start..end]` ahead of its use.
     #[inline]
     pub(crate) fn prefetch(&self, text: &[u8], start: usize, end: usize) {
         let len = end - start;
@@ -130,9 +131,14 @@ impl PieceCache {
         #[cfg(target_arch = "x86_64")]
         for entry in &self.entries[set * WAYS..][..WAYS] {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let first = std::ptr::from_ref(entry).cast::<i8>();
             // SAFETY: SSE is part of x86_64's baseline; a prefetch reads
-            // nothing architecturally and cannot fault.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(entry).cast()) };
+            // nothing architecturally and cannot fault. Both lines: the
+            // key's, and the rest of the ids.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(first);
+                _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(64));
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = set;
