@@ -244,6 +244,10 @@ struct Indices {
 /// The `max_blocks` limit's state; writers hold it for a whole event.
 struct Eviction {
     lru: Lru,
+    /// The lookups' list as last taken over, emptied into the order's: swapped
+    /// with theirs under their lock, so that a lookup never waits while
+    /// touches are copied (see [`Limited::lock`]).
+    inbox: Vec<u64>,
     memberships: u64,
     max_memberships: u64,
     evicted_blocks: u64,
@@ -267,21 +271,32 @@ struct Limited {
 impl Limited {
     fn lock(&self) -> MutexGuard<'_, Eviction> {
         self.waiting.fetch_add(1, Ordering::Relaxed);
-        let mut eviction = self.eviction.lock().unwrap();
+        let mut guard = self.eviction.lock().unwrap();
         self.waiting.fetch_sub(1, Ordering::Relaxed);
-        eviction.lru.defer(&mut self.touches.lock().unwrap());
-        eviction
+        let eviction = &mut *guard;
+        // O(1) under the lookups' lock: moving thousands of touches there, a
+        // holder descheduled meanwhile held up every lookup (0.6–8 ms).
+        std::mem::swap(&mut *self.touches.lock().unwrap(), &mut eviction.inbox);
+        eviction.lru.defer(&mut eviction.inbox);
+        guard
     }
 
     /// Writes down a lookup's touch; the touches now waiting.
     fn touch_later(&self, path: &[u64]) -> usize {
         let mut touches = self.touches.lock().unwrap();
-        if touches.capacity() == 0 {
-            touches.reserve_exact(MAX_PENDING);
-        }
         touches.extend(path.iter().rev());
         touches.len()
     }
+}
+
+/// A list for [`MAX_PENDING`] touches (512 KiB) with its first pages written:
+/// lookups append to it on the routing decision's path, where allocating it
+/// or faulting in a fresh page would be that decision's cost.
+fn touch_list() -> Vec<u64> {
+    let mut list = Vec::with_capacity(MAX_PENDING);
+    list.resize(2 * DRAIN_AT, 0);
+    list.clear();
+    list
 }
 
 /// Applies lookups' deferred LRU touches off the request path (see
@@ -305,25 +320,22 @@ impl Recency {
     fn start(limited: &Arc<Limited>) -> Option<Self> {
         let (wake, woken) = std::sync::mpsc::sync_channel(1);
         let limited = Arc::downgrade(limited);
-        std::thread::Builder::new()
-            .name("kvroute-recency".into())
-            .spawn(move || {
-                // Ends when the index (the sender) is dropped.
-                for () in woken {
-                    loop {
-                        let Some(limited) = limited.upgrade() else {
-                            return;
-                        };
-                        if limited.lock().lru.apply_some(RECENCY_SLICE) {
-                            break;
-                        }
-                        while limited.waiting.load(Ordering::Relaxed) > 0 {
-                            std::thread::yield_now();
-                        }
+        crate::background::spawn("kvroute-recency", move || {
+            // Ends when the index (the sender) is dropped.
+            for () in woken {
+                loop {
+                    let Some(limited) = limited.upgrade() else {
+                        return;
+                    };
+                    if limited.lock().lru.apply_some(RECENCY_SLICE) {
+                        break;
+                    }
+                    while limited.waiting.load(Ordering::Relaxed) > 0 {
+                        std::thread::yield_now();
                     }
                 }
-            })
-            .ok()?;
+            }
+        })?;
         Some(Self { wake })
     }
 }
@@ -369,11 +381,12 @@ impl KvIndex {
             Arc::new(Limited {
                 eviction: Mutex::new(Eviction {
                     lru: Lru::default(),
+                    inbox: touch_list(),
                     memberships: 0,
                     max_memberships: max as u64,
                     evicted_blocks: 0,
                 }),
-                touches: Mutex::default(),
+                touches: Mutex::new(touch_list()),
                 waiting: AtomicU32::new(0),
             })
         });
@@ -1156,35 +1169,37 @@ impl KvIndex {
                     Some(mut parent) => {
                         let first_parent = parent;
                         let mut path = Vec::new();
+                        // Each block's key, chained once.
+                        let mut refs = Vec::with_capacity(blocks.len());
+                        let mut at = parent;
+                        for block in blocks {
+                            let r = BlockRef::child_of(at, block.tokens_hash);
+                            refs.push(r);
+                            at = Some(r);
+                        }
                         // New chains are mostly new blocks, a cache miss each in
                         // the table and in the engine map: their slots are
                         // fetched ahead, as a walk's are (the engine map grown
                         // first, so that none moves under the prefetches).
                         state.blocks.reserve(blocks.len());
-                        let mut ahead = parent;
                         for block in blocks.iter().take(PREFETCH_AHEAD) {
-                            ahead = Some(BlockRef::child_of(ahead, block.tokens_hash));
-                            state.blocks.prefetch(block.block_hash);
+                            state.blocks.prefetch_insert(block.block_hash);
                         }
-                        for (i, block) in blocks.iter().enumerate() {
-                            let r = BlockRef::child_of(parent, block.tokens_hash);
+                        for (i, (block, &r)) in blocks.iter().zip(&refs).enumerate() {
                             let seq = r.key();
                             if i == 0 {
                                 let shard = writer.shard(r.shard());
-                                let mut early = r;
-                                for block in blocks.iter().skip(1).take(PREFETCH_AHEAD - 1) {
-                                    early = BlockRef::child_of(Some(early), block.tokens_hash);
+                                for early in refs.iter().take(PREFETCH_AHEAD).skip(1) {
                                     if early.shard() == r.shard() {
-                                        shard.entries.prefetch(early.key());
+                                        shard.entries.prefetch_insert(early.key());
                                     }
                                 }
                             }
                             if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
-                                state.blocks.prefetch(later.block_hash);
-                                let next = BlockRef::child_of(ahead, later.tokens_hash);
-                                ahead = Some(next);
+                                state.blocks.prefetch_insert(later.block_hash);
+                                let next = refs[i + PREFETCH_AHEAD];
                                 if next.shard() == r.shard() {
-                                    writer.shard(r.shard()).entries.prefetch(next.key());
+                                    writer.shard(r.shard()).entries.prefetch_insert(next.key());
                                 }
                             }
                             match state.blocks.insert(block.block_hash, r) {
@@ -1441,7 +1456,9 @@ mod tests {
             },
         );
         let path: Vec<u64> = (1..=64).collect();
-        for _ in 0..=DRAIN_AT / 64 {
+        // The last lookup brings the list to DRAIN_AT and wakes the thread:
+        // touches written after its last slice would wait for the next lock.
+        for _ in 0..DRAIN_AT / 64 {
             assert_eq!(depth(&index, &path, worker), 64);
         }
         // Taking the lock hands the lookups' touches to the order's list.

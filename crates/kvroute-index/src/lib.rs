@@ -18,6 +18,7 @@
 //! - [`huge`] allocates tables of megabytes read at random in 2 MiB pages (the
 //!   predicted layer's, and the tokenizer's).
 
+mod background;
 mod cells;
 pub mod digest;
 pub mod event;

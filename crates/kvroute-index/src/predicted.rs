@@ -141,27 +141,24 @@ impl Spares {
         let ready = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let (to_prepare, requests) = std::sync::mpsc::channel::<Option<Slots>>();
         let shelf = std::sync::Arc::clone(&ready);
-        std::thread::Builder::new()
-            .name("kvroute-predicted-spares".into())
-            .spawn(move || {
-                // Ends when the index (the sender) is dropped.
-                for request in requests {
-                    let map = match request {
-                        // A generation opened before a spare was ready may be smaller.
-                        Some(mut map) if map.capacity() >= capacity => {
-                            map.clear();
-                            map
-                        }
-                        // Every page written now, none faulted in on the request path.
-                        _ => Slots::with_capacity(capacity),
-                    };
-                    let mut shelf = shelf.lock().unwrap();
-                    if shelf.len() < SPARES {
-                        shelf.push(map);
+        crate::background::spawn("kvroute-predicted-spares", move || {
+            // Ends when the index (the sender) is dropped.
+            for request in requests {
+                let map = match request {
+                    // A generation opened before a spare was ready may be smaller.
+                    Some(mut map) if map.capacity() >= capacity => {
+                        map.clear();
+                        map
                     }
+                    // Every page written now, none faulted in on the request path.
+                    _ => Slots::with_capacity(capacity),
+                };
+                let mut shelf = shelf.lock().unwrap();
+                if shelf.len() < SPARES {
+                    shelf.push(map);
                 }
-            })
-            .ok()?;
+            }
+        })?;
         for _ in 0..SPARES {
             let _ = to_prepare.send(None);
         }

@@ -452,6 +452,14 @@ impl Shard {
             entry.workers = Holders((b | bit) as u32);
             return (b & bit == 0, created);
         }
+        if entry.workers == Holders::NONE {
+            // A new block (most of a large fleet's): its first holder.
+            entry.workers = Holders::encode(&[worker]);
+            if entry.workers.is_spilled() {
+                spilled.insert(seq, vec![worker]);
+            }
+            return (true, created);
+        }
         if entry.workers.is_spilled() {
             let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
             let added = match ids.binary_search(&worker) {

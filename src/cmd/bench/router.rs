@@ -2,7 +2,10 @@
 //!
 //! 1. Routing decision latency (hash + match + schedule) for 8k- and 128k-token
 //!    prompts over a fleet whose index holds ~1M blocks, with 64 and with 4,000
-//!    registered workers; tokenization is measured separately.
+//!    registered workers; tokenization is measured separately. Beside the
+//!    wall-clock figures, each decision's thread CPU time and whether the
+//!    kernel switched the thread out during it or just before it, so that a
+//!    p99 set by a busy machine can be told from one set by the router.
 //! 2. Routing throughput on one core for 8k-token text prompts, tokenization
 //!    included, with tiktoken cl100k_base and with a Hugging Face
 //!    `tokenizer.json` of cl100k_base's 100k tokens: parse nothing, but
@@ -259,6 +262,7 @@ fn decision_latency(
     let mut book = Histogram::<u64>::new(3)?;
     let hasher = BlockHasher::new(BLOCK_SIZE);
     let mut matched = 0usize;
+    let mut switches = Switches::new()?;
     for i in 0..args.decisions {
         // Half the prompt is a cached chain's prefix, the rest is new.
         let (owner, chain) = &held[i % held.len()];
@@ -270,11 +274,14 @@ fn decision_latency(
             .collect();
         prompt.extend(rng.tokens(prompt_tokens - prompt.len()));
         // The decision first, on caches no separate timing has warmed for it.
+        let before = ThreadUsage::now();
         let t = Instant::now();
         let routed = state
             .route_now(MODEL, RouteInput::Tokens(&prompt), None, &[])?
             .map_err(|e| anyhow::anyhow!("no worker: {e:?}"))?;
-        total.record(t.elapsed().as_nanos() as u64)?;
+        let wall = t.elapsed().as_nanos() as u64;
+        switches.record(before, ThreadUsage::now(), wall)?;
+        total.record(wall)?;
         let t = Instant::now();
         state.record_prediction(&routed);
         record.record(t.elapsed().as_nanos() as u64)?;
@@ -309,6 +316,7 @@ fn decision_latency(
         "{}",
         summary("  decision (hash + match + schedule)", &total)
     );
+    switches.report();
     println!(
         "{}",
         summary(
@@ -336,6 +344,112 @@ fn decision_latency(
         met(record.value_at_quantile(0.5) <= total.value_at_quantile(0.5))
     );
     Ok(())
+}
+
+/// What the calling thread has used so far, as the kernel counts it.
+#[derive(Clone, Copy)]
+struct ThreadUsage {
+    cpu_ns: u64,
+    /// Times it was preempted (involuntary switches) or waited (voluntary).
+    preempted: u64,
+    waited: u64,
+    faults: u64,
+}
+
+impl ThreadUsage {
+    fn now() -> Self {
+        // SAFETY: the call only writes the struct passed.
+        let ru = unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+            ru
+        };
+        Self {
+            cpu_ns: super::thread_cpu_time().map_or(0, |t| t.as_nanos() as u64),
+            preempted: ru.ru_nivcsw as u64,
+            waited: ru.ru_nvcsw as u64,
+            faults: (ru.ru_minflt + ru.ru_majflt) as u64,
+        }
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            cpu_ns: self.cpu_ns - before.cpu_ns,
+            preempted: self.preempted - before.preempted,
+            waited: self.waited - before.waited,
+            faults: self.faults - before.faults,
+        }
+    }
+
+    fn switched(&self) -> bool {
+        self.preempted + self.waited > 0
+    }
+}
+
+/// The decisions' wall times split by what the kernel did meanwhile, so that
+/// a p99 set by a busy machine says so: a decision switched out (preempted,
+/// or waiting for a lock) costs milliseconds, and one that starts right after
+/// its thread got its core back starts on caches someone else filled.
+struct Switches {
+    cpu: Histogram<u64>,
+    kept_core: Histogram<u64>,
+    settled: Histogram<u64>,
+    preempted: usize,
+    waited: usize,
+    after_switch: usize,
+    faulted: usize,
+    faults: u64,
+    last: ThreadUsage,
+}
+
+impl Switches {
+    fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            cpu: Histogram::new(3)?,
+            kept_core: Histogram::new(3)?,
+            settled: Histogram::new(3)?,
+            preempted: 0,
+            waited: 0,
+            after_switch: 0,
+            faulted: 0,
+            faults: 0,
+            last: ThreadUsage::now(),
+        })
+    }
+
+    /// One decision of `wall` ns, between the two readings.
+    fn record(&mut self, before: ThreadUsage, after: ThreadUsage, wall: u64) -> anyhow::Result<()> {
+        let during = after.since(&before);
+        let switched_before = before.since(&self.last).switched();
+        self.last = after;
+        self.cpu.record(during.cpu_ns.max(1))?;
+        self.preempted += (during.preempted > 0) as usize;
+        self.waited += (during.waited > 0) as usize;
+        self.faulted += (during.faults > 0) as usize;
+        self.faults += during.faults;
+        if !during.switched() {
+            self.kept_core.record(wall)?;
+            if switched_before {
+                self.after_switch += 1;
+            } else {
+                self.settled.record(wall)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn report(&self) {
+        println!("{}", summary("    on the thread's CPU clock", &self.cpu));
+        println!("{}", summary("    wall, not switched out", &self.kept_core));
+        println!(
+            "{}",
+            summary("    wall, nor switched out just before", &self.settled)
+        );
+        println!(
+            "    switched out: {} preempted, {} waited; {} more right after a switch; {} with page faults ({} faults)",
+            self.preempted, self.waited, self.after_switch, self.faulted, self.faults
+        );
+    }
 }
 
 /// English-like prose with a realistic vocabulary, so that caching the BPE of
