@@ -7,7 +7,9 @@
 //! of LRU block pools fed by a Mooncake trace), so this harness and
 //! `kvroute bench index` replay the same workload. Every index gets the same
 //! threads: two replay threads, each applying the events of half the workers
-//! and every other lookup, in timeline order. Dynamo's events are applied by its
+//! and every other lookup, in timeline order (kvroute's events a run of one
+//! worker's at a time, as its router applies a message), each prefetching its
+//! next operations' input, which a router has in its cache. Dynamo's events are applied by its
 //! own two event threads (the replay threads enqueue them, as its router does)
 //! and a run ends when its queues are flushed; its lookups run inline on the
 //! replay threads, as in Dynamo. Throughput (ops/s, and ops per CPU-second of
@@ -44,7 +46,7 @@ static THREAD_DETAIL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicB
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
 
-/// Replay threads, and Dynamo's event threads.
+/// Replay threads (unless `--replay-threads`), and Dynamo's event threads.
 const THREADS: usize = 2;
 /// Tokens per block of the Mooncake traces (Dynamo wants a block size).
 const BLOCK_SIZE: u32 = 512;
@@ -79,6 +81,9 @@ struct Args {
     /// Print each replay thread's user and system CPU, page faults and
     /// context switches (`--threads`): where a replay's CPU went.
     threads: bool,
+    /// Replay threads (`--replay-threads`, for diagnosis: one thread shows
+    /// what two cost each other); the reported runs use [`THREADS`].
+    replay_threads: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -92,6 +97,7 @@ fn parse_args() -> Result<Args, String> {
         only: None,
         indexers: Indexer::ALL.to_vec(),
         threads: false,
+        replay_threads: THREADS,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -109,6 +115,13 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--rounds must be a positive integer")?;
             }
             "--threads" => args.threads = true,
+            "--replay-threads" => {
+                args.replay_threads = value("--replay-threads")?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--replay-threads must be a positive integer")?;
+            }
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),
             "--index" => {
@@ -121,7 +134,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads] [--replay-threads N]"
                 ));
             }
         }
@@ -146,10 +159,11 @@ fn main() {
     };
     let requests: Vec<Vec<u64>> = trace.into_iter().map(|r| r.hash_ids).collect();
     println!(
-        "trace {} ({} requests), {} rounds, {THREADS} replay threads, Dynamo with {THREADS} event threads",
+        "trace {} ({} requests), {} rounds, {} replay threads, Dynamo with {THREADS} event threads",
         args.trace.display(),
         requests.len(),
-        args.rounds
+        args.rounds,
+        args.replay_threads
     );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -163,19 +177,14 @@ fn main() {
             continue;
         }
         THREAD_DETAIL.store(args.threads, std::sync::atomic::Ordering::Relaxed);
-        compare(&runtime, &requests, workers, args.rounds, &args.indexers);
+        compare(&runtime, &requests, workers, &args);
     }
 }
 
 /// One timeline: replays (alternating the indexers' order each round), memory,
 /// and the ratios.
-fn compare(
-    runtime: &tokio::runtime::Runtime,
-    requests: &[Vec<u64>],
-    workers: usize,
-    rounds: usize,
-    indexers: &[Indexer],
-) {
+fn compare(runtime: &tokio::runtime::Runtime, requests: &[Vec<u64>], workers: usize, args: &Args) {
+    let (rounds, indexers) = (args.rounds, &args.indexers[..]);
     let ops = derive_timeline(requests.iter().map(Vec::as_slice), workers, 512);
     let shape = Shape::of(&ops);
     println!(
@@ -191,7 +200,7 @@ fn compare(
         order.rotate_left(round % indexers.len());
         for indexer in order {
             let i = indexers.iter().position(|&x| x == indexer).unwrap();
-            let run = replay(runtime, indexer, &ops);
+            let run = replay(runtime, indexer, &ops, args.replay_threads);
             results[i].add(run, shape.ops());
             let settled = settled_lookups(runtime, indexer, &ops, &mut results[i].preempted);
             results[i]
@@ -376,12 +385,17 @@ fn histogram() -> Histogram<u64> {
 /// CPU time of the whole process so far, every thread's (Dynamo's event
 /// threads included).
 fn process_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// CPU time so far of `clock`, a CPU-time clock.
+fn cpu_clock(clock: libc::clockid_t) -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec, which `ts` is.
-    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
@@ -391,10 +405,79 @@ fn process_cpu() -> Duration {
 /// to the index (at 16 workers, about a tenth of kvroute's replay CPU).
 enum Op<'a> {
     Event(WorkerKey, &'a KvEvent),
+    /// A run of one worker's events with no lookup between them, as the
+    /// worker publishes them in one message (the events of one engine step:
+    /// a routed request's stored chain and the evictions it caused) and
+    /// kvroute's router applies them ([`KvIndex::with_worker`]).
+    Events(WorkerKey, Vec<&'a KvEvent>),
     /// Taken when run: Dynamo's queue owns its events.
     Dynamo(Option<RouterEvent>),
     Match(&'a [u64]),
     DynamoMatch(Vec<LocalBlockHash>),
+}
+
+impl Op<'_> {
+    /// Operations of the timeline this one stands for.
+    fn ops(&self) -> usize {
+        match self {
+            Op::Events(_, events) => events.len(),
+            _ => 1,
+        }
+    }
+
+    /// Starts bringing the operation's input into the cache, one level of
+    /// indirection at a time: `level` 0 the list of a run's events, 1 the
+    /// events, 2 their block hashes (or a lookup's hashes). A router applies
+    /// an event it has just decoded from its stream, and hashes a request it
+    /// has just read, so its input is in the cache; the timeline's, made long
+    /// before the clock started (tens of MB), is not. Reading it cold was a
+    /// tenth of kvroute's replay at 16 workers (DESIGN.md, "Ingest under
+    /// churn"). Each replay thread fetches the input of the next three
+    /// operations while it runs one, for every index alike.
+    fn prefetch(&self, level: u8) {
+        match (self, level) {
+            (Op::Events(_, events), 0) => prefetch_slice(events),
+            (Op::Event(_, event), 1) => prefetch_slice(std::slice::from_ref(*event)),
+            (Op::Events(_, events), 1) => {
+                events
+                    .iter()
+                    .for_each(|event| prefetch_slice(std::slice::from_ref(*event)));
+            }
+            (Op::Event(_, event), 2) => prefetch_event(event),
+            (Op::Events(_, events), 2) => events.iter().for_each(|event| prefetch_event(event)),
+            (Op::Dynamo(Some(event)), 2) => match &event.event.data {
+                KvCacheEventData::Stored(stored) => prefetch_slice(&stored.blocks),
+                KvCacheEventData::Removed(removed) => prefetch_slice(&removed.block_hashes),
+                _ => {}
+            },
+            (Op::Match(hashes), 2) => prefetch_slice(hashes),
+            (Op::DynamoMatch(hashes), 2) => prefetch_slice(hashes),
+            _ => {}
+        }
+    }
+}
+
+fn prefetch_event(event: &KvEvent) {
+    match &event.kind {
+        EventKind::Stored { blocks, .. } => prefetch_slice(blocks),
+        EventKind::Removed { block_hashes } => prefetch_slice(block_hashes),
+        EventKind::Cleared => {}
+    }
+}
+
+/// Prefetches the cache lines of `items`.
+fn prefetch_slice<T>(items: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let start: *const i8 = items.as_ptr().cast();
+        for offset in (0..size_of_val(items)).step_by(64) {
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch reads
+            // nothing architecturally and cannot fault, and the address is
+            // inside `items`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset)) };
+        }
+    }
 }
 
 fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
@@ -452,17 +535,36 @@ fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op<'_>> {
     ops.iter().map(|op| convert(indexer, op)).collect()
 }
 
-/// The timeline split over the replay threads: each thread gets the events of
-/// its share of the workers and every `THREADS`-th lookup, in timeline order.
-fn shares(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Vec<Op<'_>>> {
-    let mut shares: Vec<Vec<Op>> = (0..THREADS).map(|_| Vec::new()).collect();
+/// The timeline split over `threads` replay threads: each thread gets the
+/// events of its share of the workers and every `threads`-th lookup, in
+/// timeline order.
+fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_>>> {
+    let mut shares: Vec<Vec<Op>> = (0..threads).map(|_| Vec::new()).collect();
     let mut lookups = 0;
+    // kvroute's events go in runs (see `Op::Events`): the worker of the run
+    // the last operation began or extended.
+    let mut run = None;
     for op in ops {
         let thread = match op {
-            TimelineOp::Event { worker, .. } => worker.worker_id as usize % THREADS,
+            TimelineOp::Event { worker, event } => {
+                let thread = worker.worker_id as usize % threads;
+                if indexer == Indexer::Kvroute {
+                    if run == Some(*worker)
+                        && let Some(Op::Events(_, events)) = shares[thread].last_mut()
+                    {
+                        events.push(event);
+                    } else {
+                        shares[thread].push(Op::Events(*worker, vec![event]));
+                    }
+                    run = Some(*worker);
+                    continue;
+                }
+                thread
+            }
             TimelineOp::Match { .. } => {
+                run = None;
                 lookups += 1;
-                lookups % THREADS
+                lookups % threads
             }
         };
         shares[thread].push(convert(indexer, op));
@@ -500,6 +602,13 @@ impl Live {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(*worker, event));
             }
+            (Live::Kvroute(index), Op::Events(worker, events)) => {
+                index.with_worker(*worker, |worker| {
+                    for event in events {
+                        std::hint::black_box(worker.apply(event));
+                    }
+                });
+            }
             // Every matching worker as an (index, depth) pair, and the key of
             // the deepest resolved: what a decision needs named.
             (Live::Kvroute(index), Op::Match(hashes)) => MATCHES.with_borrow_mut(|matches| {
@@ -535,10 +644,15 @@ impl Live {
 }
 
 /// One replay of `ops` on a fresh index.
-fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp]) -> Run {
-    let shares = shares(indexer, ops);
+fn replay(
+    runtime: &tokio::runtime::Runtime,
+    indexer: Indexer,
+    ops: &[TimelineOp],
+    threads: usize,
+) -> Run {
+    let shares = shares(indexer, ops, threads);
     let live = Live::new(indexer);
-    let start = Barrier::new(THREADS + 1);
+    let start = Barrier::new(threads + 1);
     let mut run = Run {
         wall: Duration::ZERO,
         cpu: Duration::ZERO,
@@ -554,8 +668,13 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
                 let spawned = thread.spawn_scoped(scope, move || {
                     start.wait();
                     let before = thread_usage();
-                    for op in share.iter_mut() {
-                        live.run(op);
+                    for i in 0..share.len() {
+                        for (ahead, level) in [(3, 0), (2, 1), (1, 2)] {
+                            if let Some(op) = share.get(i + ahead) {
+                                op.prefetch(level);
+                            }
+                        }
+                        live.run(&mut share[i]);
                     }
                     let usage = thread_usage().since(&before);
                     // Freed by the caller, after the clock stops.
@@ -572,8 +691,13 @@ fn replay(runtime: &tokio::runtime::Runtime, indexer: Indexer, ops: &[TimelineOp
         run.wall = t.elapsed();
         run.cpu = process_cpu().saturating_sub(cpu);
         if THREAD_DETAIL.load(std::sync::atomic::Ordering::Relaxed) {
+            println!(
+                "  {} replay: process CPU {:.1} ms",
+                indexer.name(),
+                run.cpu.as_secs_f64() * 1e3
+            );
             for (thread, (share, usage)) in done.iter().enumerate() {
-                let ops = share.len();
+                let ops: usize = share.iter().map(Op::ops).sum();
                 println!(
                     "  {} replay thread {thread}: {ops} ops, {usage}",
                     indexer.name()
@@ -630,6 +754,9 @@ fn settled_lookups(
 
 /// One thread's resource usage so far, or between two readings.
 struct Usage {
+    /// The thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`): exact, where `user`
+    /// and `system` are split by the kernel's ticks.
+    cpu: Duration,
     user: Duration,
     system: Duration,
     minor_faults: i64,
@@ -640,6 +767,7 @@ struct Usage {
 impl Usage {
     fn since(&self, earlier: &Usage) -> Usage {
         Usage {
+            cpu: self.cpu.saturating_sub(earlier.cpu),
             user: self.user.saturating_sub(earlier.user),
             system: self.system.saturating_sub(earlier.system),
             minor_faults: self.minor_faults - earlier.minor_faults,
@@ -653,7 +781,8 @@ impl std::fmt::Display for Usage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "user {:.1} ms, system {:.1} ms, {} minor faults, {} voluntary and {} involuntary switches",
+            "CPU {:.1} ms (user {:.1} ms, system {:.1} ms), {} minor faults, {} voluntary and {} involuntary switches",
+            self.cpu.as_secs_f64() * 1e3,
             self.user.as_secs_f64() * 1e3,
             self.system.as_secs_f64() * 1e3,
             self.minor_faults,
@@ -670,6 +799,7 @@ fn thread_usage() -> Usage {
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
     let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     Usage {
+        cpu: cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID),
         user: time(usage.ru_utime),
         system: time(usage.ru_stime),
         minor_faults: usage.ru_minflt,

@@ -222,6 +222,16 @@ type EngineMap = FlatMap<BlockRef>;
 /// that long for it.
 const DUMP_BATCH: usize = 512;
 
+/// Blocks an event stores or removes, as [`WorkerEvents`] counts them under
+/// the limit's lock; a clear (all of the worker's) counts as a whole batch.
+fn blocks_changed(kind: &EventKind) -> usize {
+    match kind {
+        EventKind::Stored { blocks, .. } => blocks.len(),
+        EventKind::Removed { block_hashes } => block_hashes.len(),
+        EventKind::Cleared => DUMP_BATCH,
+    }
+}
+
 /// Blocks ahead of the one probed whose slots a walk or a stored chain
 /// prefetches.
 const PREFETCH_AHEAD: usize = 16;
@@ -355,6 +365,65 @@ struct EvictionScan {
     evicted_this_pass: bool,
 }
 
+/// One worker of a [`KvIndex`], found and locked for a run of its events
+/// (see [`KvIndex::with_worker`]).
+pub struct WorkerEvents<'a> {
+    index: &'a KvIndex,
+    slot: &'a WorkerSlot,
+    state: MutexGuard<'a, WorkerState>,
+    /// With `max_blocks`, the limit's lock, taken by the run's first applied
+    /// event and held for the run, [`DUMP_BATCH`] blocks at most: one lock a
+    /// run, not one an event (every writer takes it, so the ingest threads
+    /// passed it to each other event by event), and a lookup's pin waits no
+    /// longer than for a dump's batch (a message may bring 64 Ki events).
+    eviction: Option<MutexGuard<'a, Eviction>>,
+    /// Blocks applied since `eviction` was taken.
+    under_eviction: usize,
+}
+
+impl WorkerEvents<'_> {
+    /// [`KvIndex::apply`] of one event.
+    pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
+        let outcome =
+            self.index
+                .apply_locked(self.slot, &mut self.state, &mut self.eviction, event);
+        if self.eviction.is_some() {
+            self.under_eviction += blocks_changed(&event.kind);
+            if self.under_eviction >= DUMP_BATCH {
+                self.let_limit_go();
+            }
+        }
+        outcome
+    }
+
+    /// Lets the `max_blocks` limit's lock go, if the run holds it (the next
+    /// applied event takes it again). A caller running the workers of two
+    /// indexes at once (a rank's two tiers) holds one limit at a time: two
+    /// runs that took the two in opposite orders would wait for each other.
+    pub fn let_limit_go(&mut self) {
+        self.eviction = None;
+        self.under_eviction = 0;
+    }
+
+    /// [`KvIndex::skip`] of one event id.
+    pub fn skip(&mut self, event_id: u64) -> ApplyOutcome {
+        match self.state.last_event_id {
+            Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
+            Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
+                expected: last + 1,
+                got: event_id,
+            },
+            _ => {
+                self.state.last_event_id = Some(event_id);
+                ApplyOutcome::Applied {
+                    rejected_blocks: 0,
+                    unknown_removals: 0,
+                }
+            }
+        }
+    }
+}
+
 /// The global index. All methods take `&self` and may be called from many threads.
 pub struct KvIndex {
     table: Table,
@@ -405,51 +474,71 @@ impl KvIndex {
 
     /// Offers one event of `worker`; see [`ApplyOutcome`].
     pub fn apply(&self, worker: WorkerKey, event: &KvEvent) -> ApplyOutcome {
-        self.with_slot(worker, |slot| {
-            let mut state = slot.state.lock().unwrap();
-            let outcome = match state.last_event_id {
-                Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
-                Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
-                    expected: last + 1,
-                    got: event.event_id,
-                },
-                _ => {
-                    state.last_event_id = Some(event.event_id);
-                    let mut eviction = self.lock_eviction();
-                    self.sweep_dangling(slot, &mut state, eviction.is_some());
-                    let outcome = self.apply_kind(slot, &mut state, &event.kind, &mut eviction);
-                    if let Some(eviction) = eviction.as_deref_mut() {
-                        self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
-                    }
-                    outcome
-                }
-            };
-            state.counters.count(event.kind.type_name(), outcome);
-            outcome
-        })
+        self.with_worker(worker, |events| events.apply(event))
     }
 
     /// Takes event `event_id` of `worker` in sequence without applying
     /// anything: it belongs to another index that shares the worker's event
     /// sequence (the other tier of a [`crate::TieredIndex`]). Not counted.
     pub fn skip(&self, worker: WorkerKey, event_id: u64) -> ApplyOutcome {
+        self.with_worker(worker, |events| events.skip(event_id))
+    }
+
+    /// Runs `f` with `worker` found and locked, for a run of its events (as
+    /// one message of its stream brings them) applied through
+    /// [`WorkerEvents`]: each the same as [`Self::apply`] or [`Self::skip`],
+    /// but the worker is looked up and locked once for the run, not once an
+    /// event. At 16 workers nearly every event is a one-block removal, and the
+    /// lookup and the lock were a tenth of one (DESIGN.md, "Ingest under
+    /// churn"). Lookups still see each event whole or not at all; the
+    /// worker's other callers (a dump, a digest, its removal) wait for the
+    /// whole run. `f` must not call into this index (it would wait for
+    /// itself); it may lock a worker of another index (the other tier).
+    pub fn with_worker<R>(
+        &self,
+        worker: WorkerKey,
+        f: impl FnOnce(&mut WorkerEvents<'_>) -> R,
+    ) -> R {
         self.with_slot(worker, |slot| {
-            let mut state = slot.state.lock().unwrap();
-            match state.last_event_id {
-                Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
-                Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
-                    expected: last + 1,
-                    got: event_id,
-                },
-                _ => {
-                    state.last_event_id = Some(event_id);
-                    ApplyOutcome::Applied {
-                        rejected_blocks: 0,
-                        unknown_removals: 0,
-                    }
-                }
-            }
+            f(&mut WorkerEvents {
+                index: self,
+                slot,
+                state: slot.state.lock().unwrap(),
+                eviction: None,
+                under_eviction: 0,
+            })
         })
+    }
+
+    /// [`Self::apply`] under the worker's lock.
+    fn apply_locked<'a>(
+        &'a self,
+        slot: &WorkerSlot,
+        state: &mut WorkerState,
+        eviction: &mut Option<MutexGuard<'a, Eviction>>,
+        event: &KvEvent,
+    ) -> ApplyOutcome {
+        let outcome = match state.last_event_id {
+            Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
+            Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
+                expected: last + 1,
+                got: event.event_id,
+            },
+            _ => {
+                state.last_event_id = Some(event.event_id);
+                if eviction.is_none() {
+                    *eviction = self.lock_eviction();
+                }
+                self.sweep_dangling(slot, state, eviction.is_some());
+                let outcome = self.apply_kind(slot, state, &event.kind, eviction);
+                if let Some(eviction) = eviction.as_deref_mut() {
+                    self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
+                }
+                outcome
+            }
+        };
+        state.counters.count(event.kind.type_name(), outcome);
+        outcome
     }
 
     /// Forgets `worker` entirely, its event sequence included.
@@ -1437,6 +1526,31 @@ mod tests {
             .iter()
             .find(|m| m.worker == worker)
             .map_or(0, |m| m.depth)
+    }
+
+    /// A run of a worker's events holds the limit's lock from its first
+    /// applied event on, but lets it go once a dump's batch of blocks went
+    /// under it, so that a lookup's pin never waits for a whole message.
+    #[test]
+    fn a_run_holds_the_limits_lock_for_a_batch_of_blocks_at_most() {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        });
+        let free = || index.eviction.as_ref().unwrap().eviction.try_lock().is_ok();
+        let stored = |event_id, first, len| KvEvent {
+            event_id,
+            kind: chain(first, len, None),
+        };
+        index.with_worker(WorkerKey::new(1, 0), |events| {
+            assert!(free());
+            events.apply(&stored(1, 1, 4));
+            assert!(!free(), "held between the events of a run");
+            events.apply(&stored(2, 100, DUMP_BATCH as u64 - 4));
+            assert!(free(), "let go after a batch of blocks");
+            events.apply(&stored(3, 5_000, 1));
+            assert!(!free());
+        });
+        assert!(free());
     }
 
     /// Lookups on a fleet that stores nothing leave their touches to the

@@ -41,7 +41,7 @@ pub use hash::{
 };
 pub use index::{
     IndexConfig, IndexMatch, IndexStats, KvIndex, Matches, OwnedPinnedPath, PinnedPath, WorkerDump,
-    WorkerMatch,
+    WorkerEvents, WorkerMatch,
 };
 pub use predicted::{PredictedConfig, PredictedIndex};
 pub use tiers::{Tier, TieredDump, TieredIndex};

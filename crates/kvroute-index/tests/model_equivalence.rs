@@ -209,6 +209,64 @@ fn run_after_fillers(ops: Vec<Op>, fillers: u64) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// [`run`] with each run of one worker's consecutive events applied in one
+/// [`KvIndex::with_worker`], as its stream's message would bring them: every
+/// outcome and the state after the run are the model's, event by event.
+fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let index = KvIndex::new(IndexConfig::default());
+    let mut model = Model::default();
+    let paths = probe_paths();
+    let mut ops = ops.into_iter().peekable();
+    while let Some(op) = ops.next() {
+        match op {
+            Op::Event {
+                worker: w,
+                id_step,
+                kind,
+            } => {
+                let key = worker(w);
+                let (mut events, mut expected) = (Vec::new(), Vec::new());
+                let mut next = Some((id_step, kind));
+                while let Some((id_step, kind)) = next.take() {
+                    let event_id = match (model.last_event_id(key), id_step) {
+                        (None, _) => 5,
+                        (Some(l), 0) => l,
+                        (Some(l), step) => l + u64::from(step),
+                    };
+                    let event = KvEvent { event_id, kind };
+                    expected.push(model.apply(key, &event));
+                    events.push(event);
+                    if let Some(Op::Event { worker: n, .. }) = ops.peek()
+                        && *n == w
+                        && let Some(Op::Event { id_step, kind, .. }) = ops.next()
+                    {
+                        next = Some((id_step, kind));
+                    }
+                }
+                let outcomes: Vec<_> =
+                    index.with_worker(key, |w| events.iter().map(|e| w.apply(e)).collect());
+                prop_assert_eq!(outcomes, expected);
+            }
+            Op::RemoveWorker(w) => {
+                index.remove_worker(worker(w));
+                model.remove_worker(worker(w));
+            }
+            Op::Resync { from, to } => {
+                if let Some(dump) = index.dump(worker(from)) {
+                    let last = dump.last_event_id.unwrap_or(0);
+                    index.replace_worker(worker(to), last, &dump.events);
+                    model.replace_worker(worker(to), last, &dump.events);
+                }
+            }
+            Op::Lookup(path) => {
+                prop_assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
+            }
+        }
+        check_all(&index, &model, &paths)?;
+    }
+    Ok(())
+}
+
 /// Rewrites an event so that engine hashes name content, as real engines' do:
 /// a stored block's hash is derived from its parent's and its tokens, and the
 /// small numbers picked for parents and removals select among `known` hashes.
@@ -328,6 +386,11 @@ proptest! {
     #[test]
     fn index_matches_model_across_holder_forms(ops in prop::collection::vec(op_strategy(), 1..40)) {
         run_after_fillers(ops, 61)?;
+    }
+
+    #[test]
+    fn batches_match_the_model(ops in prop::collection::vec(op_strategy(), 1..40)) {
+        run_batched(ops)?;
     }
 
     #[test]

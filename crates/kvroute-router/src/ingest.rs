@@ -743,19 +743,25 @@ impl Stream {
                 .await;
             return;
         };
-        let index = &self.state.tiers;
         let label = worker_label(key);
+        let mut events = Vec::with_capacity(batch.events.len());
         for event in batch.events {
             let Some((tier, event)) = convert_event(event) else {
                 self.send_error("an event without a kind was skipped".into())
                     .await;
                 continue;
             };
-            let Some(event) = self.state.faults.pass(key, event) else {
-                continue;
-            };
-            let outcome = index.apply(key, tier, &event);
-            count_outcome(&label, &event, outcome);
+            if let Some(event) = self.state.faults.pass(key, event) {
+                events.push((tier, event));
+            }
+        }
+        // The whole message under one lock of the rank (a run of one-block
+        // removals costs a fraction of one event each); its outcomes are
+        // acted on after, in order.
+        let mut outcomes = Vec::with_capacity(events.len());
+        self.state.tiers.apply_batch(key, &events, &mut outcomes);
+        for ((_, event), outcome) in events.iter().zip(outcomes) {
+            count_outcome(&label, event, outcome);
             match outcome {
                 kvroute_index::ApplyOutcome::Gap { expected, got } => {
                     ::metrics::counter!(metrics::EVENT_GAPS, "worker" => label.clone())

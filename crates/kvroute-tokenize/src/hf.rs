@@ -50,9 +50,9 @@ use crate::TokenizeError;
 use crate::cache::{Kind, TokenCache};
 use crate::chat_template::ChatTemplate;
 use crate::chunks::{AddedTokenCuts, Cuts};
+use crate::encode::encode_pieces;
 use crate::merges::MergeTable;
 use crate::pieces::PieceCache;
-use crate::split::piece_end;
 
 /// The special tokens transformers hands to chat templates by name.
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -238,23 +238,15 @@ impl Pieces {
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut cache = self.cache.get_or_default().borrow_mut();
         let mut ids = Vec::with_capacity(text.len() / 4 + 1);
-        let split = bpe_openai::cl100k_base();
-        let bytes = text.as_bytes();
-        let mut start = 0;
-        while start < text.len() {
-            let end = piece_end(split, true, text, start);
-            match self
-                .merges
-                .as_ref()
-                .and_then(|merges| merges.token_at(bytes, start, end))
-            {
-                Some(token) => ids.push(token),
-                None => cache.encode_into(bytes, start, end, &mut ids, |piece, ids| {
-                    self.encode_piece(model, piece, ids)
-                })?,
-            }
-            start = end;
-        }
+        encode_pieces(
+            bpe_openai::cl100k_base(),
+            true,
+            self.merges.as_ref(),
+            &mut cache,
+            text,
+            &mut ids,
+            |piece, ids| self.encode_piece(model, piece, ids),
+        )?;
         Ok(ids)
     }
 

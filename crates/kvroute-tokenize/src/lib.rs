@@ -26,6 +26,7 @@
 mod cache;
 mod chat_template;
 mod chunks;
+mod encode;
 mod error;
 mod hf;
 mod merges;

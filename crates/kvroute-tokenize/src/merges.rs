@@ -28,7 +28,7 @@
 use rustc_hash::FxHashMap;
 use serde_json::Value;
 
-use crate::vocab::TokenIds;
+use crate::vocab::{Probe, TokenIds};
 use kvroute_index::huge::HugeSlice;
 
 /// The longest piece [`MergeTable::merge_into`] encodes.
@@ -179,10 +179,16 @@ impl MergeTable {
         self.tokens.get(piece)
     }
 
-    /// [`Self::token`] of `text[start..end]`.
+    /// Where [`Self::find`] will look for `text[start..end]`, prefetched.
     #[inline]
-    pub(crate) fn token_at(&self, text: &[u8], start: usize, end: usize) -> Option<u32> {
-        self.tokens.get_at(text, start, end)
+    pub(crate) fn probe(&self, text: &[u8], start: usize, end: usize) -> Probe {
+        self.tokens.probe(text, start, end)
+    }
+
+    /// [`Self::token`] of `text[start..end]`, found where `probe` says.
+    #[inline]
+    pub(crate) fn find(&self, probe: &Probe, text: &[u8], start: usize, end: usize) -> Option<u32> {
+        self.tokens.find(probe, text, start, end)
     }
 
     /// Appends the tokens of `piece` to `out`, merging pairs from single

@@ -47,18 +47,20 @@ pub(crate) struct PieceCache {
     hands: Box<[u8]>,
 }
 
+/// `C` layout: what a lookup compares (the key and its length) in the first
+/// line, the ids from there into the second.
 #[derive(Clone, Copy, Default)]
-#[repr(align(64))]
+#[repr(C, align(64))]
 struct Entry {
     /// The piece's bytes, zero after its end.
     key: [u64; MAX_CACHED_PIECE_BYTES / 8],
-    ids: [u32; MAX_CACHED_IDS],
     /// The piece's length; 0: an empty entry.
     len: u8,
     /// How many of `ids` are the piece's.
     count: u8,
     /// Hit since its set last evicted.
     hit: bool,
+    ids: [u32; MAX_CACHED_IDS],
 }
 
 impl Default for PieceCache {
@@ -115,6 +117,31 @@ impl PieceCache {
             *victim(ways, &mut self.hands[set]) = entry;
         }
         Ok(())
+    }
+
+    /// Asks for the entries [`Self::encode_into`] will compare with the piece
+    /// `text[start..end]` ahead of its use.
+    #[inline]
+    pub(crate) fn prefetch(&self, text: &[u8], start: usize, end: usize) {
+        let len = end - start;
+        if len == 0 || len > MAX_CACHED_PIECE_BYTES {
+            return;
+        }
+        let set = self.set(&words_at(text, start, end), len);
+        #[cfg(target_arch = "x86_64")]
+        for entry in &self.entries[set * WAYS..][..WAYS] {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let first = std::ptr::from_ref(entry).cast::<i8>();
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch reads
+            // nothing architecturally and cannot fault. Both lines: the
+            // key's, and the rest of the ids.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(first);
+                _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(64));
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = set;
     }
 
     /// The set `key` belongs to.
