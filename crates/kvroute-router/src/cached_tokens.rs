@@ -53,31 +53,40 @@ impl Check {
     }
 }
 
-/// The last frames of a response body, at least [`TAIL_BYTES`] of them.
+/// The last frames of a response body, at least [`TAIL_BYTES`] of them. The
+/// last is kept apart: most plain responses are one frame, searched where it
+/// is, with no list and no copy.
 #[derive(Default)]
 struct Tail {
-    frames: VecDeque<Bytes>,
+    last: Bytes,
+    earlier: VecDeque<Bytes>,
     len: usize,
 }
 
 impl Tail {
     fn push(&mut self, frame: &Bytes) {
-        self.frames.push_back(frame.clone());
+        let earlier = std::mem::replace(&mut self.last, frame.clone());
+        if !earlier.is_empty() {
+            self.earlier.push_back(earlier);
+        }
         self.len += frame.len();
-        while let Some(front) = self.frames.front() {
+        while let Some(front) = self.earlier.front() {
             if self.len - front.len() < TAIL_BYTES {
                 break;
             }
             self.len -= front.len();
-            self.frames.pop_front();
+            self.earlier.pop_front();
         }
     }
 
     /// The last `cached_tokens` count in the tail, if any.
     fn cached_tokens(&self) -> Option<u64> {
-        let mut tail = Vec::with_capacity(self.len.min(TAIL_BYTES));
         let mut skip = self.len.saturating_sub(TAIL_BYTES);
-        for frame in &self.frames {
+        if self.earlier.is_empty() {
+            return cached_tokens_in(&self.last[skip..]);
+        }
+        let mut tail = Vec::with_capacity(self.len.min(TAIL_BYTES));
+        for frame in self.earlier.iter().chain([&self.last]) {
             let start = skip.min(frame.len());
             skip -= start;
             tail.extend_from_slice(&frame[start..]);
@@ -89,7 +98,7 @@ impl Tail {
 /// Parses the number after the last `"cached_tokens":` in `text`.
 fn cached_tokens_in(text: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"cached_tokens\"";
-    let at = text.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let at = memchr::memmem::rfind(text, KEY)?;
     let rest = &text[at + KEY.len()..];
     let rest = rest
         .trim_ascii_start()
@@ -148,6 +157,17 @@ mod tests {
     }
 
     #[test]
+    fn a_one_frame_response_is_searched_in_its_last_bytes_only() {
+        let mut tail = Tail::default();
+        tail.push(&Bytes::from_static(br#"{"usage":{"cached_tokens":7}}"#));
+        assert_eq!(tail.cached_tokens(), Some(7));
+        let mut tail = Tail::default();
+        let count_then_filler = format!("{{\"cached_tokens\":7}}{}", " ".repeat(TAIL_BYTES));
+        tail.push(&Bytes::from(count_then_filler));
+        assert_eq!(tail.cached_tokens(), None, "older than the tail");
+    }
+
+    #[test]
     fn the_tail_keeps_enough_frames_and_drops_older_ones() {
         let mut tail = Tail::default();
         tail.push(&Bytes::from(format!(
@@ -162,6 +182,6 @@ mod tests {
         tail.push(&Bytes::from_static(b"data: {\"usage\":{\"cached_"));
         tail.push(&Bytes::from_static(b"tokens\":96}}\n\ndata: [DONE]\n\n"));
         assert_eq!(tail.cached_tokens(), Some(96));
-        assert!(tail.frames.len() < 200);
+        assert!(tail.earlier.len() < 200);
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use kvroute_index::ExtraKeys;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -25,6 +25,9 @@ use crate::upstream::{Failure, Held, TrackedBody, strip_hop_by_hop};
 
 /// Request and response header naming the worker (pins a request; tells the choice).
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+/// [`WORKER_HEADER`] as a header name, not parsed from the string per use.
+pub(crate) const WORKER_HEADER_NAME: HeaderName = HeaderName::from_static(WORKER_HEADER);
 
 /// A parsed OpenAI request, ready to route.
 pub struct Forward<'a> {
@@ -110,7 +113,7 @@ pub async fn forward(
                 strip_hop_by_hop(&mut parts.headers);
                 parts
                     .headers
-                    .insert(WORKER_HEADER, HeaderValue::from(worker.worker_id));
+                    .insert(WORKER_HEADER_NAME, HeaderValue::from(worker.worker_id));
                 let sse = parts
                     .headers
                     .get(header::CONTENT_TYPE)

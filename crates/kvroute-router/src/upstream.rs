@@ -21,13 +21,15 @@
 
 use std::future::poll_fn;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri, header};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -81,15 +83,23 @@ const DROPPED_REQUEST_HEADERS: [&str; 6] = [
     "x-kvroute-worker",
 ];
 
-/// One HTTP/1 connection to a worker; it moves only while someone polls `driver`.
+/// One HTTP/1 connection to a worker; it moves only while someone polls it.
 struct Conn {
+    link: Link,
+    /// What hyper's parts of the connection are given to wake their poller.
+    waker: Waker,
+    wakes: Arc<Wakes>,
+}
+
+/// hyper's two halves of a connection.
+struct Link {
     send: http1::SendRequest<Full<Bytes>>,
     driver: http1::Connection<MaybeHttpsStream<TokioIo<TcpStream>>, Full<Bytes>>,
     /// The driver finished: the connection is closed.
     closed: bool,
 }
 
-impl Conn {
+impl Link {
     /// Reads and writes what the connection can now; `true` once it is closed.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool {
         if !self.closed && Pin::new(&mut self.driver).poll(cx).is_ready() {
@@ -102,6 +112,81 @@ impl Conn {
     /// a close by the worker (or the end of the last response) is seen.
     fn usable(&mut self, cx: &mut Context<'_>) -> bool {
         !self.drive(cx) && matches!(self.send.poll_ready(cx), Poll::Ready(Ok(())))
+    }
+}
+
+/// `Wakes::state` bits: a task is polling the connection; something woke it meanwhile.
+const POLLING: u8 = 1;
+const WOKEN: u8 = 2;
+
+/// The connection's waker. hyper's halves of a connection wake whoever polls
+/// them each time one hands the other something (a request, a response's head,
+/// a body's chunk, room for the next one), and here one task polls both: each
+/// such wake would have the runtime poll the whole HTTP connection's task again
+/// for nothing (three per small request on a kept connection). A wake that
+/// comes while the task polls the connection re-runs that poll at once instead
+/// (see [`Conn::poll`]); any other wake goes to the task.
+struct Wakes {
+    state: AtomicU8,
+    /// The task that polls the connection now, or polled it last.
+    task: AtomicWaker,
+}
+
+impl Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.state.fetch_or(WOKEN, Ordering::AcqRel) & POLLING == 0 {
+            self.task.wake();
+        }
+    }
+}
+
+impl Conn {
+    fn new(link: Link) -> Box<Self> {
+        let wakes = Arc::new(Wakes {
+            state: AtomicU8::new(0),
+            task: AtomicWaker::new(),
+        });
+        Box::new(Conn {
+            link,
+            waker: Waker::from(Arc::clone(&wakes)),
+            wakes,
+        })
+    }
+
+    /// Polls the connection with `poll`, for the task of `cx`, until it is
+    /// ready or nothing woke the connection while it ran. Only one task at a
+    /// time may poll a connection: the one holding it. A task out of tokio's
+    /// budget is not re-run here: the runtime defers that wake past the poll.
+    fn poll<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut poll: impl FnMut(&mut Link, &mut Context<'_>) -> Poll<T>,
+    ) -> Poll<T> {
+        self.wakes.task.register(cx.waker());
+        let mut own = Context::from_waker(&self.waker);
+        loop {
+            self.wakes.state.store(POLLING, Ordering::Release);
+            let result = poll(&mut self.link, &mut own);
+            let woken = self.wakes.state.swap(0, Ordering::AcqRel) & WOKEN != 0;
+            // A ready result's wakes are not lost: whatever comes of it (the
+            // response, a body's frame) has its holder poll the connection again.
+            if result.is_ready() || !woken {
+                return result;
+            }
+        }
+    }
+
+    /// Runs `hand`, which gives the connection something, without waking the
+    /// task: the caller polls the connection next.
+    fn hand<T>(&mut self, hand: impl FnOnce(&mut Link) -> T) -> T {
+        self.wakes.state.store(POLLING, Ordering::Release);
+        let handed = hand(&mut self.link);
+        self.wakes.state.store(0, Ordering::Release);
+        handed
     }
 }
 
@@ -196,7 +281,7 @@ impl Pool {
     /// worker that left gets no more requests to do it at, and its address
     /// may never come back.
     fn put(&self, base_url: &str, conn: Box<Conn>) {
-        if conn.closed || conn.send.is_closed() {
+        if conn.link.closed || conn.link.send.is_closed() {
             return;
         }
         let now = Instant::now();
@@ -262,7 +347,7 @@ impl Upstream {
         let (send, driver) = http1::handshake(io)
             .await
             .map_err(|e| Failure::Connect(format!("{e:?}")))?;
-        Ok(Box::new(Conn {
+        Ok(Conn::new(Link {
             send,
             driver,
             closed: false,
@@ -299,7 +384,7 @@ impl Upstream {
             let reused = idle.is_some();
             let mut conn = match idle.take() {
                 Some(mut conn) => {
-                    if !poll_fn(|cx| Poll::Ready(conn.usable(cx))).await {
+                    if !poll_fn(|cx| conn.poll(cx, |link, cx| Poll::Ready(link.usable(cx)))).await {
                         idle = self.pool.take(base_url).map_err(Failure::Connect)?.1;
                         continue;
                     }
@@ -308,10 +393,13 @@ impl Upstream {
                 // Boxed: rare, and its future would make every request's larger.
                 None => Box::pin(self.connect(&target)).await?,
             };
-            let mut response = std::pin::pin!(conn.send.try_send_request(request));
+            let response = conn.hand(|link| link.send.try_send_request(request));
+            let mut response = std::pin::pin!(response);
             let result = poll_fn(|cx| {
-                conn.drive(cx);
-                response.as_mut().poll(cx)
+                conn.poll(cx, |link, cx| {
+                    link.drive(cx);
+                    response.as_mut().poll(cx)
+                })
             })
             .await;
             match result {
@@ -417,17 +505,25 @@ impl WorkerBody {
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        // What the connection already read comes first; only then is it
-        // driven to read more.
-        let mut frame = Pin::new(&mut self.body).poll_frame(cx);
-        if frame.is_pending() {
-            if let Some(conn) = self.conn.as_mut()
-                && conn.drive(cx)
-            {
-                self.conn = None;
+        let body = &mut self.body;
+        let frame = match self.conn.as_mut() {
+            // What the connection already read comes first; only then is it
+            // driven to read more.
+            Some(conn) => {
+                let frame = conn.poll(cx, |link, cx| match Pin::new(&mut *body).poll_frame(cx) {
+                    Poll::Pending => {
+                        link.drive(cx);
+                        Pin::new(&mut *body).poll_frame(cx)
+                    }
+                    frame => frame,
+                });
+                if conn.link.closed {
+                    self.conn = None;
+                }
+                frame
             }
-            frame = Pin::new(&mut self.body).poll_frame(cx);
-        }
+            None => Pin::new(body).poll_frame(cx),
+        };
         match &frame {
             Poll::Ready(None) => self.release(),
             Poll::Ready(Some(Ok(_))) if self.body.is_end_stream() => self.release(),
@@ -503,11 +599,18 @@ impl Body for WorkerBody {
 }
 
 /// Response headers that describe the worker's connection, not the response.
+/// Looked for before any is removed: a small response has a few headers and
+/// none of these, and each removal is a hash lookup.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
-        headers.remove(name);
+    let hop_by_hop = |name: &HeaderName| {
+        name == header::CONNECTION || name == header::TRANSFER_ENCODING || name == "keep-alive"
+    };
+    if headers.keys().any(hop_by_hop) {
+        for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
+            headers.remove(name);
+        }
+        headers.remove("keep-alive");
     }
-    headers.remove("keep-alive");
 }
 
 /// What a proxied response keeps until it ends: the blocks its worker uses stay
@@ -833,6 +936,19 @@ mod tests {
         (url, writes, acks)
     }
 
+    #[test]
+    fn hop_by_hop_response_headers_are_stripped_and_the_rest_kept() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", "application/json".parse().unwrap());
+        super::strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        for name in ["connection", "transfer-encoding", "keep-alive"] {
+            headers.insert(name, "x".parse().unwrap());
+        }
+        super::strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.keys().collect::<Vec<_>>(), ["content-type"]);
+    }
+
     #[tokio::test]
     async fn chunks_that_arrive_together_go_on_as_one_frame_and_a_lone_one_at_once() {
         let (url, writes, mut written) = scripted_worker().await;
@@ -881,6 +997,54 @@ mod tests {
             .unwrap();
         assert!(response.status().is_success());
         response.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    /// A future's output and how many wakes it gave its own task while that
+    /// task was polling it: each would have the runtime poll the task again
+    /// for nothing. Wakes are passed on, so nothing waits for ever.
+    async fn with_self_wakes<F: std::future::Future>(future: F) -> (F::Output, usize) {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::task::{Context, Wake, Waker};
+
+        #[derive(Default)]
+        struct Counter {
+            polling: AtomicBool,
+            self_wakes: AtomicUsize,
+            task: futures_util::task::AtomicWaker,
+        }
+        impl Wake for Counter {
+            fn wake(self: Arc<Self>) {
+                self.wake_by_ref();
+            }
+            fn wake_by_ref(self: &Arc<Self>) {
+                if self.polling.load(Ordering::SeqCst) {
+                    self.self_wakes.fetch_add(1, Ordering::SeqCst);
+                }
+                self.task.wake();
+            }
+        }
+        let counter = Arc::new(Counter::default());
+        let waker = Waker::from(Arc::clone(&counter));
+        let mut future = std::pin::pin!(future);
+        let output = std::future::poll_fn(|cx| {
+            counter.task.register(cx.waker());
+            counter.polling.store(true, Ordering::SeqCst);
+            let poll = future.as_mut().poll(&mut Context::from_waker(&waker));
+            counter.polling.store(false, Ordering::SeqCst);
+            poll
+        })
+        .await;
+        (output, counter.self_wakes.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn a_request_on_a_kept_connection_wakes_its_task_only_for_the_network() {
+        let (url, _events) = raw_worker(false).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        assert_eq!(post(&upstream, &url).await, "ok");
+        let (body, self_wakes) = with_self_wakes(post(&upstream, &url)).await;
+        assert_eq!(body, "ok");
+        assert_eq!(self_wakes, 0, "hyper's hand-overs woke the polling task");
     }
 
     #[tokio::test]
