@@ -154,12 +154,20 @@ fn check_all(index: &KvIndex, model: &Model, paths: &[Vec<u64>]) -> Result<(), T
 }
 
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    run_after_fillers(ops, 0)
+    run_after_fillers(ops, 0, false)
+}
+
+/// [`run`] with each run of one worker's consecutive events applied in one
+/// [`KvIndex::with_worker`], as its stream's message would bring them: every
+/// outcome and the state after the run are the model's, event by event.
+fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_after_fillers(ops, 0, true)
 }
 
 /// [`run`] after `fillers` workers that hold nothing took the first interned
-/// indices, so the four workers under test get the indices after them.
-fn run_after_fillers(ops: Vec<Op>, fillers: u64) -> Result<(), TestCaseError> {
+/// indices, so the four workers under test get the indices after them;
+/// `batched` as in [`run_batched`].
+fn run_after_fillers(ops: Vec<Op>, fillers: u64, batched: bool) -> Result<(), TestCaseError> {
     let index = KvIndex::new(IndexConfig::default());
     let mut model = Model::default();
     for f in 0..fillers {
@@ -172,49 +180,6 @@ fn run_after_fillers(ops: Vec<Op>, fillers: u64) -> Result<(), TestCaseError> {
         };
         prop_assert_eq!(index.apply(key, &event), model.apply(key, &event));
     }
-    let paths = probe_paths();
-    for op in ops {
-        match op {
-            Op::Event {
-                worker: w,
-                id_step,
-                kind,
-            } => {
-                let key = worker(w);
-                let event_id = match (model.last_event_id(key), id_step) {
-                    (None, _) => 5,
-                    (Some(l), 0) => l,
-                    (Some(l), step) => l + u64::from(step),
-                };
-                let event = KvEvent { event_id, kind };
-                prop_assert_eq!(index.apply(key, &event), model.apply(key, &event));
-            }
-            Op::RemoveWorker(w) => {
-                index.remove_worker(worker(w));
-                model.remove_worker(worker(w));
-            }
-            Op::Resync { from, to } => {
-                if let Some(dump) = index.dump(worker(from)) {
-                    let last = dump.last_event_id.unwrap_or(0);
-                    index.replace_worker(worker(to), last, &dump.events);
-                    model.replace_worker(worker(to), last, &dump.events);
-                }
-            }
-            Op::Lookup(path) => {
-                prop_assert_eq!(sorted(index.find_matches(&path)), model.find_matches(&path));
-            }
-        }
-        check_all(&index, &model, &paths)?;
-    }
-    Ok(())
-}
-
-/// [`run`] with each run of one worker's consecutive events applied in one
-/// [`KvIndex::with_worker`], as its stream's message would bring them: every
-/// outcome and the state after the run are the model's, event by event.
-fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let index = KvIndex::new(IndexConfig::default());
-    let mut model = Model::default();
     let paths = probe_paths();
     let mut ops = ops.into_iter().peekable();
     while let Some(op) = ops.next() {
@@ -236,15 +201,19 @@ fn run_batched(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let event = KvEvent { event_id, kind };
                     expected.push(model.apply(key, &event));
                     events.push(event);
-                    if let Some(Op::Event { worker: n, .. }) = ops.peek()
+                    if batched
+                        && let Some(Op::Event { worker: n, .. }) = ops.peek()
                         && *n == w
                         && let Some(Op::Event { id_step, kind, .. }) = ops.next()
                     {
                         next = Some((id_step, kind));
                     }
                 }
-                let outcomes: Vec<_> =
-                    index.with_worker(key, |w| events.iter().map(|e| w.apply(e)).collect());
+                let outcomes: Vec<_> = if batched {
+                    index.with_worker(key, |w| events.iter().map(|e| w.apply(e)).collect())
+                } else {
+                    events.iter().map(|e| index.apply(key, e)).collect()
+                };
                 prop_assert_eq!(outcomes, expected);
             }
             Op::RemoveWorker(w) => {
@@ -385,7 +354,7 @@ proptest! {
     /// between them as workers come and go.
     #[test]
     fn index_matches_model_across_holder_forms(ops in prop::collection::vec(op_strategy(), 1..40)) {
-        run_after_fillers(ops, 61)?;
+        run_after_fillers(ops, 61, false)?;
     }
 
     #[test]
