@@ -201,22 +201,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// inserts use [`Self::prefetch_insert`].
     #[inline]
     pub fn prefetch_probe(&self, key: u64) {
-        if self.slots.is_empty() {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            let slot: *const i8 = self.slots[self.home(key)..].as_ptr().cast();
-            // SAFETY: SSE is part of x86_64's baseline; a prefetch is a hint
-            // that reads nothing architecturally and cannot fault. The second
-            // address may lie past the table, where it does nothing (it is
-            // never read).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(slot);
-                _mm_prefetch::<_MM_HINT_T0>(slot.wrapping_add(64));
-            }
-        }
+        self.prefetch_lines(key, 2);
     }
 
     /// Starts bringing [`INSERT_LINES`] cache lines from `key`'s home slot
@@ -227,6 +212,13 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// one after another (DESIGN.md, "Ingest at 1,024 workers").
     #[inline]
     pub fn prefetch_insert(&self, key: u64) {
+        self.prefetch_lines(key, INSERT_LINES);
+    }
+
+    /// Starts bringing `lines` cache lines from `key`'s home slot on into the
+    /// cache.
+    #[inline]
+    fn prefetch_lines(&self, key: u64, lines: usize) {
         if self.slots.is_empty() {
             return;
         }
@@ -234,9 +226,12 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
             let slot: *const i8 = self.slots[self.home(key)..].as_ptr().cast();
-            // SAFETY: as in `prefetch_probe`.
+            // SAFETY: SSE is part of x86_64's baseline; a prefetch is a hint
+            // that reads nothing architecturally and cannot fault. The later
+            // addresses may lie past the table, where it does nothing (they
+            // are never read).
             unsafe {
-                for line in 0..INSERT_LINES {
+                for line in 0..lines {
                     _mm_prefetch::<_MM_HINT_T0>(slot.wrapping_add(64 * line));
                 }
             }
