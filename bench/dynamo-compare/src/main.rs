@@ -86,6 +86,14 @@ struct Args {
     replay_threads: usize,
 }
 
+/// `text` as a count of at least one, else an error naming `flag`.
+fn positive(flag: &str, text: String) -> Result<usize, String> {
+    text.parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or(format!("{flag} must be a positive integer"))
+}
+
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         trace: PathBuf::from(concat!(
@@ -107,20 +115,10 @@ fn parse_args() -> Result<Args, String> {
                 args.rounds = 1;
                 args.requests = Some(2_000);
             }
-            "--rounds" => {
-                args.rounds = value("--rounds")?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--rounds must be a positive integer")?;
-            }
+            "--rounds" => args.rounds = positive("--rounds", value("--rounds")?)?,
             "--threads" => args.threads = true,
             "--replay-threads" => {
-                args.replay_threads = value("--replay-threads")?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--replay-threads must be a positive integer")?;
+                args.replay_threads = positive("--replay-threads", value("--replay-threads")?)?;
             }
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),

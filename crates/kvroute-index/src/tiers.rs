@@ -127,25 +127,24 @@ impl TieredIndex {
             }
             return outcome;
         }
-        let applied = |outcome| matches!(outcome, ApplyOutcome::Applied { .. });
         match tier {
-            Tier::Device => {
-                offload.let_limit_go();
-                let outcome = device.apply(event);
-                if applied(outcome) {
-                    offload.skip(event.event_id);
-                }
-                outcome
-            }
-            Tier::Offload => {
-                device.let_limit_go();
-                let outcome = offload.apply(event);
-                if applied(outcome) {
-                    device.skip(event.event_id);
-                }
-                outcome
-            }
+            Tier::Device => Self::apply_on(device, offload, event),
+            Tier::Offload => Self::apply_on(offload, device, event),
         }
+    }
+
+    /// `event` applied on the tier `on`, its id taken in sequence by `other`.
+    fn apply_on(
+        on: &mut WorkerEvents<'_>,
+        other: &mut WorkerEvents<'_>,
+        event: &KvEvent,
+    ) -> ApplyOutcome {
+        other.let_limit_go();
+        let outcome = on.apply(event);
+        if matches!(outcome, ApplyOutcome::Applied { .. }) {
+            other.skip(event.event_id);
+        }
+        outcome
     }
 
     /// Replaces both tiers of `worker` with a dump as of `last_event_id`;
