@@ -215,6 +215,24 @@ struct WorkerState {
     counters: Counters,
 }
 
+impl WorkerState {
+    /// Takes `event_id` as the worker's latest if it is the next one (or the
+    /// first seen); else says why not, changing nothing.
+    fn take_in_sequence(&mut self, event_id: u64) -> Result<(), ApplyOutcome> {
+        match self.last_event_id {
+            Some(last) if event_id <= last => Err(ApplyOutcome::Stale { last_applied: last }),
+            Some(last) if event_id > last + 1 => Err(ApplyOutcome::Gap {
+                expected: last + 1,
+                got: event_id,
+            }),
+            _ => {
+                self.last_event_id = Some(event_id);
+                Ok(())
+            }
+        }
+    }
+}
+
 type EngineMap = FlatMap<BlockRef>;
 
 /// Blocks a dump stores, a replaced state releases or an eviction after a dump
@@ -407,19 +425,12 @@ impl WorkerEvents<'_> {
 
     /// [`KvIndex::skip`] of one event id.
     pub fn skip(&mut self, event_id: u64) -> ApplyOutcome {
-        match self.state.last_event_id {
-            Some(last) if event_id <= last => ApplyOutcome::Stale { last_applied: last },
-            Some(last) if event_id > last + 1 => ApplyOutcome::Gap {
-                expected: last + 1,
-                got: event_id,
+        match self.state.take_in_sequence(event_id) {
+            Err(out_of_sequence) => out_of_sequence,
+            Ok(()) => ApplyOutcome::Applied {
+                rejected_blocks: 0,
+                unknown_removals: 0,
             },
-            _ => {
-                self.state.last_event_id = Some(event_id);
-                ApplyOutcome::Applied {
-                    rejected_blocks: 0,
-                    unknown_removals: 0,
-                }
-            }
         }
     }
 }
@@ -518,14 +529,9 @@ impl KvIndex {
         eviction: &mut Option<MutexGuard<'a, Eviction>>,
         event: &KvEvent,
     ) -> ApplyOutcome {
-        let outcome = match state.last_event_id {
-            Some(last) if event.event_id <= last => ApplyOutcome::Stale { last_applied: last },
-            Some(last) if event.event_id > last + 1 => ApplyOutcome::Gap {
-                expected: last + 1,
-                got: event.event_id,
-            },
-            _ => {
-                state.last_event_id = Some(event.event_id);
+        let outcome = match state.take_in_sequence(event.event_id) {
+            Err(out_of_sequence) => out_of_sequence,
+            Ok(()) => {
                 if eviction.is_none() {
                     *eviction = self.lock_eviction();
                 }
