@@ -290,25 +290,30 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn the_first_byte_timeout_fires_after_the_estimate_released_the_prefill() {
+    /// Waits for a worker that never answers, from [`booked_with_estimate`],
+    /// with `first_byte_timeout`: the answer, the time it took and the
+    /// prefill still booked after.
+    async fn silent_worker(first_byte_timeout: Duration) -> (Result<(), Failure>, Duration, u64) {
         let (registry, mut booking) = booked_with_estimate();
         let started = tokio::time::Instant::now();
         let silent = std::pin::pin!(answers_after(Duration::from_secs(3600)));
-        let answer = until_response(silent, &mut booking, Duration::from_secs(2)).await;
+        let answer = until_response(silent, &mut booking, first_byte_timeout).await;
+        (answer, started.elapsed(), booked_prefill(&registry))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_byte_timeout_fires_after_the_estimate_released_the_prefill() {
+        let (answer, waited, booked) = silent_worker(Duration::from_secs(2)).await;
         assert!(matches!(answer, Err(Failure::Timeout)), "{answer:?}");
-        assert_eq!(started.elapsed(), Duration::from_secs(2));
-        assert_eq!(booked_prefill(&registry), 0, "released at the estimate");
+        assert_eq!(waited, Duration::from_secs(2));
+        assert_eq!(booked, 0, "released at the estimate");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_timeout_before_the_estimate_fires_at_the_timeout() {
-        let (registry, mut booking) = booked_with_estimate();
-        let started = tokio::time::Instant::now();
-        let silent = std::pin::pin!(answers_after(Duration::from_secs(3600)));
-        let answer = until_response(silent, &mut booking, Duration::from_millis(50)).await;
+        let (answer, waited, booked) = silent_worker(Duration::from_millis(50)).await;
         assert!(matches!(answer, Err(Failure::Timeout)), "{answer:?}");
-        assert_eq!(started.elapsed(), Duration::from_millis(50));
-        assert_eq!(booked_prefill(&registry), 200, "the estimate never came");
+        assert_eq!(waited, Duration::from_millis(50));
+        assert_eq!(booked, 200, "the estimate never came");
     }
 }
