@@ -46,7 +46,10 @@ async fn event_overlaps(router: &RouterProcess, prompt: &[u32]) -> Vec<(u64, u64
     scores(router, prompt, "event_overlap_blocks").await
 }
 
-/// Worker → `field` of its score in `router`'s dry run of `prompt`.
+/// Worker → `field` of its score in `router`'s dry run of `prompt`, for the
+/// workers where it is not 0. Which unmatched workers a dry run costs at all
+/// follows that replica's own load order (its requests in flight), so only
+/// the matched ones are the same everywhere.
 async fn scores(router: &RouterProcess, prompt: &[u32], field: &str) -> Vec<(u64, u64)> {
     let answer = Http::default()
         .post(
@@ -60,6 +63,7 @@ async fn scores(router: &RouterProcess, prompt: &[u32], field: &str) -> Vec<(u64
         .unwrap_or_else(|| panic!("no scores in {answer}"))
         .iter()
         .map(|s: &Value| (s["worker_id"].as_u64().unwrap(), s[field].as_u64().unwrap()))
+        .filter(|&(_, blocks)| blocks > 0)
         .collect();
     overlaps.sort_unstable();
     overlaps
@@ -87,7 +91,7 @@ async fn every_replica_routes_with_the_same_overlaps_as_the_fleet_caches() {
     every_replica_indexes_every_cache(&routers, &sim).await;
     for prompt in &prompts {
         let first = overlaps(&routers[0], prompt).await;
-        assert!(first.iter().any(|&(_, o)| o > 0), "{first:?}");
+        assert!(!first.is_empty(), "the prompt overlaps no cache");
         for router in &routers[1..] {
             assert_eq!(overlaps(router, prompt).await, first);
         }
@@ -463,7 +467,7 @@ async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with
     let mut matched = 0;
     for prompt in prompts.iter().step_by(10) {
         let first = event_overlaps(&routers[0], prompt).await;
-        matched += first.iter().filter(|&&(_, o)| o > 0).count();
+        matched += first.len();
         for router in &routers[1..] {
             assert_eq!(event_overlaps(router, prompt).await, first);
         }
