@@ -108,6 +108,14 @@ impl<V> Slot<V> {
     }
 }
 
+/// How many slots on from `from` `to` is, in a table of `len` slots
+/// (cyclically).
+#[inline]
+fn distance(from: usize, to: usize, len: usize) -> usize {
+    let d = to.wrapping_sub(from);
+    if to < from { d.wrapping_add(len) } else { d }
+}
+
 /// The halves of a key.
 #[inline]
 fn halves(key: u64) -> [u32; 2] {
@@ -325,21 +333,25 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// Removes the entry in slot `at`; returns its value.
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
-        // Moves back the slots after the hole that probed past it.
+        let len = self.slots.len();
+        // Moves back the slots after the hole that probed past it, to the end
+        // of the cluster. An entry may fill the hole iff it is at least as far
+        // from its home as from the hole (its home is not cyclically in
+        // (hole, next]: moving it would put it before its home). Chosen and
+        // copied without a branch (a slot moved to itself when it may not):
+        // whether a slot of a table 0.7–0.85 full may move is a coin the
+        // predictor loses often, and those branches were most of a removal's
+        // cost (DESIGN.md, "Ingest under churn").
         let (mut hole, mut next) = (at, self.next(at));
-        while self.slots[next].key() != EMPTY {
-            let home = self.home(self.slots[next].key());
-            // The slot may fill the hole iff its home is not cyclically in
-            // (hole, next]: otherwise moving it would put it before its home.
-            let movable = if hole < next {
-                home <= hole || home > next
-            } else {
-                home <= hole && home > next
-            };
-            if movable {
-                self.slots[hole] = self.slots[next];
-                hole = next;
+        loop {
+            let key = self.slots[next].key();
+            if key == EMPTY {
+                break;
             }
+            let movable = distance(self.home(key), next, len) >= distance(hole, next, len);
+            let from = std::hint::select_unpredictable(movable, next, hole);
+            self.slots[hole] = self.slots[from];
+            hole = from;
             next = self.next(next);
         }
         self.slots[hole].set_key(EMPTY);
