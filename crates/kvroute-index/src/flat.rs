@@ -501,22 +501,7 @@ mod tests {
             crowd in 0..3u32,
             lengths in prop::collection::vec(0..2_000usize, 1..6),
         ) {
-            // The key whose hash (what picks the home) is `hash`.
-            let inverse = (0..5).fold(HASH_MUL, |inv: u64, _| {
-                inv.wrapping_mul(2u64.wrapping_sub(HASH_MUL.wrapping_mul(inv)))
-            });
-            let keys: std::collections::BTreeSet<u64> = hashes
-                .into_iter()
-                .map(|h| match crowd {
-                    0 => h,
-                    // Near a few hashes: the first homes, the middle, and the
-                    // last ones, whose clusters wrap.
-                    _ => [0, u64::MAX / 2, u64::MAX - (1 << 20)][(h % 3) as usize]
-                        .wrapping_add(h >> (40 + 8 * crowd)),
-                })
-                .map(|h| h.wrapping_mul(inverse))
-                .filter(|&k| k != EMPTY)
-                .collect();
+            let keys = crowded_keys(hashes, crowd);
             let mut map = FlatMap::<u64>::default();
             for &key in &keys {
                 map.insert(key, !key);
@@ -531,6 +516,60 @@ mod tests {
                 prop_assert_eq!(map.iter().count(), keys.len());
             }
         }
+    }
+
+    proptest! {
+        /// Removals in any order from clusters crowded into a few homes (long
+        /// clusters, some wrapping past the table's end) or spread leave
+        /// exactly the other keys findable, each with its value: the backward
+        /// shift moves back every entry that may move, and none before its
+        /// home.
+        #[test]
+        fn removals_keep_every_other_entry(
+            hashes in prop::collection::btree_set(any::<u64>(), 1..300),
+            crowd in 0..3u32,
+            order in any::<u64>(),
+        ) {
+            let keys = crowded_keys(hashes, crowd);
+            let mut map = FlatMap::<u64>::default();
+            for &key in &keys {
+                map.insert(key, !key);
+            }
+            let mut left: Vec<u64> = keys.into_iter().collect();
+            // A removal order of the keys, picked by `order`.
+            left.sort_by_key(|&k| (k ^ order).wrapping_mul(0x2545_F491_4F6C_DD1D));
+            while let Some(key) = left.pop() {
+                prop_assert_eq!(map.remove(key), Some(!key));
+                prop_assert_eq!(map.get(key), None);
+                for &other in &left {
+                    prop_assert_eq!(map.get(other), Some(&!other));
+                }
+                prop_assert_eq!(map.len(), left.len());
+            }
+        }
+    }
+
+    /// Keys whose hashes (what picks their homes) are `hashes`, crowded near a
+    /// few: the first homes, the middle, and the last ones, whose clusters
+    /// wrap (`crowd` 1 or 2, closer with 2); or spread (`crowd` 0).
+    fn crowded_keys(
+        hashes: std::collections::BTreeSet<u64>,
+        crowd: u32,
+    ) -> std::collections::BTreeSet<u64> {
+        // The key whose hash is `hash`.
+        let inverse = (0..5).fold(HASH_MUL, |inv: u64, _| {
+            inv.wrapping_mul(2u64.wrapping_sub(HASH_MUL.wrapping_mul(inv)))
+        });
+        hashes
+            .into_iter()
+            .map(|h| match crowd {
+                0 => h,
+                _ => [0, u64::MAX / 2, u64::MAX - (1 << 20)][(h % 3) as usize]
+                    .wrapping_add(h >> (40 + 8 * crowd)),
+            })
+            .map(|h| h.wrapping_mul(inverse))
+            .filter(|&k| k != EMPTY)
+            .collect()
     }
 
     fn against_a_map<const FLOOR: usize>(ops: &[(u8, u64)]) -> Result<(), TestCaseError> {
