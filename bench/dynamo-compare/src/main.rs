@@ -1,7 +1,8 @@
 //! dynamo-compare: kvroute's index against NVIDIA Dynamo's production index
 //! (`dynamo-kv-router`, `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with
 //! two event threads) on the same timelines, in alternating runs, with the
-//! ratios printed. A dashmap-backed variant of kvroute's table runs beside them.
+//! ratios printed. A dashmap-backed variant of kvroute's table runs beside them,
+//! and kvroute's index bounded as the router runs it (`kvroute-bounded`).
 //!
 //! Timelines come from kvroute-index's own [`kvroute_index::timeline`] (a fleet
 //! of LRU block pools fed by a Mooncake trace), so this harness and
@@ -56,17 +57,34 @@ enum Indexer {
     Kvroute,
     Dynamo,
     Dashmap,
+    /// kvroute's index with the router's default `index.max_blocks`, as
+    /// operators run it: its LRU order is kept on every store and removal.
+    KvrouteBounded,
 }
 
+/// The router's default `index.max_blocks` (crates/kvroute-router's config).
+const ROUTER_MAX_BLOCKS: usize = 32 << 20;
+
 impl Indexer {
-    const ALL: [Indexer; 3] = [Indexer::Kvroute, Indexer::Dynamo, Indexer::Dashmap];
+    const ALL: [Indexer; 4] = [
+        Indexer::Kvroute,
+        Indexer::Dynamo,
+        Indexer::Dashmap,
+        Indexer::KvrouteBounded,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Indexer::Kvroute => "kvroute",
             Indexer::Dynamo => "dynamo",
             Indexer::Dashmap => "dashmap",
+            Indexer::KvrouteBounded => "kvroute-bounded",
         }
+    }
+
+    /// Whether it is kvroute's own index (bounded or not).
+    fn is_kvroute(self) -> bool {
+        matches!(self, Indexer::Kvroute | Indexer::KvrouteBounded)
     }
 }
 
@@ -76,7 +94,7 @@ struct Args {
     /// Requests of the trace used (all unless quick).
     requests: Option<usize>,
     only: Option<String>,
-    /// The indexes run (all three unless `--index`, for profiling one).
+    /// The indexes run (all four unless `--index`, for profiling one).
     indexers: Vec<Indexer>,
     /// Print each replay thread's user and system CPU, page faults and
     /// context switches (`--threads`): where a replay's CPU went.
@@ -127,12 +145,12 @@ fn parse_args() -> Result<Args, String> {
                 let indexer = Indexer::ALL
                     .into_iter()
                     .find(|i| i.name() == name)
-                    .ok_or("--index must be kvroute, dynamo or dashmap")?;
+                    .ok_or("--index must be kvroute, dynamo, dashmap or kvroute-bounded")?;
                 args.indexers = vec![indexer];
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap] [--threads] [--replay-threads N]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap|kvroute-bounded] [--threads] [--replay-threads N]"
                 ));
             }
         }
@@ -227,12 +245,12 @@ fn compare(runtime: &tokio::runtime::Runtime, requests: &[Vec<u64>], workers: us
     }
 
     println!(
-        "{:<8} {:>12} {:>14} {:>9} {:>9} {:>9}",
+        "{:<15} {:>12} {:>14} {:>9} {:>9} {:>9}",
         "index", "ops/s", "ops/CPU-s", "p50 us", "p99 us", "p999 us"
     );
     for (indexer, t) in indexers.iter().zip(&results) {
         println!(
-            "{:<8} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}   ({} of {} lookups preempted, left out)",
+            "{:<15} {:>12.0} {:>14.0} {:>9.2} {:>9.2} {:>9.2}   ({} of {} lookups preempted, left out)",
             indexer.name(),
             t.ops_per_s(),
             t.ops_per_cpu_s(),
@@ -254,29 +272,40 @@ fn compare(runtime: &tokio::runtime::Runtime, requests: &[Vec<u64>], workers: us
                 .join(", ")
         );
     }
-    let [k, d, m] = &results[..] else {
-        return;
-    };
-    println!(
-        "ratios kvroute/dynamo: ops/s {:.2}x, ops/CPU-s {:.2}x, p50 {:.2}, p99 {:.2}, p999 {:.2}, memory {} (lower is better except ops)",
-        k.ops_per_s() / d.ops_per_s(),
-        k.ops_per_cpu_s() / d.ops_per_cpu_s(),
-        k.us(0.5) / d.us(0.5),
-        k.us(0.99) / d.us(0.99),
-        k.us(0.999) / d.us(0.999),
-        memory
-            .iter()
-            .map(|(name, per)| format!("{:.2} ({name})", per[0] / per[1]))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!(
-        "ratios dashmap/kvroute: ops/s {:.2}x, ops/CPU-s {:.2}x, p99 {:.2}, memory {:.2}",
-        m.ops_per_s() / k.ops_per_s(),
-        m.ops_per_cpu_s() / k.ops_per_cpu_s(),
-        m.us(0.99) / k.us(0.99),
-        memory[0].1[2] / memory[0].1[0]
-    );
+    // Where each index's results and memory are, if it ran.
+    let at = |indexer| indexers.iter().position(|&x| x == indexer);
+    if let Some(d) = at(Indexer::Dynamo) {
+        for kvroute in [Indexer::Kvroute, Indexer::KvrouteBounded] {
+            let Some(k) = at(kvroute) else {
+                continue;
+            };
+            let (kr, dr) = (&results[k], &results[d]);
+            println!(
+                "ratios {}/dynamo: ops/s {:.2}x, ops/CPU-s {:.2}x, p50 {:.2}, p99 {:.2}, p999 {:.2}, memory {} (lower is better except ops)",
+                kvroute.name(),
+                kr.ops_per_s() / dr.ops_per_s(),
+                kr.ops_per_cpu_s() / dr.ops_per_cpu_s(),
+                kr.us(0.5) / dr.us(0.5),
+                kr.us(0.99) / dr.us(0.99),
+                kr.us(0.999) / dr.us(0.999),
+                memory
+                    .iter()
+                    .map(|(name, per)| format!("{:.2} ({name})", per[k] / per[d]))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    if let (Some(k), Some(m)) = (at(Indexer::Kvroute), at(Indexer::Dashmap)) {
+        let (kr, mr) = (&results[k], &results[m]);
+        println!(
+            "ratios dashmap/kvroute: ops/s {:.2}x, ops/CPU-s {:.2}x, p99 {:.2}, memory {:.2}",
+            mr.ops_per_s() / kr.ops_per_s(),
+            mr.ops_per_cpu_s() / kr.ops_per_cpu_s(),
+            mr.us(0.99) / kr.us(0.99),
+            memory[0].1[m] / memory[0].1[k]
+        );
+    }
 }
 
 /// Every request of the trace stored on every one of `workers` workers, so
@@ -546,7 +575,7 @@ fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_
         let thread = match op {
             TimelineOp::Event { worker, event } => {
                 let thread = worker.worker_id as usize % threads;
-                if indexer == Indexer::Kvroute {
+                if indexer.is_kvroute() {
                     if run == Some(*worker)
                         && let Some(Op::Events(_, events)) = shares[thread].last_mut()
                     {
@@ -586,6 +615,9 @@ impl Live {
     fn new(indexer: Indexer) -> Live {
         match indexer {
             Indexer::Kvroute => Live::Kvroute(Box::new(KvIndex::new(IndexConfig::default()))),
+            Indexer::KvrouteBounded => Live::Kvroute(Box::new(KvIndex::new(IndexConfig {
+                max_blocks: Some(ROUTER_MAX_BLOCKS),
+            }))),
             Indexer::Dynamo => Live::Dynamo(ThreadPoolIndexer::new(
                 ConcurrentRadixTreeCompressed::new(),
                 THREADS,
