@@ -22,6 +22,7 @@
 //! to apply them all itself (64 Ki moves, 3–12 ms).
 
 use std::collections::VecDeque;
+use std::collections::hash_map::Entry;
 
 use crate::table::{NO_PARENT, SeqMap, map_bytes};
 
@@ -54,6 +55,12 @@ pub(crate) struct Lru {
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
     pending: VecDeque<u64>,
+    /// The blocks inserted since the last touch or removal, with their
+    /// nodes, in order: a stored chain's blocks are inserted, each the
+    /// parent of the next, and then touched, so these name the parent of
+    /// the next insert and the nodes of the touch without probing the index
+    /// again. Emptied by any removal (a node may be freed and reused).
+    inserted: Vec<(u64, u32)>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -80,16 +87,21 @@ impl Lru {
     pub fn heap_bytes(&self) -> u64 {
         (self.nodes.capacity() * size_of::<Node>()
             + self.free.capacity() * 4
-            + self.pending.capacity() * 8) as u64
+            + self.pending.capacity() * 8
+            + self.inserted.capacity() * size_of::<(u64, u32)>()) as u64
             + map_bytes(&self.index)
     }
 
     /// Adds a block as the newest; no-op if present.
     pub fn insert(&mut self, seq: u64, parent: u64) {
         self.apply_pending();
-        if self.index.contains_key(&seq) {
-            return;
-        }
+        // The node a new block gets; the index is probed once, for both
+        // whether the block is present and where it goes.
+        let id = self.free.last().copied().unwrap_or(self.nodes.len() as u32);
+        match self.index.entry(seq) {
+            Entry::Occupied(_) => return,
+            Entry::Vacant(vacant) => vacant.insert(id),
+        };
         let node = Node {
             seq,
             parent,
@@ -98,26 +110,26 @@ impl Lru {
             children: 0,
             pins: 0,
         };
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.nodes[id as usize] = node;
-                id
-            }
-            None => {
-                self.nodes.push(node);
-                self.nodes.len() as u32 - 1
-            }
-        };
-        self.index.insert(seq, id);
+        match self.free.pop() {
+            Some(_) => self.nodes[id as usize] = node,
+            None => self.nodes.push(node),
+        }
         self.push_head(id);
-        if let Some(&p) = self.index.get(&parent).filter(|_| parent != NO_PARENT) {
+        let parent_node = match self.inserted.last() {
+            _ if parent == NO_PARENT => None,
+            Some(&(last, p)) if last == parent => Some(p),
+            _ => self.index.get(&parent).copied(),
+        };
+        if let Some(p) = parent_node {
             self.nodes[p as usize].children += 1;
         }
+        self.inserted.push((seq, id));
     }
 
     /// Forgets a block (nobody holds it any more).
     pub fn remove(&mut self, seq: u64) {
         self.apply_pending();
+        self.inserted.clear();
         if let Some(id) = self.index.remove(&seq) {
             self.unlink(id);
             let parent = self.nodes[id as usize].parent;
@@ -134,9 +146,20 @@ impl Lru {
     /// Marks a path (block keys from the root) as just used: root newest.
     pub fn touch(&mut self, path: &[u64]) {
         self.apply_pending();
+        // The blocks inserted since are a subsequence of the path, in order.
+        let mut inserted = std::mem::take(&mut self.inserted);
         for &seq in path.iter().rev() {
-            self.move_to_head(seq);
+            match inserted.last() {
+                Some(&(last, id)) if last == seq => {
+                    inserted.pop();
+                    self.unlink(id);
+                    self.push_head(id);
+                }
+                _ => self.move_to_head(seq),
+            }
         }
+        inserted.clear();
+        self.inserted = inserted;
     }
 
     /// Takes over touches written down elsewhere, in order (each path leaf
@@ -377,6 +400,130 @@ mod tests {
                 }
             }
             proptest::prop_assert_eq!(evict(&mut lru, 100), model.into_iter().rev().collect::<Vec<_>>());
+        }
+    }
+
+    /// An operation on a tree of blocks 1..16, block `k`'s parent `k / 2`.
+    #[derive(Clone, Debug)]
+    enum TreeOp {
+        /// A stored chain: the path from the root to `k` inserted, root
+        /// first, then touched.
+        Store(u64),
+        /// `k` alone inserted (if its parent is present), not touched.
+        Insert(u64),
+        /// `k` removed if it is a leaf (an engine evicts leaves first).
+        RemoveLeaf(u64),
+        Touch(u64),
+        Pin(u64, i32),
+        Evict,
+    }
+
+    fn tree_op() -> impl proptest::strategy::Strategy<Value = TreeOp> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (1..16u64).prop_map(TreeOp::Store),
+            (1..16u64).prop_map(TreeOp::Insert),
+            (1..16u64).prop_map(TreeOp::RemoveLeaf),
+            (1..16u64).prop_map(TreeOp::Touch),
+            (1..16u64, prop_oneof![Just(1), Just(-1)]).prop_map(|(k, d)| TreeOp::Pin(k, d)),
+            Just(TreeOp::Evict),
+        ]
+    }
+
+    /// Root first.
+    fn tree_path(k: u64) -> Vec<u64> {
+        let mut path: Vec<u64> = std::iter::successors(Some(k), |&k| Some(k / 2))
+            .take_while(|&k| k > 0)
+            .collect();
+        path.reverse();
+        path
+    }
+
+    fn tree_parent(k: u64) -> u64 {
+        if k == 1 { NO_PARENT } else { k / 2 }
+    }
+
+    proptest::proptest! {
+        /// Stored chains, leaf removals, touches and pins against a model:
+        /// the victim is the least recently used block that has no block
+        /// below it and no pin.
+        #[test]
+        fn chains_evict_the_oldest_unpinned_leaf(
+            ops in proptest::collection::vec(tree_op(), 1..120)
+        ) {
+            let mut lru = Lru::default();
+            // Newest first, with pins.
+            let mut model: Vec<(u64, u32)> = Vec::new();
+            fn move_front(model: &mut Vec<(u64, u32)>, seq: u64) {
+                if let Some(at) = model.iter().position(|&(s, _)| s == seq) {
+                    let entry = model.remove(at);
+                    model.insert(0, entry);
+                }
+            }
+            fn victim(model: &[(u64, u32)]) -> Option<u64> {
+                model.iter().rev().map(|&(s, pins)| (s, pins)).find(|&(s, pins)| {
+                    pins == 0 && !model.iter().any(|&(c, _)| tree_parent(c) == s && c != s)
+                }).map(|(s, _)| s)
+            }
+            for op in ops {
+                match op {
+                    TreeOp::Store(k) => {
+                        let path = tree_path(k);
+                        for &seq in &path {
+                            lru.insert(seq, tree_parent(seq));
+                            if !model.iter().any(|&(s, _)| s == seq) {
+                                model.insert(0, (seq, 0));
+                            }
+                        }
+                        lru.touch(&path);
+                        for &seq in path.iter().rev() {
+                            move_front(&mut model, seq);
+                        }
+                    }
+                    TreeOp::Insert(k) => {
+                        let present = |seq| model.iter().any(|&(s, _)| s == seq);
+                        if k == 1 || present(k / 2) {
+                            lru.insert(k, tree_parent(k));
+                            if !present(k) {
+                                model.insert(0, (k, 0));
+                            }
+                        }
+                    }
+                    TreeOp::RemoveLeaf(k) => {
+                        let leaf = !model.iter().any(|&(c, _)| tree_parent(c) == k);
+                        if leaf {
+                            lru.remove(k);
+                            model.retain(|&(s, _)| s != k);
+                        }
+                    }
+                    TreeOp::Touch(k) => {
+                        let path = tree_path(k);
+                        lru.touch(&path);
+                        for &seq in path.iter().rev() {
+                            move_front(&mut model, seq);
+                        }
+                    }
+                    TreeOp::Pin(k, delta) => {
+                        let path = tree_path(k);
+                        lru.pin(&path, delta);
+                        for (s, pins) in &mut model {
+                            if path.contains(s) {
+                                *pins = pins.saturating_add_signed(delta);
+                            }
+                        }
+                    }
+                    TreeOp::Evict => {
+                        let expected = victim(&model);
+                        proptest::prop_assert_eq!(lru.next_victim(&mut Cursor::default()), expected);
+                        model.retain(|&(s, _)| Some(s) != expected);
+                    }
+                }
+            }
+            while let Some(expected) = victim(&model) {
+                proptest::prop_assert_eq!(lru.next_victim(&mut Cursor::default()), Some(expected));
+                model.retain(|&(s, _)| s != expected);
+            }
+            proptest::prop_assert_eq!(lru.len(), model.len());
         }
     }
 }
