@@ -692,7 +692,7 @@ impl KvIndex {
             }
             for path in paths.iter().rev().skip(1) {
                 if let Some(eviction) = eviction.as_deref_mut() {
-                    eviction.lru.touch(path);
+                    eviction.lru.touch(path.iter().copied());
                 }
                 batch += path.len();
                 self.end_of_batch(&mut batch, &mut eviction, pace);
@@ -1263,7 +1263,6 @@ impl KvIndex {
                     None => rejected_blocks = blocks.len() as u64,
                     Some(mut parent) => {
                         let first_parent = parent;
-                        let mut path = Vec::new();
                         // Each block's key, chained once.
                         let mut refs = Vec::with_capacity(blocks.len());
                         let mut at = parent;
@@ -1316,15 +1315,15 @@ impl KvIndex {
                                         .lru
                                         .insert(seq, parent.map_or(NO_PARENT, |p| p.key()));
                                 }
-                                path.push(seq);
                             }
                             parent = Some(r);
                         }
                         if let Some(eviction) = eviction.as_deref_mut() {
-                            if let Some(p) = first_parent {
-                                path.insert(0, p.key());
-                            }
-                            eviction.lru.touch(&path);
+                            // The parent, then each block: no list built.
+                            let keys = refs.iter().map(|r| r.key());
+                            eviction
+                                .lru
+                                .touch(first_parent.map(|p| p.key()).into_iter().chain(keys));
                         }
                     }
                 }

@@ -144,11 +144,11 @@ impl Lru {
     }
 
     /// Marks a path (block keys from the root) as just used: root newest.
-    pub fn touch(&mut self, path: &[u64]) {
+    pub fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
         self.apply_pending();
         // The blocks inserted since are a subsequence of the path, in order.
         let mut inserted = std::mem::take(&mut self.inserted);
-        for &seq in path.iter().rev() {
+        for seq in path.rev() {
             match inserted.last() {
                 Some(&(last, id)) if last == seq => {
                     inserted.pop();
@@ -317,7 +317,7 @@ mod tests {
         }
         lru.insert(99, NO_PARENT);
         // Stored root first, the chain's leaf is newest; touching reorders it.
-        lru.touch(&chain);
+        lru.touch(chain.into_iter());
         assert_eq!(evict(&mut lru, 5), vec![99, 13, 12, 11, 10]);
         assert_eq!(lru.visited, 5);
     }
@@ -475,7 +475,7 @@ mod tests {
                                 model.insert(0, (seq, 0));
                             }
                         }
-                        lru.touch(&path);
+                        lru.touch(path.iter().copied());
                         for &seq in path.iter().rev() {
                             move_front(&mut model, seq);
                         }
@@ -498,7 +498,7 @@ mod tests {
                     }
                     TreeOp::Touch(k) => {
                         let path = tree_path(k);
-                        lru.touch(&path);
+                        lru.touch(path.iter().copied());
                         for &seq in path.iter().rev() {
                             move_front(&mut model, seq);
                         }
