@@ -28,6 +28,9 @@ use crate::table::{NO_PARENT, SeqMap, map_bytes};
 
 const NIL: u32 = u32::MAX;
 
+/// Nodes the slab grows by at least.
+const MIN_NODES: usize = 64;
+
 /// Deferred touches kept at most, in blocks (512 KiB); past it a lookup
 /// applies them itself.
 pub(crate) const MAX_PENDING: usize = 1 << 16;
@@ -112,7 +115,15 @@ impl Lru {
         };
         match self.free.pop() {
             Some(_) => self.nodes[id as usize] = node,
-            None => self.nodes.push(node),
+            None => {
+                if self.nodes.len() == self.nodes.capacity() {
+                    // Grown by a quarter, not doubled: the slab is a node
+                    // per distinct block (32 bytes), and doubling left up to
+                    // half of it empty, 12 B a membership at 1,024 workers.
+                    self.nodes.reserve_exact(self.nodes.len() / 4 + MIN_NODES);
+                }
+                self.nodes.push(node);
+            }
         }
         self.push_head(id);
         let parent_node = match self.inserted.last() {
