@@ -61,6 +61,8 @@ const CHURN_MAX_EIGHTHS: usize = 6;
 const CHURN_EIGHTHS: usize = 5;
 /// Old slots a resize gathers the entries of before placing them.
 const RESIZE_CHUNK: usize = 32;
+/// Slots an insert's probe tests at once (see [`FlatMap::key_or_empty`]).
+const PROBE_GROUP: usize = 4;
 /// Cache lines an insert's prefetch brings in from the key's home slot.
 const INSERT_LINES: usize = 4;
 
@@ -270,13 +272,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         if (self.in_slots as usize + 1) * 8 > self.slots.len() * MAX_EIGHTHS {
             self.resize(self.grown());
         }
-        let mut at = self.home(key);
-        loop {
-            match self.slots[at].key() {
-                k if k == key => return (&mut self.slots[at].value, false),
-                EMPTY => break,
-                _ => at = self.next(at),
-            }
+        let at = self.key_or_empty(key);
+        if self.slots[at].key() == key {
+            return (&mut self.slots[at].value, false);
         }
         self.slots[at] = Slot {
             key: halves(key),
@@ -284,6 +282,41 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         };
         self.in_slots += 1;
         (&mut self.slots[at].value, true)
+    }
+
+    /// The first slot from `key`'s home on, cyclically, that holds `key` or
+    /// is empty (the table is never full, so there is one): where `key` is,
+    /// or where it goes. Tested [`PROBE_GROUP`] slots at a time, each group
+    /// without a branch: a probe's length is a coin the branch predictor
+    /// loses, once a probe slot by slot (1.2 mispredictions an insert at 16
+    /// workers), once a group mostly.
+    #[inline]
+    fn key_or_empty(&self, key: u64) -> usize {
+        let len = self.slots.len();
+        let mut at = self.home(key);
+        loop {
+            if let Some(group) = self.slots.get(at..at + PROBE_GROUP) {
+                let mut hits = 0u32;
+                for (j, slot) in group.iter().enumerate() {
+                    let k = slot.key();
+                    hits |= u32::from((k == key) | (k == EMPTY)) << j;
+                }
+                if hits != 0 {
+                    return at + hits.trailing_zeros() as usize;
+                }
+                at += PROBE_GROUP;
+                if at == len {
+                    at = 0;
+                }
+            } else {
+                // The table's last slots, one at a time, up to the wrap.
+                let k = self.slots[at].key();
+                if k == key || k == EMPTY {
+                    return at;
+                }
+                at = self.next(at);
+            }
+        }
     }
 
     /// Sets `key` to `value`; returns the value it replaced.
@@ -517,6 +550,40 @@ mod tests {
                     prop_assert_eq!(map.get(key), Some(&!key));
                 }
                 prop_assert_eq!(map.iter().count(), keys.len());
+            }
+        }
+    }
+
+    proptest! {
+        /// The grouped probe stops where a probe slot by slot from the
+        /// key's home stops (the key's slot, else the first empty one), for
+        /// keys present and absent, in tables of every length (shorter than a
+        /// group, and whose last homes' probes wrap past the end) and load.
+        #[test]
+        fn the_grouped_probe_stops_where_a_slot_by_slot_probe_does(
+            keys in prop::collection::vec(1..u64::MAX, 0..200),
+            probes in prop::collection::vec(1..u64::MAX, 1..50),
+            crowd in any::<bool>(),
+            extra in 0..40usize,
+        ) {
+            // Crowded: keys whose hashes (homes) fall in the table's last
+            // slots, so clusters wrap.
+            let inverse = (0..5).fold(HASH_MUL, |inv: u64, _| {
+                inv.wrapping_mul(2u64.wrapping_sub(HASH_MUL.wrapping_mul(inv)))
+            });
+            let spread = |k: u64| if crowd { (u64::MAX - (k >> 8)).wrapping_mul(inverse) } else { k };
+            let mut map = FlatMap::<u64>::default();
+            for &k in &keys {
+                map.insert(spread(k), k);
+            }
+            map.resize(FlatMap::<u64>::slots_for(map.len()) + extra);
+            let present = keys.iter().take(20).copied();
+            for key in probes.into_iter().chain(present).map(spread).filter(|&k| k != EMPTY) {
+                let mut at = map.home(key);
+                while map.slots[at].key() != key && map.slots[at].key() != EMPTY {
+                    at = map.next(at);
+                }
+                prop_assert_eq!(map.key_or_empty(key), at);
             }
         }
     }
