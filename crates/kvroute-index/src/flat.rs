@@ -59,6 +59,15 @@ const MAX_EIGHTHS: usize = 7;
 const CHURN_MAX_EIGHTHS: usize = 6;
 /// How full a churning table is laid out, in eighths.
 const CHURN_EIGHTHS: usize = 5;
+/// A table with a floor (a block-table shard) shrinks once under this
+/// fraction of what it may hold, a table without one under a quarter. At 16
+/// workers a shard's share of the blocks swings between ~70 and ~300 entries
+/// as conversations come and go, and under a quarter the shards went round
+/// 256 → 782 → 389 → 256 slots a few times a round (~750 resizes in a replay
+/// of 257k operations). Under a sixth: ~3 % more ops per CPU-second for ~6 %
+/// more heap in the churned state; under an eighth ~5 % for ~11 % (DESIGN.md,
+/// "Ingest under churn", fifth pass).
+const FLOORED_SHRINK_UNDER: usize = 6;
 /// Old slots a resize gathers the entries of before placing them.
 const RESIZE_CHUNK: usize = 32;
 /// Slots an insert's probe tests at once (see [`FlatMap::key_or_empty`]).
@@ -379,10 +388,12 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         self.in_slots -= 1;
         self.removed = self.removed.saturating_add(1);
         let (len, entries) = (self.slots.len(), self.in_slots as usize);
-        // Gives memory back once under a quarter of what the table may hold:
-        // under churn a shard's share of the blocks moves around.
+        // Gives memory back once under a quarter of what the table may hold
+        // (an eighth with a floor): under churn a shard's share of the blocks
+        // moves around.
         let usable = len * MAX_EIGHTHS / 8;
-        if usable > 64 && len > FLOOR && entries * 4 < usable {
+        let shrink_under = if FLOOR > 0 { FLOORED_SHRINK_UNDER } else { 4 };
+        if usable > 64 && len > FLOOR && entries * shrink_under < usable {
             self.resize(Self::slots_for(entries * 2).max(FLOOR));
         } else if self.removed as usize >= len && entries * 8 > len * CHURN_MAX_EIGHTHS {
             self.resize((entries * 8).div_ceil(CHURN_EIGHTHS));
@@ -689,6 +700,32 @@ mod tests {
         for i in 1..=20_000u64 {
             assert_eq!(floored.get(i.wrapping_mul(0x2545_F491_4F6C_DD1D)), Some(&i));
         }
+    }
+
+    /// A table with a floor keeps its length while its entries stay above a
+    /// sixth of what it may hold, and shrinks below that; one without a floor
+    /// shrinks under a quarter.
+    #[test]
+    fn a_table_with_a_floor_shrinks_only_far_below_its_length() {
+        let key = |i: u64| i.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let mut floored = FlatMap::<u64, 64>::default();
+        let mut plain = FlatMap::<u64>::default();
+        for i in 1..=1_000 {
+            floored.insert(key(i), i);
+            plain.insert(key(i), i);
+        }
+        let (len, plain_len) = (floored.slots.len(), plain.slots.len());
+        let usable = len * MAX_EIGHTHS / 8;
+        let mut i = 1;
+        while (floored.len() - 1) * FLOORED_SHRINK_UNDER >= usable {
+            floored.remove(key(i));
+            plain.remove(key(i));
+            i += 1;
+            assert_eq!(floored.slots.len(), len, "at {} entries", floored.len());
+        }
+        assert!(plain.slots.len() < plain_len, "the plain table shrank");
+        floored.remove(key(i));
+        assert!(floored.slots.len() < len, "shrank below a sixth");
     }
 
     /// A sliding window of keys: each insert past `window` removes the
