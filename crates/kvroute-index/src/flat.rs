@@ -6,7 +6,7 @@
 //! tombstones), one slot per entry (key and value, no control bytes), at most
 //! 7/8 full, grown by a quarter (doubled only under 64 slots; a short table
 //! with a floor skips lengths of that chain) and shrunk under
-//! a quarter of what it may hold; a table churning at its size is laid out
+//! a quarter of what it may hold (a sixth with a floor); a table churning at its size is laid out
 //! again 5/8 full (see [`CHURN_MAX_EIGHTHS`]). A table of any length: the home slot is the key's hash
 //! scaled to the length (`hash × len >> 64`), not masked to a power of two, so
 //! growing by a quarter keeps the tables 70–87 % full (doubling left them
