@@ -1,9 +1,12 @@
 //! Recency order of distinct blocks, for the optional `max_blocks` limit.
 //!
 //! An intrusive doubly linked list over a slab, newest at the head. Each node
-//! counts its children present in the list (so only leaves are evicted, never an
-//! ancestor before its descendants) and its pins (paths of requests being routed
-//! right now, which are never evicted).
+//! counts its children present in the list, stored below it while it was there
+//! (so only leaves are evicted, never an ancestor before its descendants), and
+//! its pins (paths of requests being routed right now, which are never
+//! evicted). A child keeps its parent's node, not its key: a removal releases
+//! the parent without a probe, and a block removed while it still counts
+//! children keeps its node, out of the list, until the last of them goes.
 //!
 //! Touching a path moves it to the head leaf first and root last, so that within
 //! the chain the root-side ancestor is newest and the leaf oldest: a tail-to-head
@@ -40,13 +43,23 @@ pub(crate) const DRAIN_AT: usize = 1 << 13;
 
 struct Node {
     seq: u64,
-    parent: u64,
-    /// Toward the head (newer) and toward the tail (older).
+    /// The parent's node when this block was inserted, counting it among its
+    /// children; `NIL` if it had none in the order. Kept by id, not by block:
+    /// a removal releases its parent without probing the index, and a parent
+    /// dropped and stored again meanwhile (a new node) is not charged with a
+    /// child it never counted.
+    parent: u32,
+    /// Toward the head (newer) and toward the tail (older); `older` is
+    /// [`RETIRED`] once the block is gone but its node still counts children.
     newer: u32,
     older: u32,
     children: u32,
     pins: u32,
 }
+
+/// Marks (in `older`) the node of a block removed while children it counted
+/// remain: out of the list and the index, freed when its last child goes.
+const RETIRED: u32 = u32::MAX - 1;
 
 #[derive(Default)]
 pub(crate) struct Lru {
@@ -105,9 +118,14 @@ impl Lru {
             Entry::Occupied(_) => return,
             Entry::Vacant(vacant) => vacant.insert(id),
         };
+        let parent_node = match self.inserted.last() {
+            _ if parent == NO_PARENT => None,
+            Some(&(last, p)) if last == parent => Some(p),
+            _ => self.index.get(&parent).copied(),
+        };
         let node = Node {
             seq,
-            parent,
+            parent: parent_node.unwrap_or(NIL),
             newer: NIL,
             older: NIL,
             children: 0,
@@ -126,11 +144,6 @@ impl Lru {
             }
         }
         self.push_head(id);
-        let parent_node = match self.inserted.last() {
-            _ if parent == NO_PARENT => None,
-            Some(&(last, p)) if last == parent => Some(p),
-            _ => self.index.get(&parent).copied(),
-        };
         if let Some(p) = parent_node {
             self.nodes[p as usize].children += 1;
         }
@@ -143,13 +156,26 @@ impl Lru {
         self.inserted.clear();
         if let Some(id) = self.index.remove(&seq) {
             self.unlink(id);
-            let parent = self.nodes[id as usize].parent;
-            if let Some(&p) = self.index.get(&parent).filter(|_| parent != NO_PARENT) {
-                // A parent dropped and stored again while this child stayed (an
-                // orphan) restarted its count without it.
-                let children = &mut self.nodes[p as usize].children;
-                *children = children.saturating_sub(1);
+            let node = &mut self.nodes[id as usize];
+            let parent = node.parent;
+            if node.children == 0 {
+                self.free.push(id);
+            } else {
+                node.older = RETIRED;
             }
+            if parent != NIL {
+                self.release_child(parent);
+            }
+        }
+    }
+
+    /// One child of node `id` went; frees it if it was retired and that was
+    /// its last.
+    fn release_child(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(node.children > 0, "a node counts each child once");
+        node.children = node.children.saturating_sub(1);
+        if node.children == 0 && node.older == RETIRED {
             self.free.push(id);
         }
     }
@@ -422,8 +448,8 @@ mod tests {
         Store(u64),
         /// `k` alone inserted (if its parent is present), not touched.
         Insert(u64),
-        /// `k` removed if it is a leaf (an engine evicts leaves first).
-        RemoveLeaf(u64),
+        /// `k` removed, leaf or not (a child left behind is an orphan).
+        Remove(u64),
         Touch(u64),
         Pin(u64, i32),
         Evict,
@@ -434,7 +460,7 @@ mod tests {
         prop_oneof![
             (1..16u64).prop_map(TreeOp::Store),
             (1..16u64).prop_map(TreeOp::Insert),
-            (1..16u64).prop_map(TreeOp::RemoveLeaf),
+            (1..16u64).prop_map(TreeOp::Remove),
             (1..16u64).prop_map(TreeOp::Touch),
             (1..16u64, prop_oneof![Just(1), Just(-1)]).prop_map(|(k, d)| TreeOp::Pin(k, d)),
             Just(TreeOp::Evict),
@@ -455,36 +481,55 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Stored chains, leaf removals, touches and pins against a model:
-        /// the victim is the least recently used block that has no block
-        /// below it and no pin.
+        /// Stored chains, removals (orphans included), touches and pins
+        /// against a model: the victim is the least recently used block with
+        /// no pin and no block stored below it while it was present.
         #[test]
         fn chains_evict_the_oldest_unpinned_leaf(
             ops in proptest::collection::vec(tree_op(), 1..120)
         ) {
+            /// A present block: its key, pins, and the parent it was stored
+            /// under (key and that parent's incarnation), if present then.
+            #[derive(Clone, Copy)]
+            struct Block {
+                seq: u64,
+                pins: u32,
+                under: Option<(u64, u32)>,
+            }
             let mut lru = Lru::default();
-            // Newest first, with pins.
-            let mut model: Vec<(u64, u32)> = Vec::new();
-            fn move_front(model: &mut Vec<(u64, u32)>, seq: u64) {
-                if let Some(at) = model.iter().position(|&(s, _)| s == seq) {
-                    let entry = model.remove(at);
-                    model.insert(0, entry);
+            // Newest first; how many times each key was stored.
+            let mut model: Vec<Block> = Vec::new();
+            let mut incarnation = [0u32; 16];
+            fn move_front(model: &mut Vec<Block>, seq: u64) {
+                if let Some(at) = model.iter().position(|b| b.seq == seq) {
+                    let block = model.remove(at);
+                    model.insert(0, block);
                 }
             }
-            fn victim(model: &[(u64, u32)]) -> Option<u64> {
-                model.iter().rev().map(|&(s, pins)| (s, pins)).find(|&(s, pins)| {
-                    pins == 0 && !model.iter().any(|&(c, _)| tree_parent(c) == s && c != s)
-                }).map(|(s, _)| s)
+            fn victim(model: &[Block], incarnation: &[u32; 16]) -> Option<u64> {
+                let leaf = |s: u64| {
+                    !model.iter().any(|c| c.under == Some((s, incarnation[s as usize])))
+                };
+                model.iter().rev().find(|b| b.pins == 0 && leaf(b.seq)).map(|b| b.seq)
             }
+            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Lru, k: u64| {
+                lru.insert(k, tree_parent(k));
+                if !model.iter().any(|b| b.seq == k) {
+                    let p = tree_parent(k);
+                    let under = model
+                        .iter()
+                        .any(|b| b.seq == p)
+                        .then(|| (p, incarnation[p as usize]));
+                    incarnation[k as usize] += 1;
+                    model.insert(0, Block { seq: k, pins: 0, under });
+                }
+            };
             for op in ops {
                 match op {
                     TreeOp::Store(k) => {
                         let path = tree_path(k);
                         for &seq in &path {
-                            lru.insert(seq, tree_parent(seq));
-                            if !model.iter().any(|&(s, _)| s == seq) {
-                                model.insert(0, (seq, 0));
-                            }
+                            insert(&mut model, &mut incarnation, &mut lru, seq);
                         }
                         lru.touch(path.iter().copied());
                         for &seq in path.iter().rev() {
@@ -492,20 +537,13 @@ mod tests {
                         }
                     }
                     TreeOp::Insert(k) => {
-                        let present = |seq| model.iter().any(|&(s, _)| s == seq);
-                        if k == 1 || present(k / 2) {
-                            lru.insert(k, tree_parent(k));
-                            if !present(k) {
-                                model.insert(0, (k, 0));
-                            }
+                        if k == 1 || model.iter().any(|b| b.seq == k / 2) {
+                            insert(&mut model, &mut incarnation, &mut lru, k);
                         }
                     }
-                    TreeOp::RemoveLeaf(k) => {
-                        let leaf = !model.iter().any(|&(c, _)| tree_parent(c) == k);
-                        if leaf {
-                            lru.remove(k);
-                            model.retain(|&(s, _)| s != k);
-                        }
+                    TreeOp::Remove(k) => {
+                        lru.remove(k);
+                        model.retain(|b| b.seq != k);
                     }
                     TreeOp::Touch(k) => {
                         let path = tree_path(k);
@@ -517,24 +555,41 @@ mod tests {
                     TreeOp::Pin(k, delta) => {
                         let path = tree_path(k);
                         lru.pin(&path, delta);
-                        for (s, pins) in &mut model {
-                            if path.contains(s) {
-                                *pins = pins.saturating_add_signed(delta);
+                        for b in &mut model {
+                            if path.contains(&b.seq) {
+                                b.pins = b.pins.saturating_add_signed(delta);
                             }
                         }
                     }
                     TreeOp::Evict => {
-                        let expected = victim(&model);
+                        let expected = victim(&model, &incarnation);
                         proptest::prop_assert_eq!(lru.next_victim(&mut Cursor::default()), expected);
-                        model.retain(|&(s, _)| Some(s) != expected);
+                        model.retain(|b| Some(b.seq) != expected);
                     }
                 }
             }
-            while let Some(expected) = victim(&model) {
+            while let Some(expected) = victim(&model, &incarnation) {
                 proptest::prop_assert_eq!(lru.next_victim(&mut Cursor::default()), Some(expected));
-                model.retain(|&(s, _)| s != expected);
+                model.retain(|b| b.seq != expected);
             }
             proptest::prop_assert_eq!(lru.len(), model.len());
         }
+    }
+
+    #[test]
+    fn a_parent_stored_again_is_not_charged_with_an_orphan() {
+        let mut lru = Lru::default();
+        lru.insert(1, NO_PARENT);
+        lru.insert(2, 1);
+        // 1 goes while 2 stays (an orphan), then 1 is stored again, with a
+        // new child 3.
+        lru.remove(1);
+        lru.insert(1, NO_PARENT);
+        lru.insert(3, 1);
+        // The orphan leaving must not make 1 a leaf while 3 is below it: 1
+        // is the oldest, but 3 goes first.
+        lru.remove(2);
+        assert_eq!(evict(&mut lru, 1), vec![3]);
+        assert_eq!(evict(&mut lru, 1), vec![1]);
     }
 }
