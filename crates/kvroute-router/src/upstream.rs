@@ -83,6 +83,17 @@ const DROPPED_REQUEST_HEADERS: [&str; 6] = [
     "x-kvroute-worker",
 ];
 
+/// Whether a `Content-Length` value says `length`, in plain digits.
+fn states(value: &HeaderValue, length: usize) -> bool {
+    let digits = value.as_bytes();
+    (1..=19).contains(&digits.len())
+        && digits.iter().all(u8::is_ascii_digit)
+        && digits
+            .iter()
+            .fold(0u64, |n, digit| n * 10 + u64::from(digit - b'0'))
+            == length as u64
+}
+
 /// One HTTP/1 connection to a worker; it moves only while someone polls it.
 struct Conn {
     link: Link,
@@ -367,16 +378,25 @@ impl Upstream {
         body: Bytes,
     ) -> Result<(Response<Incoming>, Box<Conn>), Failure> {
         let (target, mut idle) = self.pool.take(base_url).map_err(Failure::Connect)?;
+        let length = body.len();
         let mut request = Request::new(Full::new(body));
         *request.method_mut() = method;
         *request.uri_mut() = target.path(path).map_err(Failure::Other)?;
         let forwarded = request.headers_mut();
         if let Some(headers) = headers {
             forwarded.reserve(headers.len() + 1);
+            let (mut content_length, mut lengths) = (None, 0);
             for (name, value) in headers {
-                if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
+                if name == header::CONTENT_LENGTH {
+                    (content_length, lengths) = (Some(value), lengths + 1);
+                } else if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
                     forwarded.append(name, value.clone());
                 }
+            }
+            // The client's own length, when it gave one and it is the body's:
+            // else hyper makes one per request (two allocations).
+            if let Some(value) = content_length.filter(|v| lengths == 1 && states(v, length)) {
+                forwarded.insert(header::CONTENT_LENGTH, value.clone());
             }
         }
         forwarded.insert(header::HOST, target.host.clone());
@@ -1045,6 +1065,42 @@ mod tests {
         let (body, self_wakes) = with_self_wakes(post(&upstream, &url)).await;
         assert_eq!(body, "ok");
         assert_eq!(self_wakes, 0, "hyper's hand-overs woke the polling task");
+    }
+
+    #[tokio::test]
+    async fn a_request_goes_with_the_clients_length_if_it_is_the_bodys_else_with_the_bodys() {
+        let (url, mut events) = raw_worker(false).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        for (given, sent) in [
+            (&["2"][..], "2"),
+            (&["02"], "02"),
+            (&["5"], "2"),
+            (&["+2"], "2"),
+            (&["2", "2"], "2"),
+            (&[], "2"),
+        ] {
+            let mut headers = HeaderMap::new();
+            for value in given {
+                headers.append("content-length", value.parse().unwrap());
+            }
+            let response = upstream
+                .post(&url, "/v1/completions", &headers, Bytes::from("{}"))
+                .await
+                .unwrap();
+            assert!(response.status().is_success());
+            response.into_body().collect().await.unwrap();
+            let head = loop {
+                match events.recv().await.unwrap() {
+                    head if head.starts_with("POST") => break head,
+                    _ => {}
+                }
+            };
+            let lengths: Vec<_> = head
+                .lines()
+                .filter_map(|l| l.strip_prefix("content-length: "))
+                .collect();
+            assert_eq!(lengths, [sent], "{given:?}: {head}");
+        }
     }
 
     #[tokio::test]
