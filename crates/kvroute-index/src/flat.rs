@@ -6,7 +6,7 @@
 //! tombstones), one slot per entry (key and value, no control bytes), at most
 //! 7/8 full, grown by a quarter (doubled only under 64 slots; a short table
 //! with a floor skips lengths of that chain) and shrunk under
-//! a quarter of what it may hold; a table churning at its size is laid out
+//! a quarter of what it may hold (a sixth with a floor); a table churning at its size is laid out
 //! again 5/8 full (see [`CHURN_MAX_EIGHTHS`]). A table of any length: the home slot is the key's hash
 //! scaled to the length (`hash × len >> 64`), not masked to a power of two, so
 //! growing by a quarter keeps the tables 70–87 % full (doubling left them
@@ -59,8 +59,19 @@ const MAX_EIGHTHS: usize = 7;
 const CHURN_MAX_EIGHTHS: usize = 6;
 /// How full a churning table is laid out, in eighths.
 const CHURN_EIGHTHS: usize = 5;
+/// A table with a floor (a block-table shard) shrinks once under this
+/// fraction of what it may hold, a table without one under a quarter. At 16
+/// workers a shard's share of the blocks swings between ~70 and ~300 entries
+/// as conversations come and go, and under a quarter the shards went round
+/// 256 → 782 → 389 → 256 slots a few times a round (~750 resizes in a replay
+/// of 257k operations). Under a sixth: ~3 % more ops per CPU-second for ~6 %
+/// more heap in the churned state; under an eighth ~5 % for ~11 % (DESIGN.md,
+/// "Ingest under churn", fifth pass).
+const FLOORED_SHRINK_UNDER: usize = 6;
 /// Old slots a resize gathers the entries of before placing them.
 const RESIZE_CHUNK: usize = 32;
+/// Slots an insert's probe tests at once (see [`FlatMap::key_or_empty`]).
+const PROBE_GROUP: usize = 4;
 /// Cache lines an insert's prefetch brings in from the key's home slot.
 const INSERT_LINES: usize = 4;
 
@@ -106,6 +117,14 @@ impl<V> Slot<V> {
     fn set_key(&mut self, key: u64) {
         self.key = halves(key);
     }
+}
+
+/// How many slots on from `from` `to` is, in a table of `len` slots
+/// (cyclically).
+#[inline]
+fn distance(from: usize, to: usize, len: usize) -> usize {
+    let d = to.wrapping_sub(from);
+    if to < from { d.wrapping_add(len) } else { d }
 }
 
 /// The halves of a key.
@@ -270,13 +289,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         if (self.in_slots as usize + 1) * 8 > self.slots.len() * MAX_EIGHTHS {
             self.resize(self.grown());
         }
-        let mut at = self.home(key);
-        loop {
-            match self.slots[at].key() {
-                k if k == key => return (&mut self.slots[at].value, false),
-                EMPTY => break,
-                _ => at = self.next(at),
-            }
+        let at = self.key_or_empty(key);
+        if self.slots[at].key() == key {
+            return (&mut self.slots[at].value, false);
         }
         self.slots[at] = Slot {
             key: halves(key),
@@ -284,6 +299,41 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         };
         self.in_slots += 1;
         (&mut self.slots[at].value, true)
+    }
+
+    /// The first slot from `key`'s home on, cyclically, that holds `key` or
+    /// is empty (the table is never full, so there is one): where `key` is,
+    /// or where it goes. Tested [`PROBE_GROUP`] slots at a time, each group
+    /// without a branch: a probe's length is a coin the branch predictor
+    /// loses, once a probe slot by slot (1.2 mispredictions an insert at 16
+    /// workers), once a group mostly.
+    #[inline]
+    fn key_or_empty(&self, key: u64) -> usize {
+        let len = self.slots.len();
+        let mut at = self.home(key);
+        loop {
+            if let Some(group) = self.slots.get(at..at + PROBE_GROUP) {
+                let mut hits = 0u32;
+                for (j, slot) in group.iter().enumerate() {
+                    let k = slot.key();
+                    hits |= u32::from((k == key) | (k == EMPTY)) << j;
+                }
+                if hits != 0 {
+                    return at + hits.trailing_zeros() as usize;
+                }
+                at += PROBE_GROUP;
+                if at == len {
+                    at = 0;
+                }
+            } else {
+                // The table's last slots, one at a time, up to the wrap.
+                let k = self.slots[at].key();
+                if k == key || k == EMPTY {
+                    return at;
+                }
+                at = self.next(at);
+            }
+        }
     }
 
     /// Sets `key` to `value`; returns the value it replaced.
@@ -325,31 +375,39 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// Removes the entry in slot `at`; returns its value.
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
-        // Moves back the slots after the hole that probed past it.
+        let len = self.slots.len();
+        // Moves back the slots after the hole that probed past it, to the end
+        // of the cluster. An entry may fill the hole iff it is at least as far
+        // from its home as from the hole (its home is not cyclically in
+        // (hole, next]: moving it would put it before its home). Chosen and
+        // copied without a branch (a slot moved onto itself when it may not;
+        // a plain `if` compiled to a branch): whether a slot of a churned
+        // table may move is a coin the predictor loses often, 3.2
+        // mispredicts an engine-map removal with the branch, 1.3 without (its
+        // exits'), and ops per CPU-second at 16 workers +10–14 % (DESIGN.md,
+        // "Ingest under churn").
         let (mut hole, mut next) = (at, self.next(at));
-        while self.slots[next].key() != EMPTY {
-            let home = self.home(self.slots[next].key());
-            // The slot may fill the hole iff its home is not cyclically in
-            // (hole, next]: otherwise moving it would put it before its home.
-            let movable = if hole < next {
-                home <= hole || home > next
-            } else {
-                home <= hole && home > next
-            };
-            if movable {
-                self.slots[hole] = self.slots[next];
-                hole = next;
+        loop {
+            let key = self.slots[next].key();
+            if key == EMPTY {
+                break;
             }
+            let movable = distance(self.home(key), next, len) >= distance(hole, next, len);
+            let from = std::hint::select_unpredictable(movable, next, hole);
+            self.slots[hole] = self.slots[from];
+            hole = from;
             next = self.next(next);
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
         self.removed = self.removed.saturating_add(1);
         let (len, entries) = (self.slots.len(), self.in_slots as usize);
-        // Gives memory back once under a quarter of what the table may hold:
-        // under churn a shard's share of the blocks moves around.
+        // Gives memory back once under a quarter of what the table may hold
+        // (a sixth with a floor): under churn a shard's share of the blocks
+        // moves around.
         let usable = len * MAX_EIGHTHS / 8;
-        if usable > 64 && len > FLOOR && entries * 4 < usable {
+        let shrink_under = if FLOOR > 0 { FLOORED_SHRINK_UNDER } else { 4 };
+        if usable > 64 && len > FLOOR && entries * shrink_under < usable {
             self.resize(Self::slots_for(entries * 2).max(FLOOR));
         } else if self.removed as usize >= len && entries * 8 > len * CHURN_MAX_EIGHTHS {
             self.resize((entries * 8).div_ceil(CHURN_EIGHTHS));
@@ -489,22 +547,7 @@ mod tests {
             crowd in 0..3u32,
             lengths in prop::collection::vec(0..2_000usize, 1..6),
         ) {
-            // The key whose hash (what picks the home) is `hash`.
-            let inverse = (0..5).fold(HASH_MUL, |inv: u64, _| {
-                inv.wrapping_mul(2u64.wrapping_sub(HASH_MUL.wrapping_mul(inv)))
-            });
-            let keys: std::collections::BTreeSet<u64> = hashes
-                .into_iter()
-                .map(|h| match crowd {
-                    0 => h,
-                    // Near a few hashes: the first homes, the middle, and the
-                    // last ones, whose clusters wrap.
-                    _ => [0, u64::MAX / 2, u64::MAX - (1 << 20)][(h % 3) as usize]
-                        .wrapping_add(h >> (40 + 8 * crowd)),
-                })
-                .map(|h| h.wrapping_mul(inverse))
-                .filter(|&k| k != EMPTY)
-                .collect();
+            let keys = crowded_keys(hashes, crowd);
             let mut map = FlatMap::<u64>::default();
             for &key in &keys {
                 map.insert(key, !key);
@@ -519,6 +562,89 @@ mod tests {
                 prop_assert_eq!(map.iter().count(), keys.len());
             }
         }
+    }
+
+    proptest! {
+        /// The grouped probe stops where a probe slot by slot from the
+        /// key's home stops (the key's slot, else the first empty one), for
+        /// keys present and absent, crowded (clusters that wrap past the
+        /// table's end) or spread, in tables of any length and load.
+        #[test]
+        fn the_grouped_probe_stops_where_a_slot_by_slot_probe_does(
+            hashes in prop::collection::btree_set(any::<u64>(), 0..200),
+            probes in prop::collection::btree_set(any::<u64>(), 1..50),
+            crowd in 0..3u32,
+            extra in 0..40usize,
+        ) {
+            let keys = crowded_keys(hashes, crowd);
+            let mut map = FlatMap::<u64>::default();
+            for &key in &keys {
+                map.insert(key, !key);
+            }
+            map.resize(FlatMap::<u64>::slots_for(keys.len()) + extra);
+            let absent = crowded_keys(probes, crowd);
+            for &key in absent.iter().chain(keys.iter().take(20)) {
+                let mut at = map.home(key);
+                while map.slots[at].key() != key && map.slots[at].key() != EMPTY {
+                    at = map.next(at);
+                }
+                prop_assert_eq!(map.key_or_empty(key), at);
+            }
+        }
+    }
+
+    proptest! {
+        /// Removals in any order from clusters crowded into a few homes (long
+        /// clusters, some wrapping past the table's end) or spread leave
+        /// exactly the other keys findable, each with its value: the backward
+        /// shift moves back every entry that may move, and none before its
+        /// home.
+        #[test]
+        fn removals_keep_every_other_entry(
+            hashes in prop::collection::btree_set(any::<u64>(), 1..300),
+            crowd in 0..3u32,
+            order in any::<u64>(),
+        ) {
+            let keys = crowded_keys(hashes, crowd);
+            let mut map = FlatMap::<u64>::default();
+            for &key in &keys {
+                map.insert(key, !key);
+            }
+            let mut left: Vec<u64> = keys.into_iter().collect();
+            // A removal order of the keys, picked by `order`.
+            left.sort_by_key(|&k| (k ^ order).wrapping_mul(0x2545_F491_4F6C_DD1D));
+            while let Some(key) = left.pop() {
+                prop_assert_eq!(map.remove(key), Some(!key));
+                prop_assert_eq!(map.get(key), None);
+                for &other in &left {
+                    prop_assert_eq!(map.get(other), Some(&!other));
+                }
+                prop_assert_eq!(map.len(), left.len());
+            }
+        }
+    }
+
+    /// Keys whose hashes (what picks their homes) are `hashes`, crowded near a
+    /// few: the first homes, the middle, and the last ones, whose clusters
+    /// wrap (`crowd` 1 or 2, closer with 2); or spread (`crowd` 0).
+    fn crowded_keys(
+        hashes: std::collections::BTreeSet<u64>,
+        crowd: u32,
+    ) -> std::collections::BTreeSet<u64> {
+        // The key whose hash is `hash`.
+        let inverse = (0..5).fold(HASH_MUL, |inv: u64, _| {
+            inv.wrapping_mul(2u64.wrapping_sub(HASH_MUL.wrapping_mul(inv)))
+        });
+        hashes
+            .into_iter()
+            .map(|h| match crowd {
+                0 => h,
+                _ => [0, u64::MAX / 2, u64::MAX - (1 << 20)][(h % 3) as usize]
+                    .wrapping_add(h >> (40 + 8 * crowd)),
+            })
+            .map(|h| h.wrapping_mul(inverse))
+            .filter(|&k| k != EMPTY)
+            .collect()
     }
 
     fn against_a_map<const FLOOR: usize>(ops: &[(u8, u64)]) -> Result<(), TestCaseError> {
@@ -622,6 +748,32 @@ mod tests {
         for i in 1..=20_000u64 {
             assert_eq!(floored.get(i.wrapping_mul(0x2545_F491_4F6C_DD1D)), Some(&i));
         }
+    }
+
+    /// A table with a floor keeps its length while its entries stay above a
+    /// sixth of what it may hold, and shrinks below that; one without a floor
+    /// shrinks under a quarter.
+    #[test]
+    fn a_table_with_a_floor_shrinks_only_far_below_its_length() {
+        let key = |i: u64| i.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let mut floored = FlatMap::<u64, 64>::default();
+        let mut plain = FlatMap::<u64>::default();
+        for i in 1..=1_000 {
+            floored.insert(key(i), i);
+            plain.insert(key(i), i);
+        }
+        let (len, plain_len) = (floored.slots.len(), plain.slots.len());
+        let usable = len * MAX_EIGHTHS / 8;
+        let mut i = 1;
+        while (floored.len() - 1) * FLOORED_SHRINK_UNDER >= usable {
+            floored.remove(key(i));
+            plain.remove(key(i));
+            i += 1;
+            assert_eq!(floored.slots.len(), len, "at {} entries", floored.len());
+        }
+        assert!(plain.slots.len() < plain_len, "the plain table shrank");
+        floored.remove(key(i));
+        assert!(floored.slots.len() < len, "shrank below a sixth");
     }
 
     /// A sliding window of keys: each insert past `window` removes the
