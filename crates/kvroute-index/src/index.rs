@@ -235,6 +235,17 @@ impl WorkerState {
 
 type EngineMap = FlatMap<BlockRef>;
 
+/// What [`KvIndex::apply_kind`] could not apply, the counts of
+/// [`ApplyOutcome::Applied`]: two words, returned in registers. The outcome
+/// itself (24 bytes) went back through memory, stored in two halves and
+/// read back whole by the counters at once, a load that waited for both
+/// stores (a failed store forwarding, a third of `WorkerEvents::apply`'s
+/// samples at 16 workers; DESIGN.md, "Ingest under churn").
+struct Applied {
+    rejected_blocks: u64,
+    unknown_removals: u64,
+}
+
 /// Blocks a dump stores, a replaced state releases or an eviction after a dump
 /// drops per critical section: lookups and other workers' events wait at most
 /// that long for it.
@@ -536,11 +547,14 @@ impl KvIndex {
                     *eviction = self.lock_eviction();
                 }
                 self.sweep_dangling(slot, state, eviction.is_some());
-                let outcome = self.apply_kind(slot, state, &event.kind, eviction);
+                let applied = self.apply_kind(slot, state, &event.kind, eviction);
                 if let Some(eviction) = eviction.as_deref_mut() {
                     self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
                 }
-                outcome
+                ApplyOutcome::Applied {
+                    rejected_blocks: applied.rejected_blocks,
+                    unknown_removals: applied.unknown_removals,
+                }
             }
         };
         state.counters.count(event.kind.type_name(), outcome);
@@ -647,8 +661,9 @@ impl KvIndex {
                     blocks,
                 } if blocks.len() > pace.batch => (parent_hash, blocks),
                 _ => {
-                    orphans +=
-                        rejected_blocks(self.apply_kind(shadow, &mut state, kind, &mut eviction));
+                    orphans += self
+                        .apply_kind(shadow, &mut state, kind, &mut eviction)
+                        .rejected_blocks;
                     batch += match kind {
                         EventKind::Stored { blocks, .. } => blocks.len(),
                         EventKind::Removed { block_hashes } => block_hashes.len(),
@@ -1237,14 +1252,15 @@ impl KvIndex {
         self.eviction.as_deref().map(Limited::lock)
     }
 
-    /// Applies one event's contents to the worker's state; returns its outcome.
+    /// Applies one event's contents to the worker's state; returns what it
+    /// could not apply.
     fn apply_kind(
         &self,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         kind: &EventKind,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
-    ) -> ApplyOutcome {
+    ) -> Applied {
         let mut rejected_blocks = 0;
         let mut unknown_removals = 0;
         let mut held_delta = 0;
@@ -1345,7 +1361,7 @@ impl KvIndex {
             }
         }
         slot.add_held(held_delta);
-        ApplyOutcome::Applied {
+        Applied {
             rejected_blocks,
             unknown_removals,
         }
@@ -1492,15 +1508,6 @@ pub struct OwnedPinnedPath {
 impl Drop for OwnedPinnedPath {
     fn drop(&mut self) {
         self.index.unpin_seqs(&self.seqs);
-    }
-}
-
-fn rejected_blocks(outcome: ApplyOutcome) -> u64 {
-    match outcome {
-        ApplyOutcome::Applied {
-            rejected_blocks, ..
-        } => rejected_blocks,
-        _ => 0,
     }
 }
 

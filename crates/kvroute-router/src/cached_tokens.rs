@@ -14,9 +14,10 @@
 //! path of the frames themselves.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 
 use bytes::Bytes;
+use memchr::memmem;
 
 use crate::metrics;
 
@@ -98,7 +99,10 @@ impl Tail {
 /// Parses the number after the last `"cached_tokens":` in `text`.
 fn cached_tokens_in(text: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"cached_tokens\"";
-    let at = memchr::memmem::rfind(text, KEY)?;
+    // Made once: making a finder per search was most of a small response's check.
+    static FINDER: LazyLock<memmem::FinderRev<'static>> =
+        LazyLock::new(|| memmem::FinderRev::new(KEY));
+    let at = FINDER.rfind(text)?;
     let rest = &text[at + KEY.len()..];
     let rest = rest
         .trim_ascii_start()

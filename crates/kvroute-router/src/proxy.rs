@@ -6,6 +6,7 @@
 //! answer: the policy decides what a failure means for routing (retry, breaker,
 //! predictions), and [`crate::upstream`] does the talking and the measuring.
 
+use std::cell::RefCell;
 use std::pin::Pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -14,6 +15,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 use kvroute_index::ExtraKeys;
+use rustc_hash::FxHashMap;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::booking::Booking;
@@ -113,7 +115,7 @@ pub async fn forward(
                 strip_hop_by_hop(&mut parts.headers);
                 parts
                     .headers
-                    .insert(WORKER_HEADER_NAME, HeaderValue::from(worker.worker_id));
+                    .insert(WORKER_HEADER_NAME, worker_header_value(worker.worker_id));
                 let sse = parts
                     .headers
                     .get(header::CONTENT_TYPE)
@@ -186,6 +188,25 @@ pub async fn forward(
         ::metrics::counter!(metrics::RETRIES, "reason" => reason).increment(1);
     }
     Err(last_error.expect("the loop ran at least once and failed"))
+}
+
+/// The [`WORKER_HEADER`] value naming `worker_id`, made once per worker and
+/// runtime thread: formatting it per response took two allocations.
+fn worker_header_value(worker_id: u64) -> HeaderValue {
+    /// Workers come and go: the values of ones long gone are dropped now and then.
+    const KEPT: usize = 4096;
+    thread_local! {
+        static VALUES: RefCell<FxHashMap<u64, HeaderValue>> = RefCell::default();
+    }
+    VALUES.with_borrow_mut(|values| {
+        if values.len() >= KEPT && !values.contains_key(&worker_id) {
+            values.clear();
+        }
+        values
+            .entry(worker_id)
+            .or_insert_with(|| HeaderValue::from(worker_id))
+            .clone()
+    })
 }
 
 /// Waits for the worker's response headers, at most `first_byte_timeout`. A

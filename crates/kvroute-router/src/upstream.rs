@@ -83,6 +83,17 @@ const DROPPED_REQUEST_HEADERS: [&str; 6] = [
     "x-kvroute-worker",
 ];
 
+/// Whether a `Content-Length` value says `length`, in plain digits.
+fn states(value: &HeaderValue, length: usize) -> bool {
+    let digits = value.as_bytes();
+    (1..=19).contains(&digits.len())
+        && digits.iter().all(u8::is_ascii_digit)
+        && digits
+            .iter()
+            .fold(0u64, |n, digit| n * 10 + u64::from(digit - b'0'))
+            == length as u64
+}
+
 /// One HTTP/1 connection to a worker; it moves only while someone polls it.
 struct Conn {
     link: Link,
@@ -367,16 +378,25 @@ impl Upstream {
         body: Bytes,
     ) -> Result<(Response<Incoming>, Box<Conn>), Failure> {
         let (target, mut idle) = self.pool.take(base_url).map_err(Failure::Connect)?;
+        let length = body.len();
         let mut request = Request::new(Full::new(body));
         *request.method_mut() = method;
         *request.uri_mut() = target.path(path).map_err(Failure::Other)?;
         let forwarded = request.headers_mut();
         if let Some(headers) = headers {
             forwarded.reserve(headers.len() + 1);
+            let (mut content_length, mut lengths) = (None, 0);
             for (name, value) in headers {
-                if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
+                if name == header::CONTENT_LENGTH {
+                    (content_length, lengths) = (Some(value), lengths + 1);
+                } else if !DROPPED_REQUEST_HEADERS.contains(&name.as_str()) {
                     forwarded.append(name, value.clone());
                 }
+            }
+            // The client's own length, when it gave one and it is the body's:
+            // else hyper makes one per request (two allocations).
+            if let Some(value) = content_length.filter(|v| lengths == 1 && states(v, length)) {
+                forwarded.insert(header::CONTENT_LENGTH, value.clone());
             }
         }
         forwarded.insert(header::HOST, target.host.clone());
@@ -856,9 +876,12 @@ mod tests {
 
     /// A worker speaking raw HTTP/1.1: answers every request `ok`, and reports
     /// each connection it accepts and each request head it reads. With
-    /// `close_idle`, it closes a connection once its response is out, as a
+    /// `close_idle`, it closes a connection once its response is out and the
+    /// test says so (so the router has put it idle by then), as a
     /// worker with a short keep-alive timeout does, and reports that too.
-    async fn raw_worker(close_idle: bool) -> (Arc<str>, mpsc::UnboundedReceiver<String>) {
+    async fn raw_worker(
+        close_idle: Option<Arc<tokio::sync::Notify>>,
+    ) -> (Arc<str>, mpsc::UnboundedReceiver<String>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url: Arc<str> = format!("http://{}", listener.local_addr().unwrap()).into();
         let (seen, events) = mpsc::unbounded_channel();
@@ -866,7 +889,7 @@ mod tests {
             loop {
                 let (mut tcp, _) = listener.accept().await.unwrap();
                 seen.send("accepted".into()).unwrap();
-                let seen = seen.clone();
+                let (seen, close_idle) = (seen.clone(), close_idle.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     loop {
@@ -895,7 +918,8 @@ mod tests {
                         seen.send(head).unwrap();
                         let response = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
                         tcp.write_all(response).await.unwrap();
-                        if close_idle {
+                        if let Some(close) = &close_idle {
+                            close.notified().await;
                             drop(tcp);
                             seen.send("closed".into()).unwrap();
                             return;
@@ -1039,7 +1063,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_on_a_kept_connection_wakes_its_task_only_for_the_network() {
-        let (url, _events) = raw_worker(false).await;
+        let (url, _events) = raw_worker(None).await;
         let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
         assert_eq!(post(&upstream, &url).await, "ok");
         let (body, self_wakes) = with_self_wakes(post(&upstream, &url)).await;
@@ -1048,8 +1072,44 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_request_goes_with_the_clients_length_if_it_is_the_bodys_else_with_the_bodys() {
+        let (url, mut events) = raw_worker(None).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        for (given, sent) in [
+            (&["2"][..], "2"),
+            (&["02"], "02"),
+            (&["5"], "2"),
+            (&["+2"], "2"),
+            (&["2", "2"], "2"),
+            (&[], "2"),
+        ] {
+            let mut headers = HeaderMap::new();
+            for value in given {
+                headers.append("content-length", value.parse().unwrap());
+            }
+            let response = upstream
+                .post(&url, "/v1/completions", &headers, Bytes::from("{}"))
+                .await
+                .unwrap();
+            assert!(response.status().is_success());
+            response.into_body().collect().await.unwrap();
+            let head = loop {
+                match events.recv().await.unwrap() {
+                    head if head.starts_with("POST") => break head,
+                    _ => {}
+                }
+            };
+            let lengths: Vec<_> = head
+                .lines()
+                .filter_map(|l| l.strip_prefix("content-length: "))
+                .collect();
+            assert_eq!(lengths, [sent], "{given:?}: {head}");
+        }
+    }
+
+    #[tokio::test]
     async fn a_workers_connection_carries_request_after_request() {
-        let (url, mut events) = raw_worker(false).await;
+        let (url, mut events) = raw_worker(None).await;
         let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
         for _ in 0..3 {
             assert_eq!(post(&upstream, &url).await, "ok");
@@ -1069,21 +1129,25 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_the_worker_closed_is_replaced_without_a_failure() {
-        let (url, mut events) = raw_worker(true).await;
+        let close = Arc::new(tokio::sync::Notify::new());
+        let (url, mut events) = raw_worker(Some(Arc::clone(&close))).await;
         let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
         assert_eq!(post(&upstream, &url).await, "ok");
+        // The response was read whole: the connection waits idle when the
+        // worker closes it, and the router sees that only when it uses it.
+        close.notify_one();
         for expected in ["accepted", "POST", "closed"] {
             assert!(events.recv().await.unwrap().starts_with(expected));
         }
-        // The idle connection is closed by now: the request goes on a new one.
+        // The request goes on a new connection.
         assert_eq!(post(&upstream, &url).await, "ok");
         assert_eq!(events.recv().await.unwrap(), "accepted");
     }
 
     #[tokio::test]
     async fn a_departed_workers_idle_connection_is_closed_and_the_worker_forgotten() {
-        let (gone, mut gone_events) = raw_worker(false).await;
-        let (staying, _staying_events) = raw_worker(false).await;
+        let (gone, mut gone_events) = raw_worker(None).await;
+        let (staying, _staying_events) = raw_worker(None).await;
         let mut upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
         upstream.pool = Arc::new(super::Pool::new(std::time::Duration::from_millis(50)));
         assert_eq!(post(&upstream, &gone).await, "ok");
