@@ -77,6 +77,11 @@ pub struct Matches {
     epoch: u64,
     /// The walk's list of workers still matching, kept for the next lookup.
     scratch: Vec<u32>,
+    /// With `max_blocks`, the walked path's block keys (the LRU touch), kept
+    /// for the next lookup: a fresh list grown block by block was a malloc
+    /// and five or six reallocs on a deep match, most of the bounded index's
+    /// lookup tail.
+    path: Vec<u64>,
 }
 
 impl Matches {
@@ -916,24 +921,29 @@ impl KvIndex {
         // Walked again if a dump was swapped in or an index changed hands
         // meanwhile: the walk would otherwise show a dump's hidden bits, read
         // half built, as the worker's, or one worker's depth as another's.
-        let seqs = loop {
+        loop {
             let Some(epoch) = self.cells.epoch() else {
                 std::thread::yield_now();
                 continue;
             };
             matches.pairs.clear();
-            let seqs = self.walk(local_hashes, &mut matches.pairs, &mut matches.scratch);
+            self.walk(
+                local_hashes,
+                &mut matches.pairs,
+                &mut matches.scratch,
+                &mut matches.path,
+            );
             if self.cells.any_hidden() {
                 matches.pairs.retain(|m| self.cells.is_live(m.idx));
             }
             if self.cells.unchanged(epoch) {
                 matches.epoch = epoch;
-                break seqs;
+                break;
             }
-        };
+        }
         if let Some(eviction) = &self.eviction {
             let deepest = matches.deepest().map_or(0, |m| m.depth);
-            let waiting = eviction.touch_later(&seqs[..deepest as usize]);
+            let waiting = eviction.touch_later(&matches.path[..deepest as usize]);
             if waiting >= MAX_PENDING {
                 // The recency thread fell behind (or could not start).
                 eviction.lock().lru.apply_some(usize::MAX);
@@ -1050,7 +1060,7 @@ impl KvIndex {
     }
 
     /// Pushes a match for every live worker holding at least block 0, and
-    /// returns the keys of the path as deep as it was walked. One walk: keys
+    /// writes the keys of the path as deep as it was walked into `path`. One walk: keys
     /// are chained lazily, as most long requests match only a short prefix, and
     /// kept only for the LRU. The workers still matching are a bitset while
     /// they are all below 31 (any fleet of up to 31 ranks), else a sorted list,
@@ -1061,7 +1071,8 @@ impl KvIndex {
         local_hashes: &[u64],
         matches: &mut Vec<IndexMatch>,
         scratch: &mut Vec<u32>,
-    ) -> Vec<u64> {
+        path: &mut Vec<u64>,
+    ) {
         enum Active<'s> {
             Bits(u64),
             Ids(&'s mut Vec<u32>),
@@ -1070,10 +1081,15 @@ impl KvIndex {
             matches.push(IndexMatch { idx, depth });
         };
         let keep_path = self.eviction.is_some();
-        let mut path = Vec::new();
+        path.clear();
         let Some(&first) = local_hashes.first() else {
-            return path;
+            return;
         };
+        if keep_path {
+            // Once, at most the whole request: a buffer kept across lookups
+            // grows only the first time.
+            path.reserve(local_hashes.len());
+        }
         let mut reader = ShardReader::new(&self.table);
         let root = BlockRef::child_of(None, first);
         if keep_path {
@@ -1081,7 +1097,7 @@ impl KvIndex {
         }
         // The result is sized once, from the holders of block 0.
         let mut active = match reader.shard(root.shard()).holders(root.key()) {
-            HolderSet::Bits(0) => return path,
+            HolderSet::Bits(0) => return,
             HolderSet::Bits(b) => Active::Bits(b),
             other => {
                 scratch.clear();
@@ -1170,7 +1186,7 @@ impl KvIndex {
                     }
                 };
                 if !left {
-                    return path;
+                    return;
                 }
             }
         }
@@ -1179,7 +1195,6 @@ impl KvIndex {
             Active::Bits(set) => bits(set, 0).for_each(|i| emit(matches, i, full)),
             Active::Ids(ids) => ids.iter().for_each(|&i| emit(matches, i, full)),
         }
-        path
     }
 
     /// The workers now, for walks that lock each in turn.

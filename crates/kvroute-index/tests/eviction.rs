@@ -2,7 +2,7 @@
 
 mod model;
 
-use kvroute_index::{ApplyOutcome, EventKind, IndexConfig, KvEvent, KvIndex, WorkerKey};
+use kvroute_index::{ApplyOutcome, EventKind, IndexConfig, KvEvent, KvIndex, Matches, WorkerKey};
 use model::stored;
 
 fn depth(index: &KvIndex, path: &[u64]) -> u32 {
@@ -59,6 +59,23 @@ fn the_least_recently_used_chain_goes_first() {
     feed(&index, W, vec![stored(None, &[(7, 31), (8, 32), (9, 33)])]);
     assert_eq!(depth(&index, &[11, 12, 13]), 3);
     assert_eq!(depth(&index, &[21, 22, 23]), 0);
+    assert_eq!(depth(&index, &[31, 32, 33]), 3);
+}
+
+/// A routing thread keeps one `Matches` (and the walked path in it) across
+/// lookups: each lookup touches its own path, never what an earlier one left.
+#[test]
+fn a_kept_matches_buffer_touches_only_the_latest_lookups_path() {
+    let index = limited(6);
+    feed(&index, W, vec![stored(None, &[(1, 11), (2, 12), (3, 13)])]);
+    feed(&index, W, vec![stored(None, &[(4, 21), (5, 22), (6, 23)])]);
+    let mut matches = Matches::default();
+    index.find_matches_into(&[11, 12, 13], &mut matches);
+    index.find_matches_into(&[21, 22, 23], &mut matches);
+    // The first chain is now the least recent: it goes for the third.
+    feed(&index, W, vec![stored(None, &[(7, 31), (8, 32), (9, 33)])]);
+    assert_eq!(depth(&index, &[11, 12, 13]), 0);
+    assert_eq!(depth(&index, &[21, 22, 23]), 3);
     assert_eq!(depth(&index, &[31, 32, 33]), 3);
 }
 
