@@ -3,10 +3,21 @@
 //! An intrusive doubly linked list over a slab, newest at the head. Each node
 //! counts its children present in the list, stored below it while it was there
 //! (so only leaves are evicted, never an ancestor before its descendants), and
-//! its pins (paths of requests being routed right now, which are never
-//! evicted). A child keeps its parent's node, not its key: a removal releases
-//! the parent without a probe, and a block removed while it still counts
-//! children keeps its node, out of the list, until the last of them goes.
+//! whether it is pinned (on a path of a request being routed right now, never
+//! evicted; the counts of pins are beside the nodes, in a map of the few
+//! pinned ones). A child keeps its parent's node, not its key: a removal
+//! releases the parent without a probe, and a block removed while it still
+//! counts children keeps its node, out of the list, until the last of them
+//! goes.
+//!
+//! The order has no index of its own: a block's node id lives in the block's
+//! table entry (see [`crate::table::Entry::lru_node`]), where the index finds
+//! the block anyway, so the callers name nodes, not keys. A node id read
+//! without this order's lock (a lookup's walk) travels with the block's key,
+//! a [`Touch`], and is checked against the node's key when used: the block may
+//! have gone and its node been reused meanwhile. The separate key → node map
+//! this replaced was a third of the order's bytes and most of its time (a
+//! probe per store, removal and touch).
 //!
 //! Touching a path moves it to the head leaf first and root last, so that within
 //! the chain the root-side ancestor is newest and the leaf oldest: a tail-to-head
@@ -19,30 +30,48 @@
 //! next read or changed (the next store, removal or eviction scan): moving a
 //! routed prompt's few hundred blocks is a few cache misses each, which the
 //! routing decision need not wait for. Done in arrival order before anything
-//! else, the deferred touches leave the same order as touching at once. The
-//! index's recency thread applies them in short slices ([`Lru::apply_some`])
-//! when nothing else does, so a lookup rarely finds too many waiting and has
-//! to apply them all itself (64 Ki moves, 3–12 ms).
+//! else, the deferred touches leave the same order as touching at once. A
+//! touch whose block went between the lookup's walk and its hand-over moves
+//! nothing (unless the block was stored again into the same node: then it
+//! moves, as a touch by key did). The index's recency thread applies them in
+//! short slices ([`Lru::apply_some`]) when nothing else does, so a lookup
+//! rarely finds too many waiting and has to apply them all itself (64 Ki
+//! moves, 3–12 ms).
 
 use std::collections::VecDeque;
-use std::collections::hash_map::Entry;
 
-use crate::table::{NO_PARENT, SeqMap, map_bytes};
+use crate::flat::FlatMap;
 
 const NIL: u32 = u32::MAX;
+
+/// Marks (in `older`) the node of a block removed while children it counted
+/// remain: out of the list, freed when its last child goes.
+const RETIRED: u32 = u32::MAX - 1;
+
+/// Marks (in `older`) a node on the free list.
+const FREE: u32 = u32::MAX - 2;
+
+/// In [`Node::children`]: the block is pinned (its count is in [`Lru::pins`]).
+const PINNED: u32 = 1 << 31;
 
 /// Nodes the slab grows by at least.
 const MIN_NODES: usize = 64;
 
-/// Deferred touches kept at most, in blocks (512 KiB); past it a lookup
-/// applies them itself.
+/// Deferred touches kept at most (1 MiB); past it a lookup applies them
+/// itself.
 pub(crate) const MAX_PENDING: usize = 1 << 16;
 
 /// Deferred touches past which a lookup wakes the recency thread.
 pub(crate) const DRAIN_AT: usize = 1 << 13;
 
+/// A block's key and the node the index found it under, to be checked
+/// against the node when used.
+pub(crate) type Touch = (u64, u32);
+
+/// 28 bytes: 4-byte aligned, the key in halves.
+#[derive(Clone, Copy)]
 struct Node {
-    seq: u64,
+    seq: [u32; 2],
     /// The parent's node when this block was inserted, counting it among its
     /// children; `NIL` if it had none in the order. Kept by id, not by block:
     /// a removal releases its parent without probing the index, and a parent
@@ -50,33 +79,41 @@ struct Node {
     /// child it never counted.
     parent: u32,
     /// Toward the head (newer) and toward the tail (older); `older` is
-    /// [`RETIRED`] once the block is gone but its node still counts children.
+    /// [`RETIRED`] once the block is gone but its node still counts children,
+    /// [`FREE`] once the node is free.
     newer: u32,
     older: u32,
+    /// Children counted, and [`PINNED`]: zero exactly for an evictable block.
     children: u32,
-    pins: u32,
+    /// The low half of the block's local hash, whose place in the table entry
+    /// holds this node's id.
+    tokens_low: u32,
 }
 
-/// Marks (in `older`) the node of a block removed while children it counted
-/// remain: out of the list and the index, freed when its last child goes.
-const RETIRED: u32 = u32::MAX - 1;
+impl Node {
+    fn seq(&self) -> u64 {
+        u64::from(self.seq[0]) | u64::from(self.seq[1]) << 32
+    }
+}
+
+fn halves(seq: u64) -> [u32; 2] {
+    [seq as u32, (seq >> 32) as u32]
+}
 
 #[derive(Default)]
 pub(crate) struct Lru {
     nodes: Vec<Node>,
     free: Vec<u32>,
-    index: SeqMap<u32>,
+    /// Blocks in the order.
+    len: usize,
+    /// Pins of each pinned node (by id): few at a time, and the eviction scan
+    /// reads only the node's [`PINNED`] bit.
+    pins: FlatMap<u64>,
     head: Option<u32>,
     tail: Option<u32>,
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
-    pending: VecDeque<u64>,
-    /// The blocks inserted since the last touch or removal, with their
-    /// nodes, in order: a stored chain's blocks are inserted, each the
-    /// parent of the next, and then touched, so these name the parent of
-    /// the next insert and the nodes of the touch without probing the index
-    /// again. Emptied by any removal (a node may be freed and reused).
-    inserted: Vec<(u64, u32)>,
+    pending: VecDeque<Touch>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -97,111 +134,118 @@ pub(crate) enum Cursor {
 impl Lru {
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.len
     }
 
     pub fn heap_bytes(&self) -> u64 {
         (self.nodes.capacity() * size_of::<Node>()
             + self.free.capacity() * 4
-            + self.pending.capacity() * 8
-            + self.inserted.capacity() * size_of::<(u64, u32)>()) as u64
-            + map_bytes(&self.index)
+            + self.pending.capacity() * size_of::<Touch>()) as u64
+            + self.pins.heap_bytes()
     }
 
-    /// Adds a block as the newest; no-op if present.
-    pub fn insert(&mut self, seq: u64, parent: u64) {
+    /// Whether node `id` is in the order holding block `seq`.
+    #[inline]
+    fn holds(&self, (seq, id): Touch) -> bool {
+        self.nodes
+            .get(id as usize)
+            .is_some_and(|n| n.older != RETIRED && n.older != FREE && n.seq == halves(seq))
+    }
+
+    /// Adds a new block as the newest, under `parent` (its key and node) if
+    /// that is still in the order; returns its node, for the block's entry.
+    pub fn insert(&mut self, seq: u64, tokens_low: u32, parent: Option<Touch>) -> u32 {
         self.apply_pending();
-        // The node a new block gets; the index is probed once, for both
-        // whether the block is present and where it goes.
-        let id = self.free.last().copied().unwrap_or(self.nodes.len() as u32);
-        match self.index.entry(seq) {
-            Entry::Occupied(_) => return,
-            Entry::Vacant(vacant) => vacant.insert(id),
-        };
-        let parent_node = match self.inserted.last() {
-            _ if parent == NO_PARENT => None,
-            Some(&(last, p)) if last == parent => Some(p),
-            _ => self.index.get(&parent).copied(),
-        };
+        let parent = parent.filter(|&p| self.holds(p)).map_or(NIL, |(_, id)| id);
         let node = Node {
-            seq,
-            parent: parent_node.unwrap_or(NIL),
+            seq: halves(seq),
+            parent,
             newer: NIL,
             older: NIL,
             children: 0,
-            pins: 0,
+            tokens_low,
         };
-        match self.free.pop() {
-            Some(_) => self.nodes[id as usize] = node,
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
             None => {
                 if self.nodes.len() == self.nodes.capacity() {
                     // Grown by a quarter, not doubled: the slab is a node
-                    // per distinct block (32 bytes), and doubling left up to
-                    // half of it empty, 12 B a membership at 1,024 workers.
+                    // per distinct block, and doubling left up to half of it
+                    // empty, 12 B a membership at 1,024 workers.
                     self.nodes.reserve_exact(self.nodes.len() / 4 + MIN_NODES);
                 }
                 self.nodes.push(node);
+                self.nodes.len() as u32 - 1
             }
-        }
+        };
         self.push_head(id);
-        if let Some(p) = parent_node {
-            self.nodes[p as usize].children += 1;
+        if parent != NIL {
+            self.nodes[parent as usize].children += 1;
         }
-        self.inserted.push((seq, id));
+        self.len += 1;
+        id
     }
 
-    /// Forgets a block (nobody holds it any more).
-    pub fn remove(&mut self, seq: u64) {
+    /// The low half of the local hash of the block at node `id`.
+    pub fn tokens_low(&self, id: u32) -> u32 {
+        self.nodes[id as usize].tokens_low
+    }
+
+    /// Forgets the block at node `id` (nobody holds it any more).
+    pub fn remove(&mut self, id: u32) {
         self.apply_pending();
-        self.inserted.clear();
-        if let Some(id) = self.index.remove(&seq) {
-            self.unlink(id);
-            let node = &mut self.nodes[id as usize];
-            let parent = node.parent;
-            if node.children == 0 {
-                self.free.push(id);
-            } else {
-                node.older = RETIRED;
-            }
-            if parent != NIL {
-                self.release_child(parent);
-            }
+        debug_assert!(self.holds((self.nodes[id as usize].seq(), id)));
+        self.unlink(id);
+        self.len -= 1;
+        let node = &mut self.nodes[id as usize];
+        let parent = node.parent;
+        if node.children & PINNED != 0 {
+            // Its pins go with it, as they did with a node found by key.
+            node.children &= !PINNED;
+            self.pins.remove(u64::from(id));
         }
+        if self.nodes[id as usize].children == 0 {
+            self.free_node(id);
+        } else {
+            self.nodes[id as usize].older = RETIRED;
+        }
+        if parent != NIL {
+            self.release_child(parent);
+        }
+    }
+
+    fn free_node(&mut self, id: u32) {
+        self.nodes[id as usize].older = FREE;
+        self.free.push(id);
     }
 
     /// One child of node `id` went; frees it if it was retired and that was
     /// its last.
     fn release_child(&mut self, id: u32) {
         let node = &mut self.nodes[id as usize];
-        debug_assert!(node.children > 0, "a node counts each child once");
-        node.children = node.children.saturating_sub(1);
+        debug_assert!(node.children & !PINNED > 0, "a node counts each child once");
+        if node.children & !PINNED > 0 {
+            node.children -= 1;
+        }
         if node.children == 0 && node.older == RETIRED {
-            self.free.push(id);
+            self.free_node(id);
         }
     }
 
-    /// Marks a path (block keys from the root) as just used: root newest.
-    pub fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
+    /// Marks a path (from the root) as just used: root newest.
+    pub fn touch(&mut self, path: impl DoubleEndedIterator<Item = Touch>) {
         self.apply_pending();
-        // The blocks inserted since are a subsequence of the path, in order.
-        let mut inserted = std::mem::take(&mut self.inserted);
-        for seq in path.rev() {
-            match inserted.last() {
-                Some(&(last, id)) if last == seq => {
-                    inserted.pop();
-                    self.unlink(id);
-                    self.push_head(id);
-                }
-                _ => self.move_to_head(seq),
-            }
+        for touch in path.rev() {
+            self.move_to_head(touch);
         }
-        inserted.clear();
-        self.inserted = inserted;
     }
 
     /// Takes over touches written down elsewhere, in order (each path leaf
     /// first), leaving `touches` empty.
-    pub fn defer(&mut self, touches: &mut Vec<u64>) {
+    pub fn defer(&mut self, touches: &mut Vec<Touch>) {
         if self.pending.len() + touches.len() > MAX_PENDING {
             self.apply_pending();
         }
@@ -227,27 +271,40 @@ impl Lru {
     /// Applies the `n` oldest deferred touches; true when none are left.
     pub fn apply_some(&mut self, n: usize) -> bool {
         for _ in 0..n.min(self.pending.len()) {
-            let Some(seq) = self.pending.pop_front() else {
+            let Some(touch) = self.pending.pop_front() else {
                 break;
             };
-            self.move_to_head(seq);
+            self.move_to_head(touch);
         }
         self.pending.is_empty()
     }
 
-    fn move_to_head(&mut self, seq: u64) {
-        if let Some(&id) = self.index.get(&seq) {
-            self.unlink(id);
-            self.push_head(id);
+    #[inline]
+    fn move_to_head(&mut self, touch: Touch) {
+        if self.holds(touch) {
+            self.unlink(touch.1);
+            self.push_head(touch.1);
         }
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
-    pub fn pin(&mut self, path: &[u64], delta: i32) {
-        for seq in path {
-            if let Some(&id) = self.index.get(seq) {
-                let pins = &mut self.nodes[id as usize].pins;
-                *pins = pins.saturating_add_signed(delta);
+    pub fn pin(&mut self, path: impl Iterator<Item = Touch>, delta: i32) {
+        for touch in path {
+            if !self.holds(touch) {
+                continue;
+            }
+            let id = touch.1;
+            let node = &mut self.nodes[id as usize];
+            if delta < 0 && node.children & PINNED == 0 {
+                continue;
+            }
+            let (pins, _) = self.pins.get_or_insert(u64::from(id), || 0);
+            *pins = pins.saturating_add_signed(i64::from(delta));
+            if *pins == 0 {
+                node.children &= !PINNED;
+                self.pins.remove(u64::from(id));
+            } else {
+                node.children |= PINNED;
             }
         }
     }
@@ -258,7 +315,7 @@ impl Lru {
         self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
-            Cursor::At { id, seq } if self.index.get(&seq) == Some(&id) => Some(id),
+            Cursor::At { id, seq } if self.holds((seq, id)) => Some(id),
             Cursor::At { .. } => self.tail,
             Cursor::Done => None,
         };
@@ -266,12 +323,12 @@ impl Lru {
             self.visited += 1;
             let node = &self.nodes[id as usize];
             let next = (node.newer != NIL).then_some(node.newer);
-            if node.children == 0 && node.pins == 0 {
-                let seq = node.seq;
-                self.remove(seq);
+            if node.children == 0 {
+                let seq = node.seq();
+                self.remove(id);
                 *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
                     id,
-                    seq: self.nodes[id as usize].seq,
+                    seq: self.nodes[id as usize].seq(),
                 });
                 return Some(seq);
             }
@@ -313,10 +370,78 @@ impl Lru {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
+    use crate::table::NO_PARENT;
+
+    /// The order with the key → node map the block table keeps for it, so
+    /// that tests name blocks by key as the index does.
+    #[derive(Default)]
+    struct Keyed {
+        lru: Lru,
+        table: HashMap<u64, u32>,
+    }
+
+    impl Keyed {
+        fn found(&self, seq: u64) -> Option<Touch> {
+            self.table.get(&seq).map(|&id| (seq, id))
+        }
+
+        /// Adds a block as the newest; no-op if present.
+        fn insert(&mut self, seq: u64, parent: u64) {
+            if self.table.contains_key(&seq) {
+                return;
+            }
+            let parent = if parent == NO_PARENT {
+                None
+            } else {
+                self.found(parent)
+            };
+            let id = self.lru.insert(seq, seq as u32, parent);
+            self.table.insert(seq, id);
+        }
+
+        fn remove(&mut self, seq: u64) {
+            if let Some(id) = self.table.remove(&seq) {
+                self.lru.remove(id);
+            }
+        }
+
+        fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
+            let path: Vec<Touch> = path.filter_map(|s| self.found(s)).collect();
+            self.lru.touch(path.into_iter());
+        }
+
+        /// Writes down a touch as a lookup does, nodes found now.
+        fn defer(&mut self, touches: &mut Vec<u64>) {
+            let mut found: Vec<Touch> = touches.drain(..).filter_map(|s| self.found(s)).collect();
+            self.lru.defer(&mut found);
+        }
+
+        fn apply_some(&mut self, n: usize) -> bool {
+            self.lru.apply_some(n)
+        }
+
+        fn pin(&mut self, path: &[u64], delta: i32) {
+            let path: Vec<Touch> = path.iter().filter_map(|&s| self.found(s)).collect();
+            self.lru.pin(path.into_iter(), delta);
+        }
+
+        fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
+            let victim = self.lru.next_victim(cursor)?;
+            self.table.remove(&victim);
+            Some(victim)
+        }
+
+        fn len(&self) -> usize {
+            assert_eq!(self.lru.len(), self.table.len());
+            self.lru.len()
+        }
+    }
 
     /// Evicts until `n` victims or the head, in one cursor-resumed scan.
-    fn evict(lru: &mut Lru, n: usize) -> Vec<u64> {
+    fn evict(lru: &mut Keyed, n: usize) -> Vec<u64> {
         let mut cursor = Cursor::default();
         std::iter::from_fn(|| lru.next_victim(&mut cursor))
             .take(n)
@@ -328,7 +453,7 @@ mod tests {
         // Tail to head: pinned, leaf, pinned, leaf, ... A scan restarting at the
         // tail after each eviction would visit about M * K / 2 nodes.
         const M: u64 = 2000;
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         for i in 1..=M {
             lru.insert(2 * i, NO_PARENT);
             lru.pin(&[2 * i], 1);
@@ -337,15 +462,15 @@ mod tests {
         let victims = evict(&mut lru, M as usize);
         assert_eq!(victims, (1..=M).map(|i| 2 * i + 1).collect::<Vec<_>>());
         assert!(
-            lru.visited <= 2 * M,
+            lru.lru.visited <= 2 * M,
             "visited {} nodes for {M} evictions",
-            lru.visited
+            lru.lru.visited
         );
     }
 
     #[test]
     fn a_touched_chain_is_evicted_leaf_first_in_one_pass() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         let chain = [10, 11, 12, 13];
         let mut parent = NO_PARENT;
         for seq in chain {
@@ -356,12 +481,12 @@ mod tests {
         // Stored root first, the chain's leaf is newest; touching reorders it.
         lru.touch(chain.into_iter());
         assert_eq!(evict(&mut lru, 5), vec![99, 13, 12, 11, 10]);
-        assert_eq!(lru.visited, 5);
+        assert_eq!(lru.lru.visited, 5);
     }
 
     #[test]
     fn ancestors_and_pinned_blocks_are_never_victims() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         lru.insert(1, NO_PARENT);
         lru.insert(2, 1);
         lru.insert(3, 2);
@@ -403,7 +528,7 @@ mod tests {
         fn deferred_touches_evict_as_touches_done_at_once(
             ops in proptest::collection::vec(op(), 1..80)
         ) {
-            let mut lru = Lru::default();
+            let mut lru = Keyed::default();
             // Newest first.
             let mut model: Vec<u64> = Vec::new();
             for op in ops {
@@ -496,7 +621,7 @@ mod tests {
                 pins: u32,
                 under: Option<(u64, u32)>,
             }
-            let mut lru = Lru::default();
+            let mut lru = Keyed::default();
             // Newest first; how many times each key was stored.
             let mut model: Vec<Block> = Vec::new();
             let mut incarnation = [0u32; 16];
@@ -512,7 +637,7 @@ mod tests {
                 };
                 model.iter().rev().find(|b| b.pins == 0 && leaf(b.seq)).map(|b| b.seq)
             }
-            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Lru, k: u64| {
+            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Keyed, k: u64| {
                 lru.insert(k, tree_parent(k));
                 if !model.iter().any(|b| b.seq == k) {
                     let p = tree_parent(k);
@@ -576,9 +701,27 @@ mod tests {
         }
     }
 
+    /// A lookup's touch names the node it found its block under; if the
+    /// block goes and another takes its node before the touch is handed
+    /// over, the touch moves nothing.
+    #[test]
+    fn a_stale_deferred_touch_moves_no_other_block() {
+        let mut lru = Keyed::default();
+        lru.insert(1, NO_PARENT);
+        lru.insert(2, NO_PARENT);
+        // Found by a walk, written down after the block went.
+        let walked = lru.found(1).unwrap();
+        lru.remove(1);
+        lru.insert(3, NO_PARENT);
+        assert_eq!(lru.found(3).unwrap().1, walked.1, "3 took 1's node");
+        lru.lru.defer(&mut vec![walked]);
+        // Moved, 3 would be the newest and 2 the oldest.
+        assert_eq!(evict(&mut lru, 2), vec![2, 3]);
+    }
+
     #[test]
     fn a_parent_stored_again_is_not_charged_with_an_orphan() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         lru.insert(1, NO_PARENT);
         lru.insert(2, 1);
         // 1 goes while 2 stays (an orphan), then 1 is stored again, with a
