@@ -54,8 +54,9 @@ const FREE: u32 = u32::MAX - 2;
 /// In [`Node::children`]: the block is pinned (its count is in [`Lru::pins`]).
 const PINNED: u32 = 1 << 31;
 
-/// Nodes the slab grows by at least.
-const MIN_NODES: usize = 64;
+/// Nodes per chunk of the slab (28 KiB), a power of two.
+const CHUNK_BITS: u32 = 10;
+const CHUNK: usize = 1 << CHUNK_BITS;
 
 /// Deferred touches kept at most (1 MiB); past it a lookup applies them
 /// itself.
@@ -100,9 +101,59 @@ fn halves(seq: u64) -> [u32; 2] {
     [seq as u32, (seq >> 32) as u32]
 }
 
+/// The nodes, by id, in chunks of [`CHUNK`]: it grows a chunk at a time and
+/// never moves a node. One vector grown by a quarter copied the whole slab at
+/// each step (at 1,024 workers about 12 % of a replay thread's time was that
+/// copy and its page faults), and kept an eighth of it empty on average.
+#[derive(Default)]
+struct Slab {
+    chunks: Vec<Vec<Node>>,
+}
+
+impl Slab {
+    #[inline]
+    fn get(&self, id: u32) -> Option<&Node> {
+        self.chunks
+            .get((id >> CHUNK_BITS) as usize)?
+            .get(id as usize & (CHUNK - 1))
+    }
+
+    /// Adds a node; returns its id.
+    fn push(&mut self, node: Node) -> u32 {
+        let full = self.chunks.last().is_none_or(|c| c.len() == CHUNK);
+        if full {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let last = self.chunks.len() - 1;
+        self.chunks[last].push(node);
+        ((last << CHUNK_BITS) + self.chunks[last].len() - 1) as u32
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.chunks.capacity() * size_of::<Vec<Node>>()
+            + self.chunks.iter().map(|c| c.capacity()).sum::<usize>() * size_of::<Node>()
+    }
+}
+
+impl std::ops::Index<u32> for Slab {
+    type Output = Node;
+
+    #[inline]
+    fn index(&self, id: u32) -> &Node {
+        &self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Slab {
+    #[inline]
+    fn index_mut(&mut self, id: u32) -> &mut Node {
+        &mut self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Lru {
-    nodes: Vec<Node>,
+    nodes: Slab,
     free: Vec<u32>,
     /// Blocks in the order.
     len: usize,
@@ -138,7 +189,7 @@ impl Lru {
     }
 
     pub fn heap_bytes(&self) -> u64 {
-        (self.nodes.capacity() * size_of::<Node>()
+        (self.nodes.heap_bytes()
             + self.free.capacity() * 4
             + self.pending.capacity() * size_of::<Touch>()) as u64
             + self.pins.heap_bytes()
@@ -148,7 +199,7 @@ impl Lru {
     #[inline]
     fn holds(&self, (seq, id): Touch) -> bool {
         self.nodes
-            .get(id as usize)
+            .get(id)
             .is_some_and(|n| n.older != RETIRED && n.older != FREE && n.seq == halves(seq))
     }
 
@@ -167,23 +218,14 @@ impl Lru {
         };
         let id = match self.free.pop() {
             Some(id) => {
-                self.nodes[id as usize] = node;
+                self.nodes[id] = node;
                 id
             }
-            None => {
-                if self.nodes.len() == self.nodes.capacity() {
-                    // Grown by a quarter, not doubled: the slab is a node
-                    // per distinct block, and doubling left up to half of it
-                    // empty, 12 B a membership at 1,024 workers.
-                    self.nodes.reserve_exact(self.nodes.len() / 4 + MIN_NODES);
-                }
-                self.nodes.push(node);
-                self.nodes.len() as u32 - 1
-            }
+            None => self.nodes.push(node),
         };
         self.push_head(id);
         if parent != NIL {
-            self.nodes[parent as usize].children += 1;
+            self.nodes[parent].children += 1;
         }
         self.len += 1;
         id
@@ -191,26 +233,26 @@ impl Lru {
 
     /// The low half of the local hash of the block at node `id`.
     pub fn tokens_low(&self, id: u32) -> u32 {
-        self.nodes[id as usize].tokens_low
+        self.nodes[id].tokens_low
     }
 
     /// Forgets the block at node `id` (nobody holds it any more).
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
-        debug_assert!(self.holds((self.nodes[id as usize].seq(), id)));
+        debug_assert!(self.holds((self.nodes[id].seq(), id)));
         self.unlink(id);
         self.len -= 1;
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id];
         let parent = node.parent;
         if node.children & PINNED != 0 {
             // Its pins go with it, as they did with a node found by key.
             node.children &= !PINNED;
             self.pins.remove(u64::from(id));
         }
-        if self.nodes[id as usize].children == 0 {
+        if self.nodes[id].children == 0 {
             self.free_node(id);
         } else {
-            self.nodes[id as usize].older = RETIRED;
+            self.nodes[id].older = RETIRED;
         }
         if parent != NIL {
             self.release_child(parent);
@@ -218,14 +260,14 @@ impl Lru {
     }
 
     fn free_node(&mut self, id: u32) {
-        self.nodes[id as usize].older = FREE;
+        self.nodes[id].older = FREE;
         self.free.push(id);
     }
 
     /// One child of node `id` went; frees it if it was retired and that was
     /// its last.
     fn release_child(&mut self, id: u32) {
-        let node = &mut self.nodes[id as usize];
+        let node = &mut self.nodes[id];
         debug_assert!(node.children & !PINNED > 0, "a node counts each child once");
         if node.children & !PINNED > 0 {
             node.children -= 1;
@@ -294,7 +336,7 @@ impl Lru {
                 continue;
             }
             let id = touch.1;
-            let node = &mut self.nodes[id as usize];
+            let node = &mut self.nodes[id];
             if delta < 0 && node.children & PINNED == 0 {
                 continue;
             }
@@ -321,14 +363,14 @@ impl Lru {
         };
         while let Some(id) = at {
             self.visited += 1;
-            let node = &self.nodes[id as usize];
+            let node = &self.nodes[id];
             let next = (node.newer != NIL).then_some(node.newer);
             if node.children == 0 {
                 let seq = node.seq();
                 self.remove(id);
                 *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
                     id,
-                    seq: self.nodes[id as usize].seq(),
+                    seq: self.nodes[id].seq(),
                 });
                 return Some(seq);
             }
@@ -340,28 +382,28 @@ impl Lru {
 
     fn unlink(&mut self, id: u32) {
         let (newer, older) = {
-            let n = &self.nodes[id as usize];
+            let n = &self.nodes[id];
             (n.newer, n.older)
         };
         match newer {
             NIL => self.head = (older != NIL).then_some(older),
-            n => self.nodes[n as usize].older = older,
+            n => self.nodes[n].older = older,
         }
         match older {
             NIL => self.tail = (newer != NIL).then_some(newer),
-            o => self.nodes[o as usize].newer = newer,
+            o => self.nodes[o].newer = newer,
         }
     }
 
     fn push_head(&mut self, id: u32) {
         let old_head = self.head.unwrap_or(NIL);
         {
-            let n = &mut self.nodes[id as usize];
+            let n = &mut self.nodes[id];
             n.newer = NIL;
             n.older = old_head;
         }
         match self.head {
-            Some(h) => self.nodes[h as usize].newer = id,
+            Some(h) => self.nodes[h].newer = id,
             None => self.tail = Some(id),
         }
         self.head = Some(id);
