@@ -105,33 +105,33 @@ fn halves(seq: u64) -> [u32; 2] {
 /// never moves a node. One vector grown by a quarter copied the whole slab at
 /// each step (at 1,024 workers about 12 % of a replay thread's time was that
 /// copy and its page faults), and kept an eighth of it empty on average.
+/// Chunks of fixed length, so that a node's place in its chunk (a masked id)
+/// needs no bounds check.
 #[derive(Default)]
 struct Slab {
-    chunks: Vec<Vec<Node>>,
+    chunks: Vec<Box<[Node; CHUNK]>>,
+    len: u32,
 }
 
 impl Slab {
     #[inline]
     fn get(&self, id: u32) -> Option<&Node> {
-        self.chunks
-            .get((id >> CHUNK_BITS) as usize)?
-            .get(id as usize & (CHUNK - 1))
+        (id < self.len).then(|| &self[id])
     }
 
     /// Adds a node; returns its id.
     fn push(&mut self, node: Node) -> u32 {
-        let full = self.chunks.last().is_none_or(|c| c.len() == CHUNK);
-        if full {
-            self.chunks.push(Vec::with_capacity(CHUNK));
+        let id = self.len;
+        if id as usize == self.chunks.len() * CHUNK {
+            self.chunks.push(Box::new([node; CHUNK]));
         }
-        let last = self.chunks.len() - 1;
-        self.chunks[last].push(node);
-        ((last << CHUNK_BITS) + self.chunks[last].len() - 1) as u32
+        self.len += 1;
+        self[id] = node;
+        id
     }
 
     fn heap_bytes(&self) -> usize {
-        self.chunks.capacity() * size_of::<Vec<Node>>()
-            + self.chunks.iter().map(|c| c.capacity()).sum::<usize>() * size_of::<Node>()
+        self.chunks.capacity() * size_of::<usize>() + self.chunks.len() * size_of::<[Node; CHUNK]>()
     }
 }
 
@@ -300,8 +300,11 @@ impl Lru {
         self.pending.extend(touches.drain(..));
     }
 
+    #[inline]
     fn apply_pending(&mut self) {
-        self.apply_some(usize::MAX);
+        if !self.pending.is_empty() {
+            self.apply_some(usize::MAX);
+        }
     }
 
     /// Deferred touches waiting.
@@ -380,6 +383,7 @@ impl Lru {
         None
     }
 
+    #[inline]
     fn unlink(&mut self, id: u32) {
         let (newer, older) = {
             let n = &self.nodes[id];
@@ -395,6 +399,7 @@ impl Lru {
         }
     }
 
+    #[inline]
     fn push_head(&mut self, id: u32) {
         let old_head = self.head.unwrap_or(NIL);
         {
