@@ -33,7 +33,7 @@ use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::flat::FlatMap;
-use crate::lru::{Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
+use crate::lru::{ChainPlace, Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
 use crate::table::{
     BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
@@ -1344,15 +1344,16 @@ impl KvIndex {
                     Some(parent) => {
                         // With a limit, the parent's recency node, then each
                         // block's, for the inserts' parents and the chain's
-                        // touch.
+                        // place in the order.
                         let mut parent_node = None;
+                        let mut place = ChainPlace::default();
                         if let Some(eviction) = eviction.as_deref_mut() {
-                            eviction.chain.clear();
                             if let Some(p) = parent {
                                 let entry = writer.shard(p.shard()).entries.get(p.key());
                                 parent_node = entry.map(|e| (p.key(), e.lru_node()));
                                 eviction.chain.extend(parent_node);
                             }
+                            place = eviction.lru.start_chain(parent_node);
                         }
                         // Each block's key, chained once.
                         let mut refs = Vec::with_capacity(blocks.len());
@@ -1401,22 +1402,30 @@ impl KvIndex {
                             held_delta += i64::from(added);
                             if let Some(eviction) = eviction.as_deref_mut() {
                                 eviction.memberships += counted * added as u64;
+                                let lru = &mut eviction.lru;
                                 let node = if created {
                                     let low = block.tokens_hash as u32;
-                                    let node = eviction.lru.insert(seq, low, parent_node);
+                                    let node = lru.insert(seq, low, parent_node, &mut place);
                                     entry.set_lru_node(node);
                                     node
                                 } else {
-                                    entry.lru_node()
+                                    let node = entry.lru_node();
+                                    lru.place(&mut place, (seq, node));
+                                    node
                                 };
                                 parent_node = Some((seq, node));
                                 eviction.chain.push((seq, node));
                             }
                         }
                         if let Some(eviction) = eviction.as_deref_mut() {
-                            // The parent, then each block.
+                            // Placed as one touch of the parent and the
+                            // blocks leaves them, unless a block went on the
+                            // way: then touched.
                             let Eviction { lru, chain, .. } = eviction;
-                            lru.touch(chain.drain(..));
+                            if place.lost {
+                                lru.touch(chain.drain(..));
+                            }
+                            chain.clear();
                         }
                     }
                 }

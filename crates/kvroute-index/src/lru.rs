@@ -169,6 +169,21 @@ pub(crate) struct Lru {
     pub visited: u64,
 }
 
+/// Where a stored chain's next block goes: right behind the block before it
+/// (the first behind the chain's parent, moved to the head), so that the chain
+/// ends in the order one touch of its whole path leaves (parent newest, then
+/// each block), each block placed once, not inserted at the head and then
+/// moved again by the touch.
+#[derive(Default)]
+pub(crate) struct ChainPlace {
+    /// The block placed last; none: the next goes to the head.
+    behind: Option<Touch>,
+    /// The block placed last went before the next was placed (its engine hash
+    /// named another block later in the event): the caller touches the whole
+    /// chain, which leaves the order it would have left.
+    pub lost: bool,
+}
+
 /// Where an eviction scan resumes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Cursor {
@@ -203,9 +218,43 @@ impl Lru {
             .is_some_and(|n| n.older != RETIRED && n.older != FREE && n.seq == halves(seq))
     }
 
-    /// Adds a new block as the newest, under `parent` (its key and node) if
-    /// that is still in the order; returns its node, for the block's entry.
-    pub fn insert(&mut self, seq: u64, tokens_low: u32, parent: Option<Touch>) -> u32 {
+    /// Starts placing a stored chain whose parent is `parent` (its key and
+    /// node), moved to the head if still in the order.
+    pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
+        self.apply_pending();
+        let behind = parent.filter(|&p| self.holds(p));
+        if let Some((_, id)) = behind {
+            self.unlink(id);
+            self.push_head(id);
+        }
+        ChainPlace {
+            behind,
+            lost: false,
+        }
+    }
+
+    /// The node a chain's next block goes behind (none: the head).
+    #[inline]
+    fn chain_anchor(&self, place: &mut ChainPlace) -> Option<u32> {
+        let behind = place.behind?;
+        if self.holds(behind) {
+            Some(behind.1)
+        } else {
+            place.lost = true;
+            None
+        }
+    }
+
+    /// Adds a new block, a chain's next at `place` (a fresh place: the
+    /// newest), under `parent` (its key and node) if that is still in the
+    /// order; returns its node, for the block's entry.
+    pub fn insert(
+        &mut self,
+        seq: u64,
+        tokens_low: u32,
+        parent: Option<Touch>,
+        place: &mut ChainPlace,
+    ) -> u32 {
         self.apply_pending();
         let parent = parent.filter(|&p| self.holds(p)).map_or(NIL, |(_, id)| id);
         let node = Node {
@@ -223,12 +272,27 @@ impl Lru {
             }
             None => self.nodes.push(node),
         };
-        self.push_head(id);
+        let anchor = self.chain_anchor(place);
+        self.link_behind(id, anchor);
+        place.behind = Some((seq, id));
         if parent != NIL {
             self.nodes[parent].children += 1;
         }
         self.len += 1;
         id
+    }
+
+    /// Moves a block already in the order to a chain's next place.
+    pub fn place(&mut self, place: &mut ChainPlace, touch: Touch) {
+        if !self.holds(touch) {
+            return;
+        }
+        let anchor = self.chain_anchor(place);
+        if anchor != Some(touch.1) {
+            self.unlink(touch.1);
+            self.link_behind(touch.1, anchor);
+        }
+        place.behind = Some(touch);
     }
 
     /// The low half of the local hash of the block at node `id`.
@@ -399,6 +463,27 @@ impl Lru {
         }
     }
 
+    /// Links node `id` (not in the list) right behind (older than) node
+    /// `anchor`, or at the head.
+    #[inline]
+    fn link_behind(&mut self, id: u32, anchor: Option<u32>) {
+        let Some(anchor) = anchor else {
+            self.push_head(id);
+            return;
+        };
+        let older = self.nodes[anchor].older;
+        {
+            let n = &mut self.nodes[id];
+            n.newer = anchor;
+            n.older = older;
+        }
+        self.nodes[anchor].older = id;
+        match older {
+            NIL => self.tail = Some(id),
+            o => self.nodes[o].newer = id,
+        }
+    }
+
     #[inline]
     fn push_head(&mut self, id: u32) {
         let old_head = self.head.unwrap_or(NIL);
@@ -445,8 +530,42 @@ mod tests {
             } else {
                 self.found(parent)
             };
-            let id = self.lru.insert(seq, seq as u32, parent);
+            let id = self
+                .lru
+                .insert(seq, seq as u32, parent, &mut ChainPlace::default());
             self.table.insert(seq, id);
+        }
+
+        /// A stored chain as the index applies one: `blocks` placed one by
+        /// one behind `parent`, inserting those not present; `remove` (a
+        /// block's key and the index in `blocks` before which it goes)
+        /// dropped on the way, as an engine hash named again drops the block
+        /// it named.
+        fn store(&mut self, parent: Option<u64>, blocks: &[u64], remove: Option<(u64, usize)>) {
+            let mut parent = parent.and_then(|p| self.found(p));
+            let mut chain: Vec<Touch> = parent.into_iter().collect();
+            let mut place = self.lru.start_chain(parent);
+            for (i, &seq) in blocks.iter().enumerate() {
+                if let Some((gone, _)) = remove.filter(|&(_, at)| at == i) {
+                    self.remove(gone);
+                }
+                let node = match self.found(seq) {
+                    Some(touch) => {
+                        self.lru.place(&mut place, touch);
+                        touch.1
+                    }
+                    None => {
+                        let id = self.lru.insert(seq, seq as u32, parent, &mut place);
+                        self.table.insert(seq, id);
+                        id
+                    }
+                };
+                parent = Some((seq, node));
+                chain.push((seq, node));
+            }
+            if place.lost {
+                self.lru.touch(chain.into_iter());
+            }
         }
 
         fn remove(&mut self, seq: u64) {
@@ -615,9 +734,15 @@ mod tests {
     /// An operation on a tree of blocks 1..16, block `k`'s parent `k / 2`.
     #[derive(Clone, Debug)]
     enum TreeOp {
-        /// A stored chain: the path from the root to `k` inserted, root
-        /// first, then touched.
-        Store(u64),
+        /// A stored chain: the path from the root to `k` but its first `cut`
+        /// blocks (the last of those its parent, present or not) inserted,
+        /// root first, then touched with its parent; `drop` (a block, and the
+        /// chain's index before which it goes) removed on the way.
+        Store {
+            k: u64,
+            cut: usize,
+            drop: Option<(u64, usize)>,
+        },
         /// `k` alone inserted (if its parent is present), not touched.
         Insert(u64),
         /// `k` removed, leaf or not (a child left behind is an orphan).
@@ -630,7 +755,12 @@ mod tests {
     fn tree_op() -> impl proptest::strategy::Strategy<Value = TreeOp> {
         use proptest::prelude::*;
         prop_oneof![
-            (1..16u64).prop_map(TreeOp::Store),
+            (
+                1..16u64,
+                0..4usize,
+                proptest::option::of((1..16u64, 0..4usize))
+            )
+                .prop_map(|(k, cut, drop)| TreeOp::Store { k, cut, drop }),
             (1..16u64).prop_map(TreeOp::Insert),
             (1..16u64).prop_map(TreeOp::Remove),
             (1..16u64).prop_map(TreeOp::Touch),
@@ -684,8 +814,7 @@ mod tests {
                 };
                 model.iter().rev().find(|b| b.pins == 0 && leaf(b.seq)).map(|b| b.seq)
             }
-            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Keyed, k: u64| {
-                lru.insert(k, tree_parent(k));
+            fn model_insert(model: &mut Vec<Block>, incarnation: &mut [u32; 16], k: u64) {
                 if !model.iter().any(|b| b.seq == k) {
                     let p = tree_parent(k);
                     let under = model
@@ -695,16 +824,26 @@ mod tests {
                     incarnation[k as usize] += 1;
                     model.insert(0, Block { seq: k, pins: 0, under });
                 }
+            }
+            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Keyed, k: u64| {
+                lru.insert(k, tree_parent(k));
+                model_insert(model, incarnation, k);
             };
             for op in ops {
                 match op {
-                    TreeOp::Store(k) => {
+                    TreeOp::Store { k, cut, drop } => {
                         let path = tree_path(k);
-                        for &seq in &path {
-                            insert(&mut model, &mut incarnation, &mut lru, seq);
+                        let cut = cut.min(path.len() - 1);
+                        let parent = cut.checked_sub(1).map(|p| path[p]);
+                        let blocks = &path[cut..];
+                        lru.store(parent, blocks, drop);
+                        for (i, &seq) in blocks.iter().enumerate() {
+                            if let Some((gone, _)) = drop.filter(|&(_, at)| at == i) {
+                                model.retain(|b| b.seq != gone);
+                            }
+                            model_insert(&mut model, &mut incarnation, seq);
                         }
-                        lru.touch(path.iter().copied());
-                        for &seq in path.iter().rev() {
+                        for &seq in blocks.iter().rev().chain(parent.iter()) {
                             move_front(&mut model, seq);
                         }
                     }
