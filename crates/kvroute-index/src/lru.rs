@@ -248,6 +248,7 @@ impl Lru {
     /// Adds a new block, a chain's next at `place` (a fresh place: the
     /// newest), under `parent` (its key and node) if that is still in the
     /// order; returns its node, for the block's entry.
+    #[inline]
     pub fn insert(
         &mut self,
         seq: u64,
@@ -301,6 +302,7 @@ impl Lru {
     }
 
     /// Forgets the block at node `id` (nobody holds it any more).
+    #[inline]
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
         debug_assert!(self.holds((self.nodes[id].seq(), id)));
