@@ -16,8 +16,8 @@
 //! without this order's lock (a lookup's walk) travels with the block's key,
 //! a [`Touch`], and is checked against the node's key when used: the block may
 //! have gone and its node been reused meanwhile. The separate key → node map
-//! this replaced was a third of the order's bytes and most of its time (a
-//! probe per store, removal and touch).
+//! this replaced was a third of the order's bytes, and a probe (at fleet
+//! scale a cache miss) per store, removal and touch.
 //!
 //! Touching a path moves it to the head leaf first and root last, so that within
 //! the chain the root-side ancestor is newest and the leaf oldest: a tail-to-head
