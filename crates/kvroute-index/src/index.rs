@@ -416,7 +416,12 @@ pub struct WorkerEvents<'a> {
 }
 
 impl WorkerEvents<'_> {
-    /// [`KvIndex::apply`] of one event.
+    /// [`KvIndex::apply`] of one event. Inlined, with [`KvIndex::apply_locked`],
+    /// into the caller: the 24-byte outcome returned through memory was stored
+    /// in parts and read back whole by the caller's copy of it (a failed store
+    /// forwarding, three quarters of the comparator's run loop at 16 workers;
+    /// DESIGN.md, "Fifth pass at 16 workers").
+    #[inline]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
         let outcome =
             self.index
@@ -538,6 +543,7 @@ impl KvIndex {
     }
 
     /// [`Self::apply`] under the worker's lock.
+    #[inline]
     fn apply_locked<'a>(
         &'a self,
         slot: &WorkerSlot,
