@@ -451,6 +451,9 @@ enum Op {
 /// How many operations ahead of the one running each [`Op::prefetch`] level
 /// is fetched.
 const PREFETCH_LEVELS: [(usize, u8); 2] = [(2, 0), (1, 1)];
+/// How many operations ahead of the one running the operation itself (its
+/// place in the thread's vector) is fetched, before its levels.
+const OPS_AHEAD: usize = 4;
 
 impl Op {
     /// Operations of the timeline this one stands for.
@@ -721,6 +724,10 @@ fn replay(
                     start.wait();
                     let before = thread_usage();
                     for i in 0..share.len() {
+                        // The operation itself, before its levels.
+                        if let Some(op) = share.get(i + OPS_AHEAD) {
+                            prefetch_slice(std::slice::from_ref(op));
+                        }
                         for (ahead, level) in PREFETCH_LEVELS {
                             if let Some(op) = share.get(i + ahead) {
                                 op.prefetch(level);
