@@ -158,7 +158,23 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
+/// Bytes freed that glibc's allocator keeps for reuse instead of giving back
+/// to the system, and the size from which it maps a block of its own: fixed
+/// (glibc's maximum for the latter), so that every index's replays reuse the
+/// memory of the rounds before them alike. glibc moves both thresholds as
+/// blocks are freed, so whether a replay faulted in its memory afresh
+/// depended on what the harness had freed before it: owning each thread's
+/// input made every kvroute replay at 7,000 workers fault in ~1,600 pages a
+/// thread, not only the first (DESIGN.md, "Fifth pass at 16 workers").
+const MALLOC_KEEPS: libc::c_int = 32 << 20;
+
 fn main() {
+    // SAFETY: mallopt only sets the allocator's parameters; nothing has been
+    // allocated on another thread yet.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MALLOC_KEEPS);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, MALLOC_KEEPS);
+    }
     let args = match parse_args() {
         Ok(args) => args,
         Err(e) => {
