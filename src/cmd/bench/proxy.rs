@@ -392,6 +392,7 @@ impl SyscallCount {
         let text = std::fs::read_to_string(&self.output)
             .with_context(|| format!("perf wrote no {}", self.output.display()))?;
         let _ = std::fs::remove_file(&self.output);
+        let mut counted = false;
         for line in text.lines() {
             let mut fields = line.split(',');
             let (Some(Ok(count)), Some(event)) =
@@ -400,7 +401,10 @@ impl SyscallCount {
                 continue;
             };
             let kind = match event.split_once(':').map_or(event, |(_, name)| name) {
-                "sys_enter" => "all".to_string(),
+                "sys_enter" => {
+                    counted = true;
+                    "all".to_string()
+                }
                 name => match (
                     name.strip_prefix("sys_enter_"),
                     name.strip_prefix("sys_exit_"),
@@ -412,6 +416,11 @@ impl SyscallCount {
             };
             *into.entry(kind).or_default() += count;
         }
+        anyhow::ensure!(
+            counted,
+            "perf stat counted no syscalls (its tracepoints need root or a low kernel.perf_event_paranoid): {}",
+            text.trim()
+        );
         Ok(())
     }
 }
