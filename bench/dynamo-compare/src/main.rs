@@ -94,7 +94,8 @@ struct Args {
     /// Requests of the trace used (all unless quick).
     requests: Option<usize>,
     only: Option<String>,
-    /// The indexes run (all four unless `--index`, for profiling one).
+    /// The indexes run (all four unless `--index`, for profiling one or
+    /// comparing two).
     indexers: Vec<Indexer>,
     /// Print each replay thread's user and system CPU, page faults and
     /// context switches (`--threads`): where a replay's CPU went.
@@ -141,16 +142,15 @@ fn parse_args() -> Result<Args, String> {
             "--trace" => args.trace = PathBuf::from(value("--trace")?),
             "--timeline" => args.only = Some(value("--timeline")?),
             "--index" => {
-                let name = value("--index")?;
-                let indexer = Indexer::ALL
-                    .into_iter()
-                    .find(|i| i.name() == name)
-                    .ok_or("--index must be kvroute, dynamo, dashmap or kvroute-bounded")?;
-                args.indexers = vec![indexer];
+                args.indexers = value("--index")?
+                    .split(',')
+                    .map(|name| Indexer::ALL.into_iter().find(|i| i.name() == name))
+                    .collect::<Option<_>>()
+                    .ok_or("--index takes kvroute, dynamo, dashmap or kvroute-bounded, or several joined by commas")?;
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap|kvroute-bounded] [--threads] [--replay-threads N]"
+                    "unknown argument {other}; usage: [--quick] [--rounds N] [--trace FILE] [--timeline 16|1024|7000] [--index kvroute|dynamo|dashmap|kvroute-bounded[,...]] [--threads] [--replay-threads N]"
                 ));
             }
         }
@@ -158,7 +158,23 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
+/// Bytes freed that glibc's allocator keeps for reuse instead of giving back
+/// to the system, and the size from which it maps a block of its own: fixed
+/// (glibc's maximum for the latter), so that every index's replays reuse the
+/// memory of the rounds before them alike. glibc moves both thresholds as
+/// blocks are freed, so whether a replay faulted in its memory afresh
+/// depended on what the harness had freed before it: owning each thread's
+/// input made every kvroute replay at 7,000 workers fault in ~1,600 pages a
+/// thread, not only the first (DESIGN.md, "Fifth pass at 16 workers").
+const MALLOC_KEEPS: libc::c_int = 32 << 20;
+
 fn main() {
+    // SAFETY: mallopt only sets the allocator's parameters; nothing has been
+    // allocated on another thread yet.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MALLOC_KEEPS);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, MALLOC_KEEPS);
+    }
     let args = match parse_args() {
         Ok(args) => args,
         Err(e) => {
@@ -426,24 +442,36 @@ fn cpu_clock(clock: libc::clockid_t) -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
-/// One operation in an indexer's own types, converted before the clock starts.
-/// Run in place (`&mut`), so that a replay neither copies each operation out
-/// of its vector nor frees the vector inside the timed span: both were charged
-/// to the index (at 16 workers, about a tenth of kvroute's replay CPU).
-enum Op<'a> {
-    Event(WorkerKey, &'a KvEvent),
+/// One operation in an indexer's own types, converted before the clock starts,
+/// each replay thread's in its order and owned by it (allocated one thread's
+/// after the other's), for every index alike. Run in place (`&mut`), so that
+/// a replay neither copies each operation out of its vector nor frees the
+/// vector inside the timed span: both were charged to the index (at 16
+/// workers, about a tenth of kvroute's replay CPU). kvroute's events were
+/// references into the timeline, two threads' and the lookups' interleaved
+/// and one indirection deeper than Dynamo's converted events (DESIGN.md,
+/// "Fifth pass at 16 workers").
+enum Op {
+    Event(WorkerKey, KvEvent),
     /// A run of one worker's events with no lookup between them, as the
     /// worker publishes them in one message (the events of one engine step:
     /// a routed request's stored chain and the evictions it caused) and
     /// kvroute's router applies them ([`KvIndex::with_worker`]).
-    Events(WorkerKey, Vec<&'a KvEvent>),
+    Events(WorkerKey, Vec<KvEvent>),
     /// Taken when run: Dynamo's queue owns its events.
     Dynamo(Option<RouterEvent>),
-    Match(&'a [u64]),
+    Match(Vec<u64>),
     DynamoMatch(Vec<LocalBlockHash>),
 }
 
-impl Op<'_> {
+/// How many operations ahead of the one running each [`Op::prefetch`] level
+/// is fetched.
+const PREFETCH_LEVELS: [(usize, u8); 2] = [(2, 0), (1, 1)];
+/// How many operations ahead of the one running the operation itself (its
+/// place in the thread's vector) is fetched, before its levels.
+const OPS_AHEAD: usize = 4;
+
+impl Op {
     /// Operations of the timeline this one stands for.
     fn ops(&self) -> usize {
         match self {
@@ -453,32 +481,26 @@ impl Op<'_> {
     }
 
     /// Starts bringing the operation's input into the cache, one level of
-    /// indirection at a time: `level` 0 the list of a run's events, 1 the
-    /// events, 2 their block hashes (or a lookup's hashes). A router applies
-    /// an event it has just decoded from its stream, and hashes a request it
-    /// has just read, so its input is in the cache; the timeline's, made long
-    /// before the clock started (tens of MB), is not. Reading it cold was a
-    /// tenth of kvroute's replay at 16 workers (DESIGN.md, "Ingest under
-    /// churn"). Each replay thread fetches the input of the next three
-    /// operations while it runs one, for every index alike.
+    /// indirection at a time: `level` 0 a run's events, 1 the block hashes
+    /// (or a lookup's hashes). A router applies an event it has just decoded
+    /// from its stream, and hashes a request it has just read, so its input
+    /// is in the cache; the timeline's, made long before the clock started
+    /// (tens of MB), is not. Reading it cold was a tenth of kvroute's replay
+    /// at 16 workers (DESIGN.md, "Ingest under churn"). Each replay thread
+    /// fetches the input of the next two operations while it runs one, for
+    /// every index alike.
     fn prefetch(&self, level: u8) {
         match (self, level) {
             (Op::Events(_, events), 0) => prefetch_slice(events),
-            (Op::Event(_, event), 1) => prefetch_slice(std::slice::from_ref(*event)),
-            (Op::Events(_, events), 1) => {
-                events
-                    .iter()
-                    .for_each(|event| prefetch_slice(std::slice::from_ref(*event)));
-            }
-            (Op::Event(_, event), 2) => prefetch_event(event),
-            (Op::Events(_, events), 2) => events.iter().for_each(|event| prefetch_event(event)),
-            (Op::Dynamo(Some(event)), 2) => match &event.event.data {
+            (Op::Event(_, event), 1) => prefetch_event(event),
+            (Op::Events(_, events), 1) => events.iter().for_each(prefetch_event),
+            (Op::Dynamo(Some(event)), 1) => match &event.event.data {
                 KvCacheEventData::Stored(stored) => prefetch_slice(&stored.blocks),
                 KvCacheEventData::Removed(removed) => prefetch_slice(&removed.block_hashes),
                 _ => {}
             },
-            (Op::Match(hashes), 2) => prefetch_slice(hashes),
-            (Op::DynamoMatch(hashes), 2) => prefetch_slice(hashes),
+            (Op::Match(hashes), 1) => prefetch_slice(hashes),
+            (Op::DynamoMatch(hashes), 1) => prefetch_slice(hashes),
             _ => {}
         }
     }
@@ -544,32 +566,39 @@ fn to_dynamo(worker: WorkerKey, event: &KvEvent) -> RouterEvent {
 }
 
 /// `op` in `indexer`'s own types.
-fn convert(indexer: Indexer, op: &TimelineOp) -> Op<'_> {
+fn convert(indexer: Indexer, op: &TimelineOp) -> Op {
     match (op, indexer) {
         (TimelineOp::Event { worker, event }, Indexer::Dynamo) => {
             Op::Dynamo(Some(to_dynamo(*worker, event)))
         }
-        (TimelineOp::Event { worker, event }, _) => Op::Event(*worker, event),
+        (TimelineOp::Event { worker, event }, _) => Op::Event(*worker, event.clone()),
         (TimelineOp::Match { tokens_hashes }, Indexer::Dynamo) => {
             Op::DynamoMatch(tokens_hashes.iter().copied().map(LocalBlockHash).collect())
         }
-        (TimelineOp::Match { tokens_hashes }, _) => Op::Match(tokens_hashes),
+        (TimelineOp::Match { tokens_hashes }, _) => Op::Match(tokens_hashes.clone()),
     }
 }
 
 /// The whole timeline in `indexer`'s own types, in order.
-fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op<'_>> {
+fn converted(indexer: Indexer, ops: &[TimelineOp]) -> Vec<Op> {
     ops.iter().map(|op| convert(indexer, op)).collect()
+}
+
+/// An operation of one replay thread before conversion: kvroute's runs of one
+/// worker's events (see [`Op::Events`]) or one operation.
+enum Planned<'a> {
+    Run(WorkerKey, Vec<&'a KvEvent>),
+    One(&'a TimelineOp),
 }
 
 /// The timeline split over `threads` replay threads: each thread gets the
 /// events of its share of the workers and every `threads`-th lookup, in
-/// timeline order.
-fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_>>> {
-    let mut shares: Vec<Vec<Op>> = (0..threads).map(|_| Vec::new()).collect();
+/// timeline order, converted one thread after the other.
+fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op>> {
+    let mut plans: Vec<Vec<Planned>> = (0..threads).map(|_| Vec::new()).collect();
     let mut lookups = 0;
-    // kvroute's events go in runs (see `Op::Events`): the worker of the run
-    // the last operation began or extended.
+    // kvroute's events go in runs: the worker of the run the last operation
+    // began or extended.
     let mut run = None;
     for op in ops {
         let thread = match op {
@@ -577,11 +606,11 @@ fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_
                 let thread = worker.worker_id as usize % threads;
                 if indexer.is_kvroute() {
                     if run == Some(*worker)
-                        && let Some(Op::Events(_, events)) = shares[thread].last_mut()
+                        && let Some(Planned::Run(_, events)) = plans[thread].last_mut()
                     {
                         events.push(event);
                     } else {
-                        shares[thread].push(Op::Events(*worker, vec![event]));
+                        plans[thread].push(Planned::Run(*worker, vec![event]));
                     }
                     run = Some(*worker);
                     continue;
@@ -594,9 +623,21 @@ fn shares(indexer: Indexer, ops: &[TimelineOp], threads: usize) -> Vec<Vec<Op<'_
                 lookups % threads
             }
         };
-        shares[thread].push(convert(indexer, op));
+        plans[thread].push(Planned::One(op));
     }
-    shares
+    plans
+        .into_iter()
+        .map(|plan| {
+            plan.into_iter()
+                .map(|planned| match planned {
+                    Planned::Run(worker, events) => {
+                        Op::Events(worker, events.into_iter().cloned().collect())
+                    }
+                    Planned::One(op) => convert(indexer, op),
+                })
+                .collect()
+        })
+        .collect()
 }
 
 thread_local! {
@@ -627,7 +668,7 @@ impl Live {
         }
     }
 
-    fn run(&self, op: &mut Op<'_>) {
+    fn run(&self, op: &mut Op) {
         match (self, op) {
             (Live::Kvroute(index), Op::Event(worker, event)) => {
                 std::hint::black_box(index.apply(*worker, event));
@@ -699,7 +740,11 @@ fn replay(
                     start.wait();
                     let before = thread_usage();
                     for i in 0..share.len() {
-                        for (ahead, level) in [(3, 0), (2, 1), (1, 2)] {
+                        // The operation itself, before its levels.
+                        if let Some(op) = share.get(i + OPS_AHEAD) {
+                            prefetch_slice(std::slice::from_ref(op));
+                        }
+                        for (ahead, level) in PREFETCH_LEVELS {
                             if let Some(op) = share.get(i + ahead) {
                                 op.prefetch(level);
                             }

@@ -7,7 +7,7 @@
 //! 7/8 full, grown by a quarter (doubled only under 64 slots; a short table
 //! with a floor skips lengths of that chain) and shrunk under
 //! a quarter of what it may hold (a sixth with a floor); a table churning at its size is laid out
-//! again 5/8 full (see [`CHURN_MAX_EIGHTHS`]). A table of any length: the home slot is the key's hash
+//! again sparser (see [`CHURN_MAX_SIXTEENTHS`]). A table of any length: the home slot is the key's hash
 //! scaled to the length (`hash × len >> 64`), not masked to a power of two, so
 //! growing by a quarter keeps the tables 70–87 % full (doubling left them
 //! 44–87 %, 63 % on average: a third of every table's memory was empty).
@@ -46,19 +46,23 @@ const JUMPED_BELOW_FLOORS: usize = 4;
 const MAX_EIGHTHS: usize = 7;
 /// A table that lost as many entries as it has slots since it was laid out,
 /// without growing or shrinking, is churning (a worker's pool at its size,
-/// evicting a block for each it stores). If it is more than this many eighths
-/// full it is laid out again [`CHURN_EIGHTHS`] full, so that its probes stay
-/// short: an insert probes to the end of a cluster, and a removal shifts back
-/// the rest of one, about 17 slots at 7/8 full, 6 at 5/8 and 3 at 1/2. Tables
-/// that only grow (a fleet filling up) stay dense: their cost is growth, not
-/// probing, and their bytes are what the memory goals count. At 3/4 → 5/8 the
-/// 16-worker replay's engine maps (512 blocks in 719 slots, 0.71 full) are
-/// not laid out again; 5/8 → 1/2 gave that replay ~7 % more ops per CPU-second
-/// but ~11 % more heap per membership in its churned state (DESIGN.md,
-/// "Ingest under churn"), so 3/4 → 5/8 is kept.
-const CHURN_MAX_EIGHTHS: usize = 6;
-/// How full a churning table is laid out, in eighths.
-const CHURN_EIGHTHS: usize = 5;
+/// evicting a block for each it stores). If it is more than this many
+/// sixteenths full it is laid out again [`CHURN_SIXTEENTHS`] full, so that its
+/// probes stay short: an insert probes to the end of a cluster, and a removal
+/// shifts back the rest of one, about 17 slots at 7/8 full, 6 at 5/8 and 3 at
+/// 1/2. Tables that only grow (a fleet filling up) stay dense: their cost is
+/// growth, not probing, and their bytes are what the memory goals count.
+/// Indexed by whether the table has a floor: a block-table shard 3/4 → 5/8
+/// (5/8 → 1/2 for both kinds gave the 16-worker replay ~7 % more ops per
+/// CPU-second for ~11 % more heap per membership in its churned state), a
+/// worker's engine map 5/8 → 9/16 (its 512 blocks in 719 slots, 0.71 full,
+/// were not laid out again at 3/4; at 5/8 → 9/16 the replay gained ~8 % for
+/// ~6 % more heap in its churned state, DESIGN.md, "Fifth pass at 16
+/// workers").
+const CHURN_MAX_SIXTEENTHS: [usize; 2] = [10, 12];
+/// How full a churning table is laid out, in sixteenths, indexed like
+/// [`CHURN_MAX_SIXTEENTHS`].
+const CHURN_SIXTEENTHS: [usize; 2] = [9, 10];
 /// A table with a floor (a block-table shard) shrinks once under this
 /// fraction of what it may hold, a table without one under a quarter. At 16
 /// workers a shard's share of the blocks swings between ~70 and ~300 entries
@@ -143,7 +147,7 @@ pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     slots: Vec<Slot<V>>,
     /// Entries in `slots` (32 bits, so that `removed` fits beside it).
     in_slots: u32,
-    /// Removals since the table was last laid out (see [`CHURN_MAX_EIGHTHS`]).
+    /// Removals since the table was last laid out (see [`CHURN_MAX_SIXTEENTHS`]).
     removed: u32,
     zero: Option<V>,
 }
@@ -409,8 +413,10 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         let shrink_under = if FLOOR > 0 { FLOORED_SHRINK_UNDER } else { 4 };
         if usable > 64 && len > FLOOR && entries * shrink_under < usable {
             self.resize(Self::slots_for(entries * 2).max(FLOOR));
-        } else if self.removed as usize >= len && entries * 8 > len * CHURN_MAX_EIGHTHS {
-            self.resize((entries * 8).div_ceil(CHURN_EIGHTHS));
+        } else if self.removed as usize >= len
+            && entries * 16 > len * CHURN_MAX_SIXTEENTHS[usize::from(FLOOR > 0)]
+        {
+            self.resize((entries * 16).div_ceil(CHURN_SIXTEENTHS[usize::from(FLOOR > 0)]));
         }
         removed
     }
@@ -793,18 +799,20 @@ mod tests {
         (map, held)
     }
 
-    /// A table at its size under churn is laid out at most 3/4 full, and keeps
-    /// exactly its keys; one that only grew stays over 5/8 full.
+    /// A table without a floor (an engine map) at its size under churn is
+    /// laid out at most 5/8 full, and keeps exactly its keys; one that only
+    /// grew stays over 5/8 full.
     #[test]
     fn a_churning_table_is_laid_out_sparser() {
-        let (map, held) = churned(512, 20_000);
+        // 450 keys grow the table to 605 slots, 0.74 full.
+        let (map, held) = churned(450, 20_000);
         let load = map.len() as f64 / map.slots.len() as f64;
-        assert!(load <= 0.75, "churning at load {load:.2}");
+        assert!(load <= 0.625, "churning at load {load:.2}");
         assert_eq!(map.len(), held.len());
         for key in &held {
             assert!(map.get(*key).is_some());
         }
-        for i in 1..=20_000 - 512u64 {
+        for i in 1..=20_000 - 450u64 {
             assert!(map.get(i.wrapping_mul(0x2545_F491_4F6C_DD1D)).is_none());
         }
         let (grown, _) = churned(usize::MAX, 5_000);

@@ -413,14 +413,41 @@ pub struct WorkerEvents<'a> {
     eviction: Option<MutexGuard<'a, Eviction>>,
     /// Blocks applied since `eviction` was taken.
     under_eviction: usize,
+    /// Without `max_blocks`, the block-table shard the run's last event
+    /// wrote, kept locked for the next while they share it (a conversation's
+    /// blocks share a shard, and an engine evicts them together), for
+    /// [`RUN_SHARD_BLOCKS`] blocks at most, so that a lookup of that shard
+    /// waits for a few events at most.
+    writer: ShardWriter<'a>,
+    /// Blocks applied since `writer` last let its shard go.
+    under_writer: usize,
 }
 
+/// Blocks a run applies under one hold of a block-table shard's write lock
+/// (see [`WorkerEvents`]); each is ~50 ns.
+const RUN_SHARD_BLOCKS: usize = 32;
+
 impl WorkerEvents<'_> {
-    /// [`KvIndex::apply`] of one event.
+    /// [`KvIndex::apply`] of one event. Inlined, with [`KvIndex::apply_locked`],
+    /// into the caller: the 24-byte outcome returned through memory was stored
+    /// in parts and read back whole by the caller's copy of it (a failed store
+    /// forwarding, three quarters of the comparator's run loop at 16 workers;
+    /// DESIGN.md, "Fifth pass at 16 workers").
+    #[inline]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
-        let outcome =
-            self.index
-                .apply_locked(self.slot, &mut self.state, &mut self.eviction, event);
+        let outcome = self.index.apply_locked(
+            self.slot,
+            &mut self.state,
+            &mut self.eviction,
+            &mut self.writer,
+            event,
+        );
+        self.under_writer += blocks_changed(&event.kind);
+        // With a limit the shard is let go after each event: the eviction
+        // lock is taken before a shard's, and evicting writes other shards.
+        if self.under_writer >= RUN_SHARD_BLOCKS || self.index.eviction.is_some() {
+            self.let_shard_go();
+        }
         if self.eviction.is_some() {
             self.under_eviction += blocks_changed(&event.kind);
             if self.under_eviction >= DUMP_BATCH {
@@ -431,12 +458,20 @@ impl WorkerEvents<'_> {
     }
 
     /// Lets the `max_blocks` limit's lock go, if the run holds it (the next
-    /// applied event takes it again). A caller running the workers of two
-    /// indexes at once (a rank's two tiers) holds one limit at a time: two
-    /// runs that took the two in opposite orders would wait for each other.
+    /// applied event takes it again), and the block-table shard the run
+    /// keeps locked. A caller running the workers of two indexes at once (a
+    /// rank's two tiers) holds one limit and one shard at a time: two runs
+    /// that took the two in opposite orders would wait for each other.
     pub fn let_limit_go(&mut self) {
         self.eviction = None;
         self.under_eviction = 0;
+        self.let_shard_go();
+    }
+
+    /// Lets the block-table shard the run holds go, if any.
+    fn let_shard_go(&mut self) {
+        self.writer.release();
+        self.under_writer = 0;
     }
 
     /// [`KvIndex::skip`] of one event id.
@@ -533,16 +568,20 @@ impl KvIndex {
                 state: slot.state.lock().unwrap(),
                 eviction: None,
                 under_eviction: 0,
+                writer: ShardWriter::new(&self.table),
+                under_writer: 0,
             })
         })
     }
 
     /// [`Self::apply`] under the worker's lock.
+    #[inline]
     fn apply_locked<'a>(
         &'a self,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         eviction: &mut Option<MutexGuard<'a, Eviction>>,
+        writer: &mut ShardWriter<'a>,
         event: &KvEvent,
     ) -> ApplyOutcome {
         let outcome = match state.take_in_sequence(event.event_id) {
@@ -552,7 +591,10 @@ impl KvIndex {
                     *eviction = self.lock_eviction();
                 }
                 self.sweep_dangling(slot, state, eviction.is_some());
-                let applied = self.apply_kind(slot, state, &event.kind, eviction);
+                let applied = self.apply_kind(slot, state, &event.kind, eviction, writer);
+                if eviction.is_some() {
+                    writer.release();
+                }
                 if let Some(eviction) = eviction.as_deref_mut() {
                     self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
                 }
@@ -666,9 +708,11 @@ impl KvIndex {
                     blocks,
                 } if blocks.len() > pace.batch => (parent_hash, blocks),
                 _ => {
+                    let writer = &mut ShardWriter::new(&self.table);
                     orphans += self
-                        .apply_kind(shadow, &mut state, kind, &mut eviction)
+                        .apply_kind(shadow, &mut state, kind, &mut eviction, writer)
                         .rejected_blocks;
+                    writer.release();
                     batch += match kind {
                         EventKind::Stored { blocks, .. } => blocks.len(),
                         EventKind::Removed { block_hashes } => block_hashes.len(),
@@ -696,7 +740,9 @@ impl KvIndex {
                     parent_hash,
                     blocks: part.to_vec(),
                 };
-                self.apply_kind(shadow, &mut state, &part_event, &mut eviction);
+                let writer = &mut ShardWriter::new(&self.table);
+                self.apply_kind(shadow, &mut state, &part_event, &mut eviction, writer);
+                writer.release();
                 if eviction.is_some() {
                     let mut path: Vec<u64> = parent.iter().map(|r| r.key()).collect();
                     for block in part {
@@ -1275,12 +1321,12 @@ impl KvIndex {
         state: &mut WorkerState,
         kind: &EventKind,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
+        writer: &mut ShardWriter<'_>,
     ) -> Applied {
         let mut rejected_blocks = 0;
         let mut unknown_removals = 0;
         let mut held_delta = 0;
         let counted = u64::from(slot.live.load(Ordering::Relaxed));
-        let mut writer = ShardWriter::new(&self.table);
         match kind {
             EventKind::Stored {
                 parent_hash,
@@ -1330,7 +1376,7 @@ impl KvIndex {
                             match state.blocks.insert(block.block_hash, r) {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {
-                                    held_delta -= self.unhold(&mut writer, slot, old, eviction);
+                                    held_delta -= self.unhold(writer, slot, old, eviction);
                                 }
                                 Some(_) => {}
                             }
@@ -1364,14 +1410,14 @@ impl KvIndex {
                     match state.blocks.remove(*hash) {
                         Some(r) => {
                             state.digest.remove(*hash);
-                            held_delta -= self.unhold(&mut writer, slot, r, eviction);
+                            held_delta -= self.unhold(writer, slot, r, eviction);
                         }
                         None => unknown_removals += 1,
                     }
                 }
             }
             EventKind::Cleared => {
-                drop(writer);
+                writer.release();
                 self.clear(slot, state, eviction);
             }
         }

@@ -662,6 +662,12 @@ impl<'a> ShardWriter<'a> {
         }
         &mut self.current.as_mut().unwrap().1
     }
+
+    /// Lets the shard held go, if any.
+    #[inline]
+    pub fn release(&mut self) {
+        self.current = None;
+    }
 }
 
 /// Read access to one shard at a time, like [`ShardWriter`].

@@ -333,11 +333,35 @@ mod tests {
     /// second's, they did).
     #[test]
     fn runs_across_both_tiers_never_wait_for_each_other() {
-        const RUNS: u64 = 100_000;
         let bounded = IndexConfig {
             max_blocks: Some(1 << 20),
         };
-        let tiers = Arc::new(TieredIndex::new(bounded.clone(), bounded));
+        runs_across_both_tiers_finish(bounded, |run| EventKind::Removed {
+            block_hashes: vec![run],
+        });
+    }
+
+    /// The same for the block-table shard an unbounded run keeps locked from
+    /// one event to the next (see `WorkerEvents`): one tier's at a time. Every
+    /// store is of the same block, in the same shard of both tiers' tables;
+    /// holding it in the first tier while taking it in the second, the two
+    /// ranks waited for each other.
+    #[test]
+    fn unbounded_runs_across_both_tiers_never_wait_for_each_other() {
+        runs_across_both_tiers_finish(IndexConfig::default(), |run| EventKind::Stored {
+            parent_hash: None,
+            blocks: vec![StoredBlock {
+                block_hash: run,
+                tokens_hash: 42,
+            }],
+        });
+    }
+
+    /// Two ranks apply runs of one event on each tier, the tiers taken in
+    /// opposite orders, each event `event(run)`; both must finish.
+    fn runs_across_both_tiers_finish(config: IndexConfig, event: fn(u64) -> EventKind) {
+        const RUNS: u64 = 100_000;
+        let tiers = Arc::new(TieredIndex::new(config.clone(), config));
         let (done, finished) = std::sync::mpsc::channel();
         let start = Arc::new(std::sync::Barrier::new(2));
         for (worker, tiers_in_order) in [
@@ -354,13 +378,14 @@ mod tests {
                         .iter()
                         .enumerate()
                         .map(|(i, &tier)| {
-                            let event = KvEvent {
-                                event_id: 2 * run + i as u64 + 1,
-                                kind: EventKind::Removed {
-                                    block_hashes: vec![run],
+                            let kind = event(run);
+                            (
+                                tier,
+                                KvEvent {
+                                    event_id: 2 * run + i as u64 + 1,
+                                    kind,
                                 },
-                            };
-                            (tier, event)
+                            )
                         })
                         .collect();
                     outcomes.clear();
