@@ -10,7 +10,11 @@
 //! direct calls, and the CPU the proxy process spends per request or per
 //! streamed chunk (the scheduler's per-thread nanoseconds, /proc/PID/task/*/schedstat).
 //! With `--baseline PATH`, a router from another kvroute binary is measured as a
-//! fourth target in the same rounds: a before/after beside nginx.
+//! fourth target in the same rounds: a before/after beside nginx. With
+//! `--syscalls`, each proxy's system calls (by kind, with reads that found
+//! nothing) and its threads' context switches are counted per request or chunk:
+//! `perf stat` on syscall tracepoints, attached for each measurement, and
+//! /proc/PID/task/*/status.
 //!
 //! nginx is installed with `bench/nginx/install.sh` if it is missing.
 //!
@@ -54,6 +58,11 @@ pub struct BenchProxyArgs {
     /// at saturation (for quicker before/after runs).
     #[arg(long)]
     hop_only: bool,
+    /// Also count each proxy's system calls and context switches per request
+    /// or chunk (needs `perf` and tracepoint access; CPU figures of such a run
+    /// include perf's attaching, so compare them only with each other).
+    #[arg(long)]
+    syscalls: bool,
 }
 
 /// Concurrent clients in every measurement.
@@ -306,6 +315,174 @@ async fn throughput(client: &HttpClient, url: &str, load: Load) -> anyhow::Resul
 struct Samples {
     rate: Vec<f64>,
     cpu_per_unit: Vec<f64>,
+    /// With `--syscalls`: counts summed over the rounds, and the units they cover.
+    counts: std::collections::BTreeMap<String, u64>,
+    counted_units: u64,
+}
+
+/// The system calls `--syscalls` counts by kind (all of them are counted too).
+const SYSCALLS: [&str; 11] = [
+    "recvfrom",
+    "read",
+    "writev",
+    "write",
+    "sendto",
+    "epoll_wait",
+    "epoll_ctl",
+    "futex",
+    "sched_yield",
+    "getsockopt",
+    "mprotect",
+];
+
+/// Reads of these that end in EAGAIN are counted as reads that found nothing.
+const READS: [&str; 2] = ["recvfrom", "read"];
+
+/// `perf stat` counting the syscalls of some processes during one measurement.
+struct SyscallCount {
+    perf: Child,
+    output: PathBuf,
+    pids: Vec<u32>,
+    switches: std::collections::BTreeMap<String, u64>,
+}
+
+impl SyscallCount {
+    async fn start(pids: Vec<u32>) -> anyhow::Result<Self> {
+        let output =
+            std::env::temp_dir().join(format!("kvroute-bench-syscalls-{}.csv", std::process::id()));
+        let mut perf = Command::new("perf");
+        perf.args(["stat", "-x", ",", "-o"]).arg(&output);
+        perf.args(["-e", "raw_syscalls:sys_enter"]);
+        for call in SYSCALLS {
+            perf.arg("-e").arg(format!("syscalls:sys_enter_{call}"));
+        }
+        for call in READS {
+            perf.arg("-e").arg(format!("syscalls:sys_exit_{call}"));
+            perf.args(["--filter", "ret == -11"]);
+        }
+        let list: Vec<String> = pids.iter().map(u32::to_string).collect();
+        perf.arg("-p").arg(list.join(","));
+        let perf = perf
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("--syscalls needs perf")?;
+        // perf says nothing once it is attached; give it time to.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let switches = context_switches(&pids);
+        Ok(SyscallCount {
+            perf,
+            output,
+            pids,
+            switches,
+        })
+    }
+
+    /// Stops counting; adds the counts, by kind, to `into`.
+    fn finish(mut self, into: &mut std::collections::BTreeMap<String, u64>) -> anyhow::Result<()> {
+        for (thread, after) in context_switches(&self.pids) {
+            let before = self.switches.get(&thread).copied().unwrap_or(0);
+            *into.entry(format!("switches {thread}")).or_default() += after - before;
+        }
+        // SIGINT makes perf stat print its counts and exit.
+        let pid = i32::try_from(self.perf.id())?;
+        // SAFETY: kill has no memory effects; pid is our own child, not yet waited for.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+        self.perf.wait()?;
+        let text = std::fs::read_to_string(&self.output)
+            .with_context(|| format!("perf wrote no {}", self.output.display()))?;
+        let _ = std::fs::remove_file(&self.output);
+        let mut counted = false;
+        for line in text.lines() {
+            let mut fields = line.split(',');
+            let (Some(Ok(count)), Some(event)) =
+                (fields.next().map(str::parse::<u64>), fields.nth(1))
+            else {
+                continue;
+            };
+            let kind = match event.split_once(':').map_or(event, |(_, name)| name) {
+                "sys_enter" => {
+                    counted = true;
+                    "all".to_string()
+                }
+                name => match (
+                    name.strip_prefix("sys_enter_"),
+                    name.strip_prefix("sys_exit_"),
+                ) {
+                    (Some(call), _) => call.to_string(),
+                    (_, Some(call)) => format!("{call} EAGAIN"),
+                    _ => continue,
+                },
+            };
+            *into.entry(kind).or_default() += count;
+        }
+        anyhow::ensure!(
+            counted,
+            "perf stat counted no syscalls (its tracepoints need root or a low kernel.perf_event_paranoid): {}",
+            text.trim()
+        );
+        Ok(())
+    }
+}
+
+/// Voluntary and involuntary context switches so far, by thread name, of every
+/// thread of `pids` (/proc/PID/task/*/status).
+fn context_switches(pids: &[u32]) -> std::collections::BTreeMap<String, u64> {
+    let mut by_thread = std::collections::BTreeMap::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for task in tasks.filter_map(Result::ok) {
+            let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+                continue;
+            };
+            let mut name = String::new();
+            for line in status.lines() {
+                if let Some(value) = line.strip_prefix("Name:") {
+                    name = value.trim().to_string();
+                }
+                for kind in ["voluntary", "nonvoluntary"] {
+                    if let Some(n) = line
+                        .strip_prefix(kind)
+                        .and_then(|rest| rest.strip_prefix("_ctxt_switches:"))
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                    {
+                        *by_thread.entry(format!("{kind} {name}")).or_default() += n;
+                    }
+                }
+            }
+        }
+    }
+    by_thread
+}
+
+/// One line of `--syscalls` counts per unit: all calls, then by kind, then
+/// context switches by thread.
+fn describe_counts(samples: &Samples) -> String {
+    let units = samples.counted_units.max(1) as f64;
+    let per = |n: u64| n as f64 / units;
+    let mut parts = Vec::new();
+    let mut switches = Vec::new();
+    for (kind, &n) in &samples.counts {
+        if n == 0 {
+            continue;
+        }
+        match kind.strip_prefix("switches ") {
+            Some(thread) => switches.push(format!("{thread} {:.3}", per(n))),
+            None if kind == "all" => parts.insert(0, format!("{:.2} syscalls", per(n))),
+            None => parts.push(format!("{kind} {:.3}", per(n))),
+        }
+    }
+    format!(
+        "{}; context switches: {}",
+        parts.join(", "),
+        if switches.is_empty() {
+            "none".to_string()
+        } else {
+            switches.join(", ")
+        }
+    )
 }
 
 fn median(values: &[f64]) -> f64 {
@@ -398,13 +575,28 @@ async fn measure_all(
                     3 => baseline_pid.map_or(Ok(0), process_cpu_ns),
                     _ => Ok(0),
                 };
+                let pids = match target {
+                    1 => vec![router_pid],
+                    2 => nginx.pids(),
+                    3 => baseline_pid.into_iter().collect(),
+                    _ => Vec::new(),
+                };
+                let counting = match args.syscalls && !pids.is_empty() {
+                    true => Some(SyscallCount::start(pids).await?),
+                    false => None,
+                };
                 let before = cpu()?;
                 let rate = throughput(&client, &targets[target], load).await?;
                 let used = cpu()? - before;
                 let (responses, units) = load.shape();
                 let counted = (responses / CONCURRENCY * CONCURRENCY * units) as f64;
-                samples[target].rate.push(rate);
-                samples[target].cpu_per_unit.push(used as f64 / counted);
+                let samples = &mut samples[target];
+                samples.rate.push(rate);
+                samples.cpu_per_unit.push(used as f64 / counted);
+                if let Some(counting) = counting {
+                    counting.finish(&mut samples.counts)?;
+                    samples.counted_units += counted as u64;
+                }
             }
         }
         let unit = match load {
@@ -424,6 +616,12 @@ async fn measure_all(
                 "  {label:<8} {rate:.0} {unit}s/s, throughput loss {:.1}%, proxy CPU {cpu:.2} µs per {unit}",
                 100.0 * (1.0 - rate / direct)
             );
+            if args.syscalls {
+                println!(
+                    "           per {unit}: {}",
+                    describe_counts(&samples[target])
+                );
+            }
         }
         let loss = |t: usize| 1.0 - median(&samples[t].rate) / direct;
         let goal = match load {

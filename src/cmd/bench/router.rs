@@ -713,7 +713,13 @@ pub struct RouterProxyArgs {
 }
 
 pub fn router_proxy(args: RouterProxyArgs) -> anyhow::Result<()> {
-    pinned_runtime(args.cpu)?.block_on(async {
+    anyhow::ensure!(
+        core_affinity::set_for_current(core_affinity::CoreId { id: args.cpu }),
+        "cannot pin the router to CPU {}",
+        args.cpu
+    );
+    // On its one CPU, the runtime `kvroute serve` would choose there.
+    crate::cmd::serve::runtime()?.block_on(async {
         let router = server::start(proxy_config(&args.worker_url)).await?;
         println!("{}", router.http_addr);
         std::io::Write::flush(&mut std::io::stdout())?;
