@@ -165,7 +165,7 @@ fn parse_args() -> Result<Args, String> {
 /// blocks are freed, so whether a replay faulted in its memory afresh
 /// depended on what the harness had freed before it: owning each thread's
 /// input made every kvroute replay at 7,000 workers fault in ~1,600 pages a
-/// thread, not only the first (DESIGN.md, "Fifth pass at 16 workers").
+/// thread, not only the first (MEASUREMENTS.md, "Fifth pass at 16 workers").
 const MALLOC_KEEPS: libc::c_int = 32 << 20;
 
 fn main() {
@@ -449,7 +449,7 @@ fn cpu_clock(clock: libc::clockid_t) -> Duration {
 /// vector inside the timed span: both were charged to the index (at 16
 /// workers, about a tenth of kvroute's replay CPU). kvroute's events were
 /// references into the timeline, two threads' and the lookups' interleaved
-/// and one indirection deeper than Dynamo's converted events (DESIGN.md,
+/// and one indirection deeper than Dynamo's converted events (MEASUREMENTS.md,
 /// "Fifth pass at 16 workers").
 enum Op {
     Event(WorkerKey, KvEvent),
@@ -486,7 +486,7 @@ impl Op {
     /// from its stream, and hashes a request it has just read, so its input
     /// is in the cache; the timeline's, made long before the clock started
     /// (tens of MB), is not. Reading it cold was a tenth of kvroute's replay
-    /// at 16 workers (DESIGN.md, "Ingest under churn"). Each replay thread
+    /// at 16 workers (MEASUREMENTS.md, "Ingest under churn"). Each replay thread
     /// fetches the input of the next two operations while it runs one, for
     /// every index alike.
     fn prefetch(&self, level: u8) {

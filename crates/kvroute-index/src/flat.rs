@@ -15,7 +15,7 @@
 //! It replaced `HashMap` for two reasons. A walk can prefetch the slots of the blocks ahead of the one it
 //! probes: a path's chain keys are computed without the table, and a routing
 //! decision over 256 matched blocks of a million otherwise waited for one cache
-//! miss after another (DESIGN.md, "The walk's cache misses"). And without
+//! miss after another (MEASUREMENTS.md, "The walk's cache misses"). And without
 //! hashbrown's control byte a 16-byte engine-map slot costs 16 bytes, not 17,
 //! per membership (and a block-table slot 20).
 
@@ -38,7 +38,7 @@ const DOUBLED_BELOW: usize = 64;
 /// ones it would have reached a quarter at a time: end-state memory is the
 /// same, and the entries are moved far fewer times on the way (at 1,024
 /// workers a shard grows from empty to 3,615 slots in 9 resizes, not 21,
-/// moving each entry 2.1 times, not 4.4; DESIGN.md, "Ingest under churn").
+/// moving each entry 2.1 times, not 4.4; MEASUREMENTS.md, "Ingest under churn").
 /// The price is density while a shard is short (up to 2.5× its need below
 /// ~2,000 entries, a few MB over all 64 shards).
 const JUMPED_BELOW_FLOORS: usize = 4;
@@ -57,7 +57,7 @@ const MAX_EIGHTHS: usize = 7;
 /// CPU-second for ~11 % more heap per membership in its churned state), a
 /// worker's engine map 5/8 → 9/16 (its 512 blocks in 719 slots, 0.71 full,
 /// were not laid out again at 3/4; at 5/8 → 9/16 the replay gained ~8 % for
-/// ~6 % more heap in its churned state, DESIGN.md, "Fifth pass at 16
+/// ~6 % more heap in its churned state, MEASUREMENTS.md, "Fifth pass at 16
 /// workers").
 const CHURN_MAX_SIXTEENTHS: [usize; 2] = [10, 12];
 /// How full a churning table is laid out, in sixteenths, indexed like
@@ -69,7 +69,7 @@ const CHURN_SIXTEENTHS: [usize; 2] = [9, 10];
 /// as conversations come and go, and under a quarter the shards went round
 /// 256 → 782 → 389 → 256 slots a few times a round (~750 resizes in a replay
 /// of 257k operations). Under a sixth: ~3 % more ops per CPU-second for ~6 %
-/// more heap in the churned state; under an eighth ~5 % for ~11 % (DESIGN.md,
+/// more heap in the churned state; under an eighth ~5 % for ~11 % (MEASUREMENTS.md,
 /// "Ingest under churn", fifth pass).
 const FLOORED_SHRINK_UNDER: usize = 6;
 /// Old slots a resize gathers the entries of before placing them.
@@ -232,7 +232,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// the end of its home's cluster, about 11 slots at 78 % full (linear
     /// probing: (1 + 1/(1 − load)²) / 2), three to four lines of 16- or
     /// 20-byte slots, where the home slot's line alone left the rest to miss
-    /// one after another (DESIGN.md, "Ingest at 1,024 workers").
+    /// one after another (MEASUREMENTS.md, "Ingest at 1,024 workers").
     #[inline]
     pub fn prefetch_insert(&self, key: u64) {
         self.prefetch_lines(key, INSERT_LINES);
@@ -388,7 +388,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         // a plain `if` compiled to a branch): whether a slot of a churned
         // table may move is a coin the predictor loses often, 3.2
         // mispredicts an engine-map removal with the branch, 1.3 without (its
-        // exits'), and ops per CPU-second at 16 workers +10–14 % (DESIGN.md,
+        // exits'), and ops per CPU-second at 16 workers +10–14 % (MEASUREMENTS.md,
         // "Ingest under churn").
         let (mut hole, mut next) = (at, self.next(at));
         loop {

@@ -245,7 +245,7 @@ type EngineMap = FlatMap<BlockRef>;
 /// itself (24 bytes) went back through memory, stored in two halves and
 /// read back whole by the counters at once, a load that waited for both
 /// stores (a failed store forwarding, a third of `WorkerEvents::apply`'s
-/// samples at 16 workers; DESIGN.md, "Ingest under churn").
+/// samples at 16 workers; MEASUREMENTS.md, "Ingest under churn").
 struct Applied {
     rejected_blocks: u64,
     unknown_removals: u64,
@@ -435,7 +435,7 @@ impl WorkerEvents<'_> {
     /// into the caller: the 24-byte outcome returned through memory was stored
     /// in parts and read back whole by the caller's copy of it (a failed store
     /// forwarding, three quarters of the comparator's run loop at 16 workers;
-    /// DESIGN.md, "Fifth pass at 16 workers").
+    /// MEASUREMENTS.md, "Fifth pass at 16 workers").
     #[inline]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
         let outcome = self.index.apply_locked(
@@ -555,7 +555,7 @@ impl KvIndex {
     /// [`WorkerEvents`]: each the same as [`Self::apply`] or [`Self::skip`],
     /// but the worker is looked up and locked once for the run, not once an
     /// event. At 16 workers nearly every event is a one-block removal, and the
-    /// lookup and the lock were a tenth of one (DESIGN.md, "Ingest under
+    /// lookup and the lock were a tenth of one (MEASUREMENTS.md, "Ingest under
     /// churn"). Lookups still see each event whole or not at all; the
     /// worker's other callers (a dump, a digest, its removal) wait for the
     /// whole run. `f` must not call into this index (it would wait for

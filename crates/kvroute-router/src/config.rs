@@ -498,8 +498,8 @@ impl Default for IngestConfig {
 
 impl Default for IndexConfig {
     fn default() -> Self {
-        // 32 Mi entries, about 3 GiB of heap at ~100 bytes per entry with the
-        // eviction order (DESIGN.md of kvroute-index): 160 engines holding
+        // 32 Mi entries, about 2.5 GiB of heap at ~75–85 bytes per entry with the
+        // eviction order (kvroute-index's MEASUREMENTS.md): 160 engines holding
         // 200k blocks each.
         Self {
             max_blocks: 32 << 20,
