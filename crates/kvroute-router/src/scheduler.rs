@@ -163,9 +163,8 @@ fn with_overlaps<R>(f: impl FnOnce(&mut Overlaps) -> R) -> R {
 }
 
 impl Scheduler {
-    /// Chooses a rank; books nothing and records nothing (a dry run).
-    pub fn choose(&self, query: &RouteQuery<'_>) -> Result<Decision, NoWorker> {
-        let now = Instant::now();
+    /// Chooses a rank as of `now`; books nothing and records nothing (a dry run).
+    pub fn choose(&self, query: &RouteQuery<'_>, now: Instant) -> Result<Decision, NoWorker> {
         with_overlaps(|overlaps| {
             let started = self.timed_overlaps(query, now, overlaps);
             let fleet = self.registry.lock();
@@ -178,9 +177,13 @@ impl Scheduler {
 
     /// Chooses a rank and books the request on it in one step under the fleet
     /// lock, so that concurrent requests each see the others' bookings (and
-    /// only one of them becomes a due breaker probe).
-    pub fn choose_and_book(&self, query: &RouteQuery<'_>) -> Result<(Decision, Booking), NoWorker> {
-        let now = Instant::now();
+    /// only one of them becomes a due breaker probe). `now`: the caller's
+    /// reading of the clock, one for the whole decision and its booking.
+    pub fn choose_and_book(
+        &self,
+        query: &RouteQuery<'_>,
+        now: Instant,
+    ) -> Result<(Decision, Booking), NoWorker> {
         with_overlaps(|overlaps| {
             let started = self.timed_overlaps(query, now, overlaps);
             let mut fleet = self.registry.lock();
@@ -190,6 +193,7 @@ impl Scheduler {
                     d.worker,
                     d.new_prefill_tokens,
                     d.request_blocks,
+                    now,
                 );
                 (d, booking)
             });
