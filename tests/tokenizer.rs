@@ -276,10 +276,16 @@ async fn an_image_matches_only_the_worker_that_cached_it() {
         let (http, url, body) = (http.clone(), route_url.clone(), chat(image));
         async move { http.post(&url, &body).await.json() }
     };
-    // Both chains are indexed once each worker holds its image's whole prompt.
-    eventually("both images' chains to be indexed", || async {
-        let (cat, dog) = (overlaps(&route("cat").await), overlaps(&route("dog").await));
-        cat[&cat_worker] > cat[&dog_worker] && dog[&dog_worker] > dog[&cat_worker]
+    // Both chains are indexed once each worker holds its image's whole prompt,
+    // and each image then goes to its worker once the pinned requests' load
+    // has left the load picture (a worker's report of them can come late).
+    eventually("each image to go to the worker that cached it", || async {
+        let (cat, dog) = (route("cat").await, route("dog").await);
+        let (cat_overlaps, dog_overlaps) = (overlaps(&cat), overlaps(&dog));
+        cat_overlaps[&cat_worker] > cat_overlaps[&dog_worker]
+            && dog_overlaps[&dog_worker] > dog_overlaps[&cat_worker]
+            && cat["worker_id"] == cat_worker
+            && dog["worker_id"] == dog_worker
     })
     .await;
     let cat = route("cat").await;

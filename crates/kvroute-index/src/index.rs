@@ -34,7 +34,7 @@ use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::flat::FlatMap;
-use crate::lru::{Cursor, DRAIN_AT, Lru, MAX_PENDING};
+use crate::lru::{ChainPlace, Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
 use crate::table::{
     BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
@@ -78,11 +78,11 @@ pub struct Matches {
     epoch: u64,
     /// The walk's list of workers still matching, kept for the next lookup.
     scratch: Vec<u32>,
-    /// With `max_blocks`, the walked path's block keys (the LRU touch), kept
-    /// for the next lookup: a fresh list grown block by block was a malloc
-    /// and five or six reallocs on a deep match, most of the bounded index's
-    /// lookup tail.
-    path: Vec<u64>,
+    /// With `max_blocks`, the walked path's block keys and recency nodes
+    /// (the LRU touch), kept for the next lookup: a fresh list grown block by
+    /// block was a malloc and five or six reallocs on a deep match, most of
+    /// the bounded index's lookup tail.
+    path: Vec<Touch>,
 }
 
 impl Matches {
@@ -292,7 +292,10 @@ struct Eviction {
     /// The lookups' list as last taken over, emptied into the order's: swapped
     /// with theirs under their lock, so that a lookup never waits while
     /// touches are copied (see [`Limited::lock`]).
-    inbox: Vec<u64>,
+    inbox: Vec<Touch>,
+    /// A stored chain's blocks with their nodes, for its touch; kept across
+    /// events.
+    chain: Vec<Touch>,
     memberships: u64,
     max_memberships: u64,
     evicted_blocks: u64,
@@ -306,7 +309,7 @@ struct Limited {
     /// first, in arrival order. A lookup appends here and never waits for the
     /// eviction lock; whoever takes that lock next moves them into the order's
     /// own list first ([`Limited::lock`]).
-    touches: Mutex<Vec<u64>>,
+    touches: Mutex<Vec<Touch>>,
     /// Threads waiting for `eviction`: the recency thread lets them in between
     /// its slices (the lock is not fair, and it would otherwise take it back
     /// at once, slice after slice).
@@ -327,19 +330,19 @@ impl Limited {
     }
 
     /// Writes down a lookup's touch; the touches now waiting.
-    fn touch_later(&self, path: &[u64]) -> usize {
+    fn touch_later(&self, path: &[Touch]) -> usize {
         let mut touches = self.touches.lock().unwrap();
         touches.extend(path.iter().rev());
         touches.len()
     }
 }
 
-/// A list for [`MAX_PENDING`] touches (512 KiB) with its first pages written:
+/// A list for [`MAX_PENDING`] touches (1 MiB) with its first pages written:
 /// lookups append to it on the routing decision's path, where allocating it
 /// or faulting in a fresh page would be that decision's cost.
-fn touch_list() -> Vec<u64> {
+fn touch_list() -> Vec<Touch> {
     let mut list = Vec::with_capacity(MAX_PENDING);
-    list.resize(2 * DRAIN_AT, 0);
+    list.resize(2 * DRAIN_AT, (0, 0));
     list.clear();
     list
 }
@@ -514,6 +517,7 @@ impl KvIndex {
                 eviction: Mutex::new(Eviction {
                     lru: Lru::default(),
                     inbox: touch_list(),
+                    chain: Vec::new(),
                     memberships: 0,
                     max_memberships: max as u64,
                     evicted_blocks: 0,
@@ -588,7 +592,14 @@ impl KvIndex {
         let outcome = match state.take_in_sequence(event.event_id) {
             Err(out_of_sequence) => out_of_sequence,
             Ok(()) => {
-                if eviction.is_none() {
+                if eviction.is_none() && self.eviction.is_some() {
+                    if let EventKind::Stored { blocks, .. } = &event.kind {
+                        // The worker's own map grown before the limit's lock
+                        // is taken, not under it: at 1,024 workers its
+                        // resizes were a tenth of a replay thread's
+                        // instructions, every other writer waiting.
+                        state.blocks.reserve(blocks.len());
+                    }
                     *eviction = self.lock_eviction();
                 }
                 self.sweep_dangling(slot, state, eviction.is_some());
@@ -596,7 +607,11 @@ impl KvIndex {
                 if eviction.is_some() {
                     writer.release();
                 }
-                if let Some(eviction) = eviction.as_deref_mut() {
+                if let Some(eviction) = eviction.as_deref_mut()
+                    && eviction.memberships > eviction.max_memberships
+                {
+                    // Tested here: the call, once an event, was ~1 % of a
+                    // bounded replay's instructions at 16 workers.
                     self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
                 }
                 ApplyOutcome::Applied {
@@ -759,7 +774,8 @@ impl KvIndex {
             }
             for path in paths.iter().rev().skip(1) {
                 if let Some(eviction) = eviction.as_deref_mut() {
-                    eviction.lru.touch(path.iter().copied());
+                    let nodes = self.nodes_of(path.iter().copied());
+                    eviction.lru.touch(nodes.into_iter());
                 }
                 batch += path.len();
                 self.end_of_batch(&mut batch, &mut eviction, pace);
@@ -857,22 +873,33 @@ impl KvIndex {
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         let mut order = Vec::new();
-        let mut reader = ShardReader::new(&self.table);
-        for (engine, r) in held {
-            let shard = reader.shard(r.shard());
-            if !shard.holds(r.key(), slot.idx) {
-                continue;
+        for part in held.chunks(DUMP_BATCH) {
+            // A bounded index's blocks keep half their local hash in the
+            // recency order, read under its lock (taken before the shards', as
+            // writers take it), a batch at a time.
+            let eviction = self.eviction.as_ref().map(|e| e.eviction.lock().unwrap());
+            let mut reader = ShardReader::new(&self.table);
+            for &(engine, r) in part {
+                let shard = reader.shard(r.shard());
+                if !shard.holds(r.key(), slot.idx) {
+                    continue;
+                }
+                let Some(&entry) = shard.entries.get(r.key()) else {
+                    continue;
+                };
+                let tokens_hash = match &eviction {
+                    Some(eviction) => {
+                        entry.tokens_hash_with_low(eviction.lru.tokens_low(entry.lru_node()))
+                    }
+                    None => entry.tokens_hash(),
+                };
+                let names = blocks.entry(r.key()).or_default();
+                if names.is_empty() {
+                    order.push((r, tokens_hash));
+                }
+                names.push((engine, tokens_hash));
             }
-            let Some(&entry) = shard.entries.get(r.key()) else {
-                continue;
-            };
-            let names = blocks.entry(r.key()).or_default();
-            if names.is_empty() {
-                order.push((r, entry.tokens_hash()));
-            }
-            names.push((engine, entry.tokens_hash()));
         }
-        drop(reader);
         // The parent a block's key and local hash name, of those the worker holds.
         let mut children: HashMap<u64, Vec<u64>> = HashMap::new();
         for (r, tokens_hash) in order {
@@ -1059,14 +1086,33 @@ impl KvIndex {
             return Vec::new();
         };
         let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
-        eviction.lock().lru.pin(&seqs, 1);
+        let mut eviction = eviction.lock();
+        eviction
+            .lru
+            .pin(self.nodes_of(seqs.iter().copied()).into_iter(), 1);
         seqs
     }
 
     fn unpin_seqs(&self, seqs: &[u64]) {
         if let Some(eviction) = &self.eviction {
-            eviction.lock().lru.pin(seqs, -1);
+            let mut eviction = eviction.lock();
+            eviction
+                .lru
+                .pin(self.nodes_of(seqs.iter().copied()).into_iter(), -1);
         }
+    }
+
+    /// The recency nodes of the blocks present of `keys`, as their table
+    /// entries name them. For a bounded index, with the limit's lock held:
+    /// every change to its table is made under that lock, so the nodes are
+    /// current until it is let go.
+    fn nodes_of(&self, keys: impl Iterator<Item = u64>) -> Vec<Touch> {
+        let mut reader = ShardReader::new(&self.table);
+        keys.filter_map(|key| {
+            let shard = reader.shard(BlockRef::from_key(key).shard());
+            shard.entries.get(key).map(|e| (key, e.lru_node()))
+        })
+        .collect()
     }
 
     /// Heap bytes the index holds: block table, workers' engine-hash maps and the
@@ -1131,7 +1177,7 @@ impl KvIndex {
         local_hashes: &[u64],
         matches: &mut Vec<IndexMatch>,
         scratch: &mut Vec<u32>,
-        path: &mut Vec<u64>,
+        path: &mut Vec<Touch>,
     ) {
         enum Active<'s> {
             Bits(u64),
@@ -1152,11 +1198,15 @@ impl KvIndex {
         }
         let mut reader = ShardReader::new(&self.table);
         let root = BlockRef::child_of(None, first);
-        if keep_path {
-            path.push(root.key());
-        }
+        let root_holders = if keep_path {
+            let (holders, entry) = reader.shard(root.shard()).holders_and_entry(root.key());
+            path.push((root.key(), entry.lru_node()));
+            holders
+        } else {
+            reader.shard(root.shard()).holders(root.key())
+        };
         // The result is sized once, from the holders of block 0.
-        let mut active = match reader.shard(root.shard()).holders(root.key()) {
+        let mut active = match root_holders {
             HolderSet::Bits(0) => return,
             HolderSet::Bits(b) => Active::Bits(b),
             other => {
@@ -1192,15 +1242,18 @@ impl KvIndex {
             }
             for depth in 1..local_hashes.len() {
                 let r = ahead[depth % PREFETCH_AHEAD];
-                if keep_path {
-                    path.push(r.key());
-                }
                 if let Some(&local) = local_hashes.get(depth + PREFETCH_AHEAD) {
                     last = BlockRef::child_of(Some(last), local);
                     ahead[depth % PREFETCH_AHEAD] = last;
                     shard.entries.prefetch_probe(last.key());
                 }
-                let holders = shard.holders(r.key());
+                let holders = if keep_path {
+                    let (holders, entry) = shard.holders_and_entry(r.key());
+                    path.push((r.key(), entry.lru_node()));
+                    holders
+                } else {
+                    shard.holders(r.key())
+                };
                 let depth = depth as u32;
                 let left = match &mut active {
                     Active::Bits(set) => {
@@ -1352,8 +1405,20 @@ impl KvIndex {
                 };
                 match parent {
                     None => rejected_blocks = blocks.len() as u64,
-                    Some(mut parent) => {
-                        let first_parent = parent;
+                    Some(parent) => {
+                        // With a limit, the parent's recency node, then each
+                        // block's, for the inserts' parents and the chain's
+                        // place in the order.
+                        let mut parent_node = None;
+                        let mut place = ChainPlace::default();
+                        if let Some(eviction) = eviction.as_deref_mut() {
+                            if let Some(p) = parent {
+                                let entry = writer.shard(p.shard()).entries.get(p.key());
+                                parent_node = entry.map(|e| (p.key(), e.lru_node()));
+                                eviction.chain.extend(parent_node);
+                            }
+                            place = eviction.lru.start_chain(parent_node);
+                        }
                         // Each block's key, chained once.
                         let mut refs = Vec::with_capacity(blocks.len());
                         let mut at = parent;
@@ -1394,27 +1459,37 @@ impl KvIndex {
                                 }
                                 Some(_) => {}
                             }
-                            let (added, created) =
+                            let (added, created, entry) =
                                 writer
                                     .shard(r.shard())
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(eviction) = eviction.as_deref_mut() {
                                 eviction.memberships += counted * added as u64;
-                                if created {
-                                    eviction
-                                        .lru
-                                        .insert(seq, parent.map_or(NO_PARENT, |p| p.key()));
-                                }
+                                let lru = &mut eviction.lru;
+                                let node = if created {
+                                    let low = block.tokens_hash as u32;
+                                    let node = lru.insert(seq, low, parent_node, &mut place);
+                                    entry.set_lru_node(node);
+                                    node
+                                } else {
+                                    let node = entry.lru_node();
+                                    lru.place(&mut place, (seq, node));
+                                    node
+                                };
+                                parent_node = Some((seq, node));
+                                eviction.chain.push((seq, node));
                             }
-                            parent = Some(r);
                         }
                         if let Some(eviction) = eviction.as_deref_mut() {
-                            // The parent, then each block: no list built.
-                            let keys = refs.iter().map(|r| r.key());
-                            eviction
-                                .lru
-                                .touch(first_parent.map(|p| p.key()).into_iter().chain(keys));
+                            // Placed as one touch of the parent and the
+                            // blocks leaves them, unless a block went on the
+                            // way: then touched.
+                            let Eviction { lru, chain, .. } = eviction;
+                            if place.lost {
+                                lru.touch(chain.drain(..));
+                            }
+                            chain.clear();
                         }
                     }
                 }
@@ -1486,8 +1561,8 @@ impl KvIndex {
             if slot.live.load(Ordering::Relaxed) {
                 eviction.memberships -= held as u64;
             }
-            if gone {
-                eviction.lru.remove(r.key());
+            if let Some(entry) = gone {
+                eviction.lru.remove(entry.lru_node());
             }
         }
         i64::from(held)
@@ -1613,6 +1688,45 @@ mod tests {
             .iter()
             .find(|m| m.worker == worker)
             .map_or(0, |m| m.depth)
+    }
+
+    /// A bounded index keeps half of each block's local hash in its recency
+    /// node (the other half's place holds the node): its dumps name the same
+    /// local hashes an unbounded index's do, across the dump's batches.
+    #[test]
+    fn a_bounded_index_dumps_the_local_hashes_an_unbounded_one_does() {
+        let w = WorkerKey::new(3, 0);
+        let events = [
+            (1..=700).collect::<Vec<u64>>(),
+            (1..=300).chain(5_001..=5_400).collect(),
+            (9_001..=9_050).collect(),
+        ];
+        let [plain, bounded] = [None, Some(1 << 20)].map(|max_blocks| {
+            let index = KvIndex::new(IndexConfig { max_blocks });
+            for (id, path) in events.iter().enumerate() {
+                let blocks = path
+                    .iter()
+                    .map(|&h| StoredBlock {
+                        block_hash: h,
+                        tokens_hash: h.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    })
+                    .collect();
+                let kind = EventKind::Stored {
+                    parent_hash: None,
+                    blocks,
+                };
+                index.apply(
+                    w,
+                    &KvEvent {
+                        event_id: id as u64 + 1,
+                        kind,
+                    },
+                );
+            }
+            index.dump(w).unwrap()
+        });
+        assert_eq!(plain.events.len(), 1_150);
+        assert_eq!(bounded, plain);
     }
 
     /// A run of a worker's events holds the limit's lock from its first

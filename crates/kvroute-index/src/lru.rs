@@ -3,10 +3,21 @@
 //! An intrusive doubly linked list over a slab, newest at the head. Each node
 //! counts its children present in the list, stored below it while it was there
 //! (so only leaves are evicted, never an ancestor before its descendants), and
-//! its pins (paths of requests being routed right now, which are never
-//! evicted). A child keeps its parent's node, not its key: a removal releases
-//! the parent without a probe, and a block removed while it still counts
-//! children keeps its node, out of the list, until the last of them goes.
+//! whether it is pinned (on a path of a request being routed right now, never
+//! evicted; the counts of pins are beside the nodes, in a map of the few
+//! pinned ones). A child keeps its parent's node, not its key: a removal
+//! releases the parent without a probe, and a block removed while it still
+//! counts children keeps its node, out of the list, until the last of them
+//! goes.
+//!
+//! The order has no index of its own: a block's node id lives in the block's
+//! table entry (see [`crate::table::Entry::lru_node`]), where the index finds
+//! the block anyway, so the callers name nodes, not keys. A node id read
+//! without this order's lock (a lookup's walk) travels with the block's key,
+//! a [`Touch`], and is checked against the node's key when used: the block may
+//! have gone and its node been reused meanwhile. The separate key → node map
+//! this replaced was a third of the order's bytes, and a probe (at fleet
+//! scale a cache miss) per store, removal and touch.
 //!
 //! Touching a path moves it to the head leaf first and root last, so that within
 //! the chain the root-side ancestor is newest and the leaf oldest: a tail-to-head
@@ -19,30 +30,49 @@
 //! next read or changed (the next store, removal or eviction scan): moving a
 //! routed prompt's few hundred blocks is a few cache misses each, which the
 //! routing decision need not wait for. Done in arrival order before anything
-//! else, the deferred touches leave the same order as touching at once. The
-//! index's recency thread applies them in short slices ([`Lru::apply_some`])
-//! when nothing else does, so a lookup rarely finds too many waiting and has
-//! to apply them all itself (64 Ki moves, 3–12 ms).
+//! else, the deferred touches leave the same order as touching at once. A
+//! touch whose block went between the lookup's walk and its hand-over moves
+//! nothing (unless the block was stored again into the same node: then it
+//! moves, as a touch by key did). The index's recency thread applies them in
+//! short slices ([`Lru::apply_some`]) when nothing else does, so a lookup
+//! rarely finds too many waiting and has to apply them all itself (64 Ki
+//! moves, 3–12 ms).
 
 use std::collections::VecDeque;
-use std::collections::hash_map::Entry;
 
-use crate::table::{NO_PARENT, SeqMap, map_bytes};
+use crate::flat::FlatMap;
 
 const NIL: u32 = u32::MAX;
 
-/// Nodes the slab grows by at least.
-const MIN_NODES: usize = 64;
+/// Marks (in `older`) the node of a block removed while children it counted
+/// remain: out of the list, freed when its last child goes.
+const RETIRED: u32 = u32::MAX - 1;
 
-/// Deferred touches kept at most, in blocks (512 KiB); past it a lookup
-/// applies them itself.
+/// Marks (in `older`) a node on the free list.
+const FREE: u32 = u32::MAX - 2;
+
+/// In [`Node::children`]: the block is pinned (its count is in [`Lru::pins`]).
+const PINNED: u32 = 1 << 31;
+
+/// Nodes per chunk of the slab (28 KiB), a power of two.
+const CHUNK_BITS: u32 = 10;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// Deferred touches kept at most (1 MiB); past it a lookup applies them
+/// itself.
 pub(crate) const MAX_PENDING: usize = 1 << 16;
 
 /// Deferred touches past which a lookup wakes the recency thread.
 pub(crate) const DRAIN_AT: usize = 1 << 13;
 
+/// A block's key and the node the index found it under, to be checked
+/// against the node when used.
+pub(crate) type Touch = (u64, u32);
+
+/// 28 bytes: 4-byte aligned, the key in halves.
+#[derive(Clone, Copy)]
 struct Node {
-    seq: u64,
+    seq: [u32; 2],
     /// The parent's node when this block was inserted, counting it among its
     /// children; `NIL` if it had none in the order. Kept by id, not by block:
     /// a removal releases its parent without probing the index, and a parent
@@ -50,35 +80,108 @@ struct Node {
     /// child it never counted.
     parent: u32,
     /// Toward the head (newer) and toward the tail (older); `older` is
-    /// [`RETIRED`] once the block is gone but its node still counts children.
+    /// [`RETIRED`] once the block is gone but its node still counts children,
+    /// [`FREE`] once the node is free.
     newer: u32,
     older: u32,
+    /// Children counted, and [`PINNED`]: zero exactly for an evictable block.
     children: u32,
-    pins: u32,
+    /// The low half of the block's local hash, whose place in the table entry
+    /// holds this node's id.
+    tokens_low: u32,
 }
 
-/// Marks (in `older`) the node of a block removed while children it counted
-/// remain: out of the list and the index, freed when its last child goes.
-const RETIRED: u32 = u32::MAX - 1;
+impl Node {
+    fn seq(&self) -> u64 {
+        u64::from(self.seq[0]) | u64::from(self.seq[1]) << 32
+    }
+}
+
+fn halves(seq: u64) -> [u32; 2] {
+    [seq as u32, (seq >> 32) as u32]
+}
+
+/// The nodes, by id, in chunks of [`CHUNK`]: it grows a chunk at a time and
+/// never moves a node. One vector grown by a quarter copied the whole slab at
+/// each step (at 1,024 workers about 12 % of a replay thread's time was that
+/// copy and its page faults), and kept an eighth of it empty on average.
+/// Chunks of fixed length, so that a node's place in its chunk (a masked id)
+/// needs no bounds check.
+#[derive(Default)]
+struct Slab {
+    chunks: Vec<Box<[Node; CHUNK]>>,
+    len: u32,
+}
+
+impl Slab {
+    #[inline]
+    fn get(&self, id: u32) -> Option<&Node> {
+        (id < self.len).then(|| &self[id])
+    }
+
+    /// Adds a node; returns its id.
+    fn push(&mut self, node: Node) -> u32 {
+        let id = self.len;
+        if id as usize == self.chunks.len() * CHUNK {
+            self.chunks.push(Box::new([node; CHUNK]));
+        }
+        self.len += 1;
+        self[id] = node;
+        id
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.chunks.capacity() * size_of::<usize>() + self.chunks.len() * size_of::<[Node; CHUNK]>()
+    }
+}
+
+impl std::ops::Index<u32> for Slab {
+    type Output = Node;
+
+    #[inline]
+    fn index(&self, id: u32) -> &Node {
+        &self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Slab {
+    #[inline]
+    fn index_mut(&mut self, id: u32) -> &mut Node {
+        &mut self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+}
 
 #[derive(Default)]
 pub(crate) struct Lru {
-    nodes: Vec<Node>,
+    nodes: Slab,
     free: Vec<u32>,
-    index: SeqMap<u32>,
+    /// Blocks in the order.
+    len: usize,
+    /// Pins of each pinned node (by id): few at a time, and the eviction scan
+    /// reads only the node's [`PINNED`] bit.
+    pins: FlatMap<u64>,
     head: Option<u32>,
     tail: Option<u32>,
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
-    pending: VecDeque<u64>,
-    /// The blocks inserted since the last touch or removal, with their
-    /// nodes, in order: a stored chain's blocks are inserted, each the
-    /// parent of the next, and then touched, so these name the parent of
-    /// the next insert and the nodes of the touch without probing the index
-    /// again. Emptied by any removal (a node may be freed and reused).
-    inserted: Vec<(u64, u32)>,
+    pending: VecDeque<Touch>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
+}
+
+/// Where a stored chain's next block goes: right behind the block before it
+/// (the first behind the chain's parent, moved to the head), so that the chain
+/// ends in the order one touch of its whole path leaves (parent newest, then
+/// each block), each block placed once, not inserted at the head and then
+/// moved again by the touch.
+#[derive(Default)]
+pub(crate) struct ChainPlace {
+    /// The block placed last; none: the next goes to the head.
+    behind: Option<Touch>,
+    /// The block placed last went before the next was placed (its engine hash
+    /// named another block later in the event): the caller touches the whole
+    /// chain, which leaves the order it would have left.
+    pub lost: bool,
 }
 
 /// Where an eviction scan resumes.
@@ -97,111 +200,160 @@ pub(crate) enum Cursor {
 impl Lru {
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.len
     }
 
     pub fn heap_bytes(&self) -> u64 {
-        (self.nodes.capacity() * size_of::<Node>()
+        (self.nodes.heap_bytes()
             + self.free.capacity() * 4
-            + self.pending.capacity() * 8
-            + self.inserted.capacity() * size_of::<(u64, u32)>()) as u64
-            + map_bytes(&self.index)
+            + self.pending.capacity() * size_of::<Touch>()) as u64
+            + self.pins.heap_bytes()
     }
 
-    /// Adds a block as the newest; no-op if present.
-    pub fn insert(&mut self, seq: u64, parent: u64) {
+    /// Whether node `id` is in the order holding block `seq`.
+    #[inline]
+    fn holds(&self, (seq, id): Touch) -> bool {
+        self.nodes
+            .get(id)
+            .is_some_and(|n| n.older != RETIRED && n.older != FREE && n.seq == halves(seq))
+    }
+
+    /// Starts placing a stored chain whose parent is `parent` (its key and
+    /// node), moved to the head if still in the order.
+    pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
-        // The node a new block gets; the index is probed once, for both
-        // whether the block is present and where it goes.
-        let id = self.free.last().copied().unwrap_or(self.nodes.len() as u32);
-        match self.index.entry(seq) {
-            Entry::Occupied(_) => return,
-            Entry::Vacant(vacant) => vacant.insert(id),
-        };
-        let parent_node = match self.inserted.last() {
-            _ if parent == NO_PARENT => None,
-            Some(&(last, p)) if last == parent => Some(p),
-            _ => self.index.get(&parent).copied(),
-        };
+        let behind = parent.filter(|&p| self.holds(p));
+        if let Some((_, id)) = behind {
+            self.unlink(id);
+            self.push_head(id);
+        }
+        ChainPlace {
+            behind,
+            lost: false,
+        }
+    }
+
+    /// The node a chain's next block goes behind (none: the head).
+    #[inline]
+    fn chain_anchor(&self, place: &mut ChainPlace) -> Option<u32> {
+        let behind = place.behind?;
+        if self.holds(behind) {
+            Some(behind.1)
+        } else {
+            place.lost = true;
+            None
+        }
+    }
+
+    /// Adds a new block, a chain's next at `place` (a fresh place: the
+    /// newest), under `parent` (its key and node) if that is still in the
+    /// order; returns its node, for the block's entry.
+    #[inline]
+    pub fn insert(
+        &mut self,
+        seq: u64,
+        tokens_low: u32,
+        parent: Option<Touch>,
+        place: &mut ChainPlace,
+    ) -> u32 {
+        self.apply_pending();
+        let parent = parent.filter(|&p| self.holds(p)).map_or(NIL, |(_, id)| id);
         let node = Node {
-            seq,
-            parent: parent_node.unwrap_or(NIL),
+            seq: halves(seq),
+            parent,
             newer: NIL,
             older: NIL,
             children: 0,
-            pins: 0,
+            tokens_low,
         };
-        match self.free.pop() {
-            Some(_) => self.nodes[id as usize] = node,
-            None => {
-                if self.nodes.len() == self.nodes.capacity() {
-                    // Grown by a quarter, not doubled: the slab is a node
-                    // per distinct block (32 bytes), and doubling left up to
-                    // half of it empty, 12 B a membership at 1,024 workers.
-                    self.nodes.reserve_exact(self.nodes.len() / 4 + MIN_NODES);
-                }
-                self.nodes.push(node);
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.nodes[id] = node;
+                id
             }
+            None => self.nodes.push(node),
+        };
+        let anchor = self.chain_anchor(place);
+        self.link_behind(id, anchor);
+        place.behind = Some((seq, id));
+        if parent != NIL {
+            self.nodes[parent].children += 1;
         }
-        self.push_head(id);
-        if let Some(p) = parent_node {
-            self.nodes[p as usize].children += 1;
-        }
-        self.inserted.push((seq, id));
+        self.len += 1;
+        id
     }
 
-    /// Forgets a block (nobody holds it any more).
-    pub fn remove(&mut self, seq: u64) {
-        self.apply_pending();
-        self.inserted.clear();
-        if let Some(id) = self.index.remove(&seq) {
-            self.unlink(id);
-            let node = &mut self.nodes[id as usize];
-            let parent = node.parent;
-            if node.children == 0 {
-                self.free.push(id);
-            } else {
-                node.older = RETIRED;
-            }
-            if parent != NIL {
-                self.release_child(parent);
-            }
+    /// Moves a block already in the order to a chain's next place.
+    pub fn place(&mut self, place: &mut ChainPlace, touch: Touch) {
+        if !self.holds(touch) {
+            return;
         }
+        let anchor = self.chain_anchor(place);
+        if anchor != Some(touch.1) {
+            self.unlink(touch.1);
+            self.link_behind(touch.1, anchor);
+        }
+        place.behind = Some(touch);
+    }
+
+    /// The low half of the local hash of the block at node `id`.
+    pub fn tokens_low(&self, id: u32) -> u32 {
+        self.nodes[id].tokens_low
+    }
+
+    /// Forgets the block at node `id` (nobody holds it any more).
+    #[inline]
+    pub fn remove(&mut self, id: u32) {
+        self.apply_pending();
+        debug_assert!(self.holds((self.nodes[id].seq(), id)));
+        self.unlink(id);
+        self.len -= 1;
+        let node = &mut self.nodes[id];
+        let parent = node.parent;
+        if node.children & PINNED != 0 {
+            // Its pins go with it, as they did with a node found by key.
+            node.children &= !PINNED;
+            self.pins.remove(u64::from(id));
+        }
+        if self.nodes[id].children == 0 {
+            self.free_node(id);
+        } else {
+            self.nodes[id].older = RETIRED;
+        }
+        if parent != NIL {
+            self.release_child(parent);
+        }
+    }
+
+    fn free_node(&mut self, id: u32) {
+        self.nodes[id].older = FREE;
+        self.free.push(id);
     }
 
     /// One child of node `id` went; frees it if it was retired and that was
     /// its last.
     fn release_child(&mut self, id: u32) {
-        let node = &mut self.nodes[id as usize];
-        debug_assert!(node.children > 0, "a node counts each child once");
-        node.children = node.children.saturating_sub(1);
+        let node = &mut self.nodes[id];
+        debug_assert!(node.children & !PINNED > 0, "a node counts each child once");
+        if node.children & !PINNED > 0 {
+            node.children -= 1;
+        }
         if node.children == 0 && node.older == RETIRED {
-            self.free.push(id);
+            self.free_node(id);
         }
     }
 
-    /// Marks a path (block keys from the root) as just used: root newest.
-    pub fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
+    /// Marks a path (from the root) as just used: root newest.
+    pub fn touch(&mut self, path: impl DoubleEndedIterator<Item = Touch>) {
         self.apply_pending();
-        // The blocks inserted since are a subsequence of the path, in order.
-        let mut inserted = std::mem::take(&mut self.inserted);
-        for seq in path.rev() {
-            match inserted.last() {
-                Some(&(last, id)) if last == seq => {
-                    inserted.pop();
-                    self.unlink(id);
-                    self.push_head(id);
-                }
-                _ => self.move_to_head(seq),
-            }
+        for touch in path.rev() {
+            self.move_to_head(touch);
         }
-        inserted.clear();
-        self.inserted = inserted;
     }
 
     /// Takes over touches written down elsewhere, in order (each path leaf
     /// first), leaving `touches` empty.
-    pub fn defer(&mut self, touches: &mut Vec<u64>) {
+    pub fn defer(&mut self, touches: &mut Vec<Touch>) {
         if self.pending.len() + touches.len() > MAX_PENDING {
             self.apply_pending();
         }
@@ -214,8 +366,11 @@ impl Lru {
         self.pending.extend(touches.drain(..));
     }
 
+    #[inline]
     fn apply_pending(&mut self) {
-        self.apply_some(usize::MAX);
+        if !self.pending.is_empty() {
+            self.apply_some(usize::MAX);
+        }
     }
 
     /// Deferred touches waiting.
@@ -227,27 +382,40 @@ impl Lru {
     /// Applies the `n` oldest deferred touches; true when none are left.
     pub fn apply_some(&mut self, n: usize) -> bool {
         for _ in 0..n.min(self.pending.len()) {
-            let Some(seq) = self.pending.pop_front() else {
+            let Some(touch) = self.pending.pop_front() else {
                 break;
             };
-            self.move_to_head(seq);
+            self.move_to_head(touch);
         }
         self.pending.is_empty()
     }
 
-    fn move_to_head(&mut self, seq: u64) {
-        if let Some(&id) = self.index.get(&seq) {
-            self.unlink(id);
-            self.push_head(id);
+    #[inline]
+    fn move_to_head(&mut self, touch: Touch) {
+        if self.holds(touch) {
+            self.unlink(touch.1);
+            self.push_head(touch.1);
         }
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
-    pub fn pin(&mut self, path: &[u64], delta: i32) {
-        for seq in path {
-            if let Some(&id) = self.index.get(seq) {
-                let pins = &mut self.nodes[id as usize].pins;
-                *pins = pins.saturating_add_signed(delta);
+    pub fn pin(&mut self, path: impl Iterator<Item = Touch>, delta: i32) {
+        for touch in path {
+            if !self.holds(touch) {
+                continue;
+            }
+            let id = touch.1;
+            let node = &mut self.nodes[id];
+            if delta < 0 && node.children & PINNED == 0 {
+                continue;
+            }
+            let (pins, _) = self.pins.get_or_insert(u64::from(id), || 0);
+            *pins = pins.saturating_add_signed(i64::from(delta));
+            if *pins == 0 {
+                node.children &= !PINNED;
+                self.pins.remove(u64::from(id));
+            } else {
+                node.children |= PINNED;
             }
         }
     }
@@ -258,20 +426,20 @@ impl Lru {
         self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
-            Cursor::At { id, seq } if self.index.get(&seq) == Some(&id) => Some(id),
+            Cursor::At { id, seq } if self.holds((seq, id)) => Some(id),
             Cursor::At { .. } => self.tail,
             Cursor::Done => None,
         };
         while let Some(id) = at {
             self.visited += 1;
-            let node = &self.nodes[id as usize];
+            let node = &self.nodes[id];
             let next = (node.newer != NIL).then_some(node.newer);
-            if node.children == 0 && node.pins == 0 {
-                let seq = node.seq;
-                self.remove(seq);
+            if node.children == 0 {
+                let seq = node.seq();
+                self.remove(id);
                 *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
                     id,
-                    seq: self.nodes[id as usize].seq,
+                    seq: self.nodes[id].seq(),
                 });
                 return Some(seq);
             }
@@ -281,30 +449,53 @@ impl Lru {
         None
     }
 
+    #[inline]
     fn unlink(&mut self, id: u32) {
         let (newer, older) = {
-            let n = &self.nodes[id as usize];
+            let n = &self.nodes[id];
             (n.newer, n.older)
         };
         match newer {
             NIL => self.head = (older != NIL).then_some(older),
-            n => self.nodes[n as usize].older = older,
+            n => self.nodes[n].older = older,
         }
         match older {
             NIL => self.tail = (newer != NIL).then_some(newer),
-            o => self.nodes[o as usize].newer = newer,
+            o => self.nodes[o].newer = newer,
         }
     }
 
+    /// Links node `id` (not in the list) right behind (older than) node
+    /// `anchor`, or at the head.
+    #[inline]
+    fn link_behind(&mut self, id: u32, anchor: Option<u32>) {
+        let Some(anchor) = anchor else {
+            self.push_head(id);
+            return;
+        };
+        let older = self.nodes[anchor].older;
+        {
+            let n = &mut self.nodes[id];
+            n.newer = anchor;
+            n.older = older;
+        }
+        self.nodes[anchor].older = id;
+        match older {
+            NIL => self.tail = Some(id),
+            o => self.nodes[o].newer = id,
+        }
+    }
+
+    #[inline]
     fn push_head(&mut self, id: u32) {
         let old_head = self.head.unwrap_or(NIL);
         {
-            let n = &mut self.nodes[id as usize];
+            let n = &mut self.nodes[id];
             n.newer = NIL;
             n.older = old_head;
         }
         match self.head {
-            Some(h) => self.nodes[h as usize].newer = id,
+            Some(h) => self.nodes[h].newer = id,
             None => self.tail = Some(id),
         }
         self.head = Some(id);
@@ -313,10 +504,112 @@ impl Lru {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
+    use crate::table::NO_PARENT;
+
+    /// The order with the key → node map the block table keeps for it, so
+    /// that tests name blocks by key as the index does.
+    #[derive(Default)]
+    struct Keyed {
+        lru: Lru,
+        table: HashMap<u64, u32>,
+    }
+
+    impl Keyed {
+        fn found(&self, seq: u64) -> Option<Touch> {
+            self.table.get(&seq).map(|&id| (seq, id))
+        }
+
+        /// Adds a block as the newest; no-op if present.
+        fn insert(&mut self, seq: u64, parent: u64) {
+            if self.table.contains_key(&seq) {
+                return;
+            }
+            let parent = if parent == NO_PARENT {
+                None
+            } else {
+                self.found(parent)
+            };
+            let id = self
+                .lru
+                .insert(seq, seq as u32, parent, &mut ChainPlace::default());
+            self.table.insert(seq, id);
+        }
+
+        /// A stored chain as the index applies one: `blocks` placed one by
+        /// one behind `parent`, inserting those not present; `remove` (a
+        /// block's key and the index in `blocks` before which it goes)
+        /// dropped on the way, as an engine hash named again drops the block
+        /// it named.
+        fn store(&mut self, parent: Option<u64>, blocks: &[u64], remove: Option<(u64, usize)>) {
+            let mut parent = parent.and_then(|p| self.found(p));
+            let mut chain: Vec<Touch> = parent.into_iter().collect();
+            let mut place = self.lru.start_chain(parent);
+            for (i, &seq) in blocks.iter().enumerate() {
+                if let Some((gone, _)) = remove.filter(|&(_, at)| at == i) {
+                    self.remove(gone);
+                }
+                let node = match self.found(seq) {
+                    Some(touch) => {
+                        self.lru.place(&mut place, touch);
+                        touch.1
+                    }
+                    None => {
+                        let id = self.lru.insert(seq, seq as u32, parent, &mut place);
+                        self.table.insert(seq, id);
+                        id
+                    }
+                };
+                parent = Some((seq, node));
+                chain.push((seq, node));
+            }
+            if place.lost {
+                self.lru.touch(chain.into_iter());
+            }
+        }
+
+        fn remove(&mut self, seq: u64) {
+            if let Some(id) = self.table.remove(&seq) {
+                self.lru.remove(id);
+            }
+        }
+
+        fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
+            let path: Vec<Touch> = path.filter_map(|s| self.found(s)).collect();
+            self.lru.touch(path.into_iter());
+        }
+
+        /// Writes down a touch as a lookup does, nodes found now.
+        fn defer(&mut self, touches: &mut Vec<u64>) {
+            let mut found: Vec<Touch> = touches.drain(..).filter_map(|s| self.found(s)).collect();
+            self.lru.defer(&mut found);
+        }
+
+        fn apply_some(&mut self, n: usize) -> bool {
+            self.lru.apply_some(n)
+        }
+
+        fn pin(&mut self, path: &[u64], delta: i32) {
+            let path: Vec<Touch> = path.iter().filter_map(|&s| self.found(s)).collect();
+            self.lru.pin(path.into_iter(), delta);
+        }
+
+        fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
+            let victim = self.lru.next_victim(cursor)?;
+            self.table.remove(&victim);
+            Some(victim)
+        }
+
+        fn len(&self) -> usize {
+            assert_eq!(self.lru.len(), self.table.len());
+            self.lru.len()
+        }
+    }
 
     /// Evicts until `n` victims or the head, in one cursor-resumed scan.
-    fn evict(lru: &mut Lru, n: usize) -> Vec<u64> {
+    fn evict(lru: &mut Keyed, n: usize) -> Vec<u64> {
         let mut cursor = Cursor::default();
         std::iter::from_fn(|| lru.next_victim(&mut cursor))
             .take(n)
@@ -328,7 +621,7 @@ mod tests {
         // Tail to head: pinned, leaf, pinned, leaf, ... A scan restarting at the
         // tail after each eviction would visit about M * K / 2 nodes.
         const M: u64 = 2000;
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         for i in 1..=M {
             lru.insert(2 * i, NO_PARENT);
             lru.pin(&[2 * i], 1);
@@ -337,15 +630,15 @@ mod tests {
         let victims = evict(&mut lru, M as usize);
         assert_eq!(victims, (1..=M).map(|i| 2 * i + 1).collect::<Vec<_>>());
         assert!(
-            lru.visited <= 2 * M,
+            lru.lru.visited <= 2 * M,
             "visited {} nodes for {M} evictions",
-            lru.visited
+            lru.lru.visited
         );
     }
 
     #[test]
     fn a_touched_chain_is_evicted_leaf_first_in_one_pass() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         let chain = [10, 11, 12, 13];
         let mut parent = NO_PARENT;
         for seq in chain {
@@ -356,12 +649,12 @@ mod tests {
         // Stored root first, the chain's leaf is newest; touching reorders it.
         lru.touch(chain.into_iter());
         assert_eq!(evict(&mut lru, 5), vec![99, 13, 12, 11, 10]);
-        assert_eq!(lru.visited, 5);
+        assert_eq!(lru.lru.visited, 5);
     }
 
     #[test]
     fn ancestors_and_pinned_blocks_are_never_victims() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         lru.insert(1, NO_PARENT);
         lru.insert(2, 1);
         lru.insert(3, 2);
@@ -403,7 +696,7 @@ mod tests {
         fn deferred_touches_evict_as_touches_done_at_once(
             ops in proptest::collection::vec(op(), 1..80)
         ) {
-            let mut lru = Lru::default();
+            let mut lru = Keyed::default();
             // Newest first.
             let mut model: Vec<u64> = Vec::new();
             for op in ops {
@@ -443,9 +736,15 @@ mod tests {
     /// An operation on a tree of blocks 1..16, block `k`'s parent `k / 2`.
     #[derive(Clone, Debug)]
     enum TreeOp {
-        /// A stored chain: the path from the root to `k` inserted, root
-        /// first, then touched.
-        Store(u64),
+        /// A stored chain: the path from the root to `k` but its first `cut`
+        /// blocks (the last of those its parent, present or not) inserted,
+        /// root first, then touched with its parent; `drop` (a block, and the
+        /// chain's index before which it goes) removed on the way.
+        Store {
+            k: u64,
+            cut: usize,
+            drop: Option<(u64, usize)>,
+        },
         /// `k` alone inserted (if its parent is present), not touched.
         Insert(u64),
         /// `k` removed, leaf or not (a child left behind is an orphan).
@@ -458,7 +757,12 @@ mod tests {
     fn tree_op() -> impl proptest::strategy::Strategy<Value = TreeOp> {
         use proptest::prelude::*;
         prop_oneof![
-            (1..16u64).prop_map(TreeOp::Store),
+            (
+                1..16u64,
+                0..4usize,
+                proptest::option::of((1..16u64, 0..4usize))
+            )
+                .prop_map(|(k, cut, drop)| TreeOp::Store { k, cut, drop }),
             (1..16u64).prop_map(TreeOp::Insert),
             (1..16u64).prop_map(TreeOp::Remove),
             (1..16u64).prop_map(TreeOp::Touch),
@@ -496,7 +800,7 @@ mod tests {
                 pins: u32,
                 under: Option<(u64, u32)>,
             }
-            let mut lru = Lru::default();
+            let mut lru = Keyed::default();
             // Newest first; how many times each key was stored.
             let mut model: Vec<Block> = Vec::new();
             let mut incarnation = [0u32; 16];
@@ -512,8 +816,7 @@ mod tests {
                 };
                 model.iter().rev().find(|b| b.pins == 0 && leaf(b.seq)).map(|b| b.seq)
             }
-            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Lru, k: u64| {
-                lru.insert(k, tree_parent(k));
+            fn model_insert(model: &mut Vec<Block>, incarnation: &mut [u32; 16], k: u64) {
                 if !model.iter().any(|b| b.seq == k) {
                     let p = tree_parent(k);
                     let under = model
@@ -523,16 +826,26 @@ mod tests {
                     incarnation[k as usize] += 1;
                     model.insert(0, Block { seq: k, pins: 0, under });
                 }
+            }
+            let insert = |model: &mut Vec<Block>, incarnation: &mut [u32; 16], lru: &mut Keyed, k: u64| {
+                lru.insert(k, tree_parent(k));
+                model_insert(model, incarnation, k);
             };
             for op in ops {
                 match op {
-                    TreeOp::Store(k) => {
+                    TreeOp::Store { k, cut, drop } => {
                         let path = tree_path(k);
-                        for &seq in &path {
-                            insert(&mut model, &mut incarnation, &mut lru, seq);
+                        let cut = cut.min(path.len() - 1);
+                        let parent = cut.checked_sub(1).map(|p| path[p]);
+                        let blocks = &path[cut..];
+                        lru.store(parent, blocks, drop);
+                        for (i, &seq) in blocks.iter().enumerate() {
+                            if let Some((gone, _)) = drop.filter(|&(_, at)| at == i) {
+                                model.retain(|b| b.seq != gone);
+                            }
+                            model_insert(&mut model, &mut incarnation, seq);
                         }
-                        lru.touch(path.iter().copied());
-                        for &seq in path.iter().rev() {
+                        for &seq in blocks.iter().rev().chain(parent.iter()) {
                             move_front(&mut model, seq);
                         }
                     }
@@ -576,9 +889,27 @@ mod tests {
         }
     }
 
+    /// A lookup's touch names the node it found its block under; if the
+    /// block goes and another takes its node before the touch is handed
+    /// over, the touch moves nothing.
+    #[test]
+    fn a_stale_deferred_touch_moves_no_other_block() {
+        let mut lru = Keyed::default();
+        lru.insert(1, NO_PARENT);
+        lru.insert(2, NO_PARENT);
+        // Found by a walk, written down after the block went.
+        let walked = lru.found(1).unwrap();
+        lru.remove(1);
+        lru.insert(3, NO_PARENT);
+        assert_eq!(lru.found(3).unwrap().1, walked.1, "3 took 1's node");
+        lru.lru.defer(&mut vec![walked]);
+        // Moved, 3 would be the newest and 2 the oldest.
+        assert_eq!(evict(&mut lru, 2), vec![2, 3]);
+    }
+
     #[test]
     fn a_parent_stored_again_is_not_charged_with_an_orphan() {
-        let mut lru = Lru::default();
+        let mut lru = Keyed::default();
         lru.insert(1, NO_PARENT);
         lru.insert(2, 1);
         // 1 goes while 2 stays (an orphan), then 1 is stored again, with a

@@ -204,6 +204,26 @@ impl Entry {
     pub fn tokens_hash(&self) -> u64 {
         u64::from(self.tokens_hash[0]) | u64::from(self.tokens_hash[1]) << 32
     }
+
+    /// In a bounded index (`max_blocks`) the low half of the local hash gives
+    /// way to the block's node in the recency order ([`crate::lru`]), which
+    /// keeps that half: the order needs no index of its own, and the slot
+    /// stays 20 bytes in both kinds of index.
+    pub fn lru_node(&self) -> u32 {
+        self.tokens_hash[0]
+    }
+
+    /// Puts the block's recency node where the low half of its local hash
+    /// was; returns that half.
+    pub fn set_lru_node(&mut self, node: u32) -> u32 {
+        std::mem::replace(&mut self.tokens_hash[0], node)
+    }
+
+    /// The local hash of a bounded index's block, whose low half its
+    /// recency node keeps.
+    pub fn tokens_hash_with_low(&self, low: u32) -> u64 {
+        u64::from(low) | u64::from(self.tokens_hash[1]) << 32
+    }
 }
 
 /// Worker indices below this are bits of the inline bitset.
@@ -440,9 +460,10 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    /// Adds `worker` to the block, creating it. Returns (whether the worker is
-    /// new to the block, whether the block is new).
-    pub fn insert(&mut self, seq: u64, tokens_hash: u64, worker: u32) -> (bool, bool) {
+    /// Adds `worker` to the block, creating it. Returns whether the worker is
+    /// new to the block, whether the block is new, and its entry.
+    #[inline]
+    pub fn insert(&mut self, seq: u64, tokens_hash: u64, worker: u32) -> (bool, bool, &mut Entry) {
         let Shard { entries, spilled } = self;
         let (entry, created) = entries.get_or_insert(seq, || Entry::new(tokens_hash));
         if let Some(b) = entry.workers.bitset()
@@ -450,7 +471,7 @@ impl Shard {
         {
             let bit = 1 << worker;
             entry.workers = Holders((b | bit) as u32);
-            return (b & bit == 0, created);
+            return (b & bit == 0, created, entry);
         }
         if entry.workers == Holders::NONE {
             // A new block (most of a large fleet's): its first holder.
@@ -458,7 +479,7 @@ impl Shard {
             if entry.workers.is_spilled() {
                 spilled.insert(seq, vec![worker]);
             }
-            return (true, created);
+            return (true, created, entry);
         }
         if entry.workers.is_spilled() {
             let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
@@ -469,24 +490,25 @@ impl Shard {
                     true
                 }
             };
-            return (added, created);
+            return (added, created, entry);
         }
         let mut ids = entry.workers.inline_ids();
         if !ids.insert(worker) {
-            return (false, created);
+            return (false, created, entry);
         }
         entry.workers = Holders::encode(ids.as_slice());
         if entry.workers.is_spilled() {
             spilled.insert(seq, ids.as_slice().to_vec());
         }
-        (true, created)
+        (true, created, entry)
     }
 
     /// Removes `worker` from the block, dropping the block when nobody holds it.
-    /// Returns (whether the worker held it, whether the block is gone).
-    pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, bool) {
+    /// Returns whether the worker held it, and the entry of a block now gone.
+    #[inline]
+    pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, Option<Entry>) {
         let Shard { entries, spilled } = self;
-        let (mut held, mut empty) = (false, false);
+        let (mut held, mut empty) = (false, None);
         entries.change_or_remove(seq, |entry| {
             held = if let Some(b) = entry.workers.bitset() {
                 let held = worker < BITSET_IDS && b & 1 << worker != 0;
@@ -517,8 +539,9 @@ impl Shard {
                 }
                 held
             };
-            empty = entry.workers == Holders::NONE;
-            empty
+            let gone = entry.workers == Holders::NONE;
+            empty = gone.then_some(*entry);
+            gone
         });
         (held, empty)
     }
@@ -541,6 +564,12 @@ impl Shard {
     #[inline]
     pub fn holders(&self, seq: u64) -> HolderSet<'_> {
         let workers = self.entries.get(seq).map_or(Holders::NONE, |e| e.workers);
+        self.holder_set(seq, workers)
+    }
+
+    /// The holders of block `seq`, whose word is `workers`.
+    #[inline]
+    fn holder_set(&self, seq: u64, workers: Holders) -> HolderSet<'_> {
         match workers.bitset() {
             Some(b) => HolderSet::Bits(b),
             None if workers.is_spilled() => {
@@ -548,6 +577,14 @@ impl Shard {
             }
             None => HolderSet::List(workers),
         }
+    }
+
+    /// [`Self::holders`], with a copy of the block's entry (zeroed if the
+    /// block is absent).
+    #[inline]
+    pub fn holders_and_entry(&self, seq: u64) -> (HolderSet<'_>, Entry) {
+        let entry = self.entries.get(seq).copied().unwrap_or_default();
+        (self.holder_set(seq, entry.workers), entry)
     }
 
     pub fn holds(&self, seq: u64, worker: u32) -> bool {
@@ -762,13 +799,13 @@ mod tests {
             const SEQ: u64 = 0x1234_5678_9ABC_DEF0;
             for (add, worker) in ops {
                 if add {
-                    let (added, created) = shard.insert(SEQ, 7, worker);
+                    let (added, created, _) = shard.insert(SEQ, 7, worker);
                     prop_assert_eq!(created, model.is_empty());
                     prop_assert_eq!(added, model.insert(worker));
                 } else {
                     let (held, gone) = shard.remove(SEQ, worker);
                     prop_assert_eq!(held, model.remove(&worker));
-                    prop_assert_eq!(gone, held && model.is_empty());
+                    prop_assert_eq!(gone.is_some(), held && model.is_empty());
                 }
                 let mut ids = Vec::new();
                 shard.holders(SEQ).ids_into(&mut ids);
