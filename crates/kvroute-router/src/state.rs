@@ -3,7 +3,6 @@
 //! decide the same way.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvroute_index::{
     BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex, TieredIndex,
@@ -211,7 +210,7 @@ impl AppState {
         choose: impl FnOnce(&RouteQuery<'_>, tokio::time::Instant) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Result<Routed<B>, NoWorker>, RouterError> {
         let decided_at = tokio::time::Instant::now();
-        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, decided_at)?;
         let query = RouteQuery {
             name,
             prompt_tokens,
@@ -231,18 +230,19 @@ impl AppState {
     }
 
     /// The prompt's local block hashes and its length in tokens; 404 for a
-    /// name nobody serves.
+    /// name nobody serves. The `hash` phase is timed from `started`, the
+    /// caller's reading of the clock just before.
     fn hash_prompt(
         &self,
         name: &str,
         input: RouteInput<'_>,
+        started: tokio::time::Instant,
     ) -> Result<(Vec<u64>, usize), RouterError> {
         let kind = self
             .registry
             .name_kind(name)
             .ok_or_else(|| RouterError::UnknownModel(name.to_string()))?;
         let block_size = self.config.block_size as usize;
-        let started = Instant::now();
         // An adapter's blocks hash with its seed, so base-model blocks never count for it.
         let hasher = match kind {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
@@ -255,7 +255,7 @@ impl AppState {
             }
             RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
         };
-        metrics::observe_phase("hash", started);
+        metrics::observe_phase("hash", started.into_std());
         Ok(hashed)
     }
 
@@ -304,7 +304,7 @@ impl AppState {
     ) -> Result<Routed<B>, RouterError> {
         let arrived = tokio::time::Instant::now();
         let deadline = arrived + self.config.scheduler.queue_timeout();
-        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, arrived)?;
         let query = RouteQuery {
             name,
             prompt_tokens,
@@ -473,7 +473,7 @@ impl Waiting {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use super::*;
     use crate::config::QueueOrder;
