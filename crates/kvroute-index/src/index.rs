@@ -19,6 +19,7 @@
 //! hidden slot, a few hundred blocks per lock hold, and swapped in at once, so
 //! routing and other workers go on meanwhile and never see half of it.
 
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -969,9 +970,22 @@ impl KvIndex {
     /// Resolves every match; a router that needs only some keys calls
     /// [`Self::find_matches_into`] and [`Self::resolve`].
     pub fn find_matches(&self, local_hashes: &[u64]) -> Vec<WorkerMatch> {
-        let mut matches = Matches::default();
+        thread_local! {
+            // The walk's buffers, kept per thread: fresh ones were two or three
+            // allocations per routed request. A lookup calls back into nothing,
+            // so the borrow is never taken twice.
+            static MATCHES: RefCell<Matches> = RefCell::default();
+        }
+        MATCHES.with_borrow_mut(|matches| self.find_matches_resolved(local_hashes, matches))
+    }
+
+    fn find_matches_resolved(
+        &self,
+        local_hashes: &[u64],
+        matches: &mut Matches,
+    ) -> Vec<WorkerMatch> {
         loop {
-            self.find_matches_into(local_hashes, &mut matches);
+            self.find_matches_into(local_hashes, matches);
             let resolved: Option<Vec<WorkerMatch>> = matches
                 .pairs()
                 .iter()

@@ -44,18 +44,24 @@ impl Registry {
     /// choosing: for callers that already know the rank.
     pub fn book(self: &Arc<Self>, key: WorkerKey, prefill_tokens: u64, blocks: u64) -> Booking {
         let mut fleet = self.lock();
-        self.book_locked(&mut fleet, key, prefill_tokens, blocks)
+        self.book_locked(
+            &mut fleet,
+            key,
+            prefill_tokens,
+            blocks,
+            tokio::time::Instant::now(),
+        )
     }
 
-    /// Books under a lock the caller holds since its choice.
+    /// Books under a lock the caller holds since its choice, made at `now`.
     pub(crate) fn book_locked(
         self: &Arc<Self>,
         fleet: &mut Fleet,
         key: WorkerKey,
         prefill_tokens: u64,
         blocks: u64,
+        now: tokio::time::Instant,
     ) -> Booking {
-        let now = tokio::time::Instant::now();
         let mut first_token_estimate = None;
         let mut tokens_ahead = 0;
         if let Some(rank) = fleet.ranks.get_mut(&key) {
@@ -71,7 +77,7 @@ impl Registry {
             self.note_booking(fleet, key);
         }
         let ticket = fleet.workers.get_mut(&key.worker_id).map(|worker| {
-            worker.last_request = std::time::Instant::now();
+            worker.last_request = now;
             let ticket = worker.breaker.admit(now);
             if ticket.is_probe() {
                 worker.breaker_gauge.set(worker.breaker.gauge_value());

@@ -98,7 +98,10 @@ pub async fn forward(
         let predicted_cached_tokens = prompt_tokens.saturating_sub(decision.new_prefill_tokens);
         hot.predicted_cached_tokens
             .increment(predicted_cached_tokens);
-        let sent = Instant::now();
+        // One reading: the overhead's end, the first-byte timeout's start and
+        // the response's (latency, idle deadline).
+        let sent_at = tokio::time::Instant::now();
+        let sent = sent_at.into_std();
         if tried.is_empty() {
             metrics::record_phase("total", sent.duration_since(request.received));
         }
@@ -108,7 +111,8 @@ pub async fn forward(
             request.headers,
             request.body.clone(),
         ));
-        let result = until_response(post, &mut booking, state.upstream.first_byte_timeout()).await;
+        let timeout = state.upstream.first_byte_timeout();
+        let result = until_response(post, &mut booking, sent_at, timeout).await;
         let reason = match result {
             Ok(response) if !response.status().is_server_error() => {
                 let (mut parts, incoming) = response.into_parts();
@@ -215,13 +219,13 @@ fn worker_header_value(worker_id: u64) -> HeaderValue {
 /// meanwhile (see [`crate::booking`]). One timer serves both deadlines: set
 /// for the estimate, then moved to the timeout when it fires, so a request
 /// registers one timer, not two. `post` is pinned by the caller, so that its
-/// future is stored once.
+/// future is stored once; it was sent at `started`.
 async fn until_response<T>(
     mut post: Pin<&mut impl Future<Output = Result<T, Failure>>>,
     booking: &mut Booking,
+    started: tokio::time::Instant,
     first_byte_timeout: Duration,
 ) -> Result<T, Failure> {
-    let started = tokio::time::Instant::now();
     let timed_out = started + first_byte_timeout;
     // An estimate past the timeout would never be reached.
     let mut estimate = booking
@@ -299,7 +303,12 @@ mod tests {
             (before, booked_prefill(&registry))
         };
         let (answer, (before, after)) = tokio::join!(
-            until_response(generation, &mut booking, Duration::from_secs(60)),
+            until_response(
+                generation,
+                &mut booking,
+                tokio::time::Instant::now(),
+                Duration::from_secs(60)
+            ),
             observe
         );
         assert!(answer.is_ok());
@@ -318,7 +327,7 @@ mod tests {
         let (registry, mut booking) = booked_with_estimate();
         let started = tokio::time::Instant::now();
         let silent = std::pin::pin!(answers_after(Duration::from_secs(3600)));
-        let answer = until_response(silent, &mut booking, first_byte_timeout).await;
+        let answer = until_response(silent, &mut booking, started, first_byte_timeout).await;
         (answer, started.elapsed(), booked_prefill(&registry))
     }
 

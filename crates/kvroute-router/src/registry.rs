@@ -100,7 +100,8 @@ pub struct Worker {
     /// Bumped by every registration, so a stale stream's end cannot disconnect a newer one.
     pub generation: u64,
     pub breaker: Breaker,
-    pub last_request: Instant,
+    /// On the runtime's clock, as bookings read it.
+    pub last_request: tokio::time::Instant,
     pub(crate) breaker_gauge: ::metrics::Gauge,
 }
 
@@ -337,7 +338,7 @@ impl Registry {
             draining: false,
             generation,
             breaker: Breaker::default(),
-            last_request: Instant::now(),
+            last_request: tokio::time::Instant::now(),
             breaker_gauge: ::metrics::gauge!(metrics::BREAKER_STATE, "worker" => reg.worker_id.to_string()),
         };
         worker.breaker_gauge.set(0.0);
@@ -429,7 +430,7 @@ impl Registry {
 
     /// Workers with no request for `quiet`, for health checks: (id, base URL).
     pub fn quiet_workers(&self, quiet: Duration) -> Vec<(u64, Arc<str>)> {
-        let now = Instant::now();
+        let now = tokio::time::Instant::now();
         self.lock()
             .workers
             .values()

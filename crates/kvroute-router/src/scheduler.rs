@@ -56,6 +56,7 @@
 //! little as the cheapest matched one: each costed rank was a cold read or
 //! two, and 33 of them (32 tied idle ranks) were a routing decision's tail.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -143,39 +144,63 @@ pub struct Scheduler {
 /// tier's depth, indexed blocks).
 type Overlaps = FxHashMap<WorkerKey, (u32, u32, u32, u64)>;
 
+thread_local! {
+    /// The thread's overlap map, cleared for each decision rather than made
+    /// anew: a fresh one was an allocation per routed request.
+    static OVERLAPS: RefCell<Overlaps> = RefCell::default();
+}
+
+/// Runs `f` with the thread's overlap map, empty (a map of its own if the
+/// thread's is in use).
+fn with_overlaps<R>(f: impl FnOnce(&mut Overlaps) -> R) -> R {
+    OVERLAPS.with(|kept| match kept.try_borrow_mut() {
+        Ok(mut overlaps) => {
+            overlaps.clear();
+            f(&mut overlaps)
+        }
+        Err(_) => f(&mut Overlaps::default()),
+    })
+}
+
 impl Scheduler {
-    /// Chooses a rank; books nothing and records nothing (a dry run).
-    pub fn choose(&self, query: &RouteQuery<'_>) -> Result<Decision, NoWorker> {
-        let now = Instant::now();
-        let overlaps = self.timed_overlaps(query, now);
-        let started = std::time::Instant::now();
-        let fleet = self.registry.lock();
-        let decision = self.choose_locked(&fleet, query, &overlaps, now);
-        drop(fleet);
-        metrics::observe_phase("schedule", started);
-        decision
+    /// Chooses a rank as of `now`; books nothing and records nothing (a dry run).
+    pub fn choose(&self, query: &RouteQuery<'_>, now: Instant) -> Result<Decision, NoWorker> {
+        with_overlaps(|overlaps| {
+            let started = self.timed_overlaps(query, now, overlaps);
+            let fleet = self.registry.lock();
+            let decision = self.choose_locked(&fleet, query, overlaps, now);
+            drop(fleet);
+            metrics::observe_phase("schedule", started);
+            decision
+        })
     }
 
     /// Chooses a rank and books the request on it in one step under the fleet
     /// lock, so that concurrent requests each see the others' bookings (and
-    /// only one of them becomes a due breaker probe).
-    pub fn choose_and_book(&self, query: &RouteQuery<'_>) -> Result<(Decision, Booking), NoWorker> {
-        let now = Instant::now();
-        let overlaps = self.timed_overlaps(query, now);
-        let started = std::time::Instant::now();
-        let mut fleet = self.registry.lock();
-        let chosen = self.choose_locked(&fleet, query, &overlaps, now).map(|d| {
-            let booking = self.registry.book_locked(
-                &mut fleet,
-                d.worker,
-                d.new_prefill_tokens,
-                d.request_blocks,
-            );
-            (d, booking)
-        });
-        drop(fleet);
-        metrics::observe_phase("schedule", started);
-        chosen
+    /// only one of them becomes a due breaker probe). `now`: the caller's
+    /// reading of the clock, one for the whole decision and its booking.
+    pub fn choose_and_book(
+        &self,
+        query: &RouteQuery<'_>,
+        now: Instant,
+    ) -> Result<(Decision, Booking), NoWorker> {
+        with_overlaps(|overlaps| {
+            let started = self.timed_overlaps(query, now, overlaps);
+            let mut fleet = self.registry.lock();
+            let chosen = self.choose_locked(&fleet, query, overlaps, now).map(|d| {
+                let booking = self.registry.book_locked(
+                    &mut fleet,
+                    d.worker,
+                    d.new_prefill_tokens,
+                    d.request_blocks,
+                    now,
+                );
+                (d, booking)
+            });
+            drop(fleet);
+            metrics::observe_phase("schedule", started);
+            chosen
+        })
     }
 
     /// The deepest cached prefix (in blocks, capped at the prompt's) the query
@@ -183,7 +208,11 @@ impl Scheduler {
     /// `longest_prefix` order ranks waiters by (see [`crate::queue`]).
     pub fn overlap_now(&self, query: &RouteQuery<'_>) -> u32 {
         let now = Instant::now();
-        let overlaps = self.overlaps(query.local_hashes, now.into_std());
+        with_overlaps(|overlaps| self.overlap_now_in(query, now, overlaps))
+    }
+
+    fn overlap_now_in(&self, query: &RouteQuery<'_>, now: Instant, overlaps: &mut Overlaps) -> u32 {
+        self.overlaps(query.local_hashes, now.into_std(), overlaps);
         if overlaps.is_empty() {
             return 0;
         }
@@ -207,17 +236,26 @@ impl Scheduler {
             .min(request_blocks.min(u32::MAX as u64) as u32)
     }
 
-    fn timed_overlaps(&self, query: &RouteQuery<'_>, now: Instant) -> Overlaps {
+    /// Fills `overlaps` and times it as the `find_matches` phase; returns
+    /// the clock reading that ended it, which starts the `schedule` phase (one
+    /// read for both).
+    fn timed_overlaps(
+        &self,
+        query: &RouteQuery<'_>,
+        now: Instant,
+        overlaps: &mut Overlaps,
+    ) -> std::time::Instant {
         let started = std::time::Instant::now();
-        let overlaps = self.overlaps(query.local_hashes, now.into_std());
-        metrics::observe_phase("find_matches", started);
-        overlaps
+        self.overlaps(query.local_hashes, now.into_std(), overlaps);
+        let ended = std::time::Instant::now();
+        metrics::record_phase("find_matches", ended - started);
+        ended
     }
 
-    fn overlaps(&self, local_hashes: &[u64], now: std::time::Instant) -> Overlaps {
-        let mut overlaps = Overlaps::default();
+    /// Fills `overlaps` (empty) for `local_hashes`.
+    fn overlaps(&self, local_hashes: &[u64], now: std::time::Instant, overlaps: &mut Overlaps) {
         if local_hashes.is_empty() {
-            return overlaps;
+            return;
         }
         let uses_events = matches!(self.policy, Policy::Kv);
         let uses_predictions = matches!(self.policy, Policy::Kv | Policy::Approx);
@@ -242,7 +280,6 @@ impl Scheduler {
                 entry.1 = m.depth;
             }
         }
-        overlaps
     }
 
     fn choose_locked(

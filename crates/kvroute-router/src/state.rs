@@ -3,7 +3,6 @@
 //! decide the same way.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvroute_index::{
     BlockHasher, ExtraKeys, IndexConfig, KvIndex, PredictedConfig, PredictedIndex, TieredIndex,
@@ -73,6 +72,8 @@ pub struct Routed<B = ()> {
     pub local_hashes: Vec<u64>,
     pub prompt_tokens: usize,
     pub booking: B,
+    /// The clock reading the decision was made as of.
+    pub decided_at: tokio::time::Instant,
 }
 
 impl AppState {
@@ -171,7 +172,7 @@ impl AppState {
         self.predicted.record_for(
             routed.decision.worker,
             hashes,
-            Instant::now(),
+            routed.decided_at.into_std(),
             std::time::Duration::from_millis(ttl_ms),
         );
         if let Some(share) = self.shared_predictions.get() {
@@ -194,8 +195,8 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Result<Routed, NoWorker>, RouterError> {
-        self.try_route(name, input, pin, exclude, |query| {
-            self.scheduler.choose(query).map(|d| (d, ()))
+        self.try_route(name, input, pin, exclude, |query, now| {
+            self.scheduler.choose(query, now).map(|d| (d, ()))
         })
     }
 
@@ -206,9 +207,10 @@ impl AppState {
         input: RouteInput<'_>,
         pin: Option<u64>,
         exclude: &[u64],
-        choose: impl FnOnce(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
+        choose: impl FnOnce(&RouteQuery<'_>, tokio::time::Instant) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Result<Routed<B>, NoWorker>, RouterError> {
-        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
+        let decided_at = tokio::time::Instant::now();
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, decided_at)?;
         let query = RouteQuery {
             name,
             prompt_tokens,
@@ -216,27 +218,31 @@ impl AppState {
             pin,
             exclude,
         };
-        Ok(choose(&query).map(|(decision, booking)| Routed {
-            decision,
-            local_hashes,
-            prompt_tokens,
-            booking,
-        }))
+        Ok(
+            choose(&query, decided_at).map(|(decision, booking)| Routed {
+                decision,
+                local_hashes,
+                prompt_tokens,
+                booking,
+                decided_at,
+            }),
+        )
     }
 
     /// The prompt's local block hashes and its length in tokens; 404 for a
-    /// name nobody serves.
+    /// name nobody serves. The `hash` phase is timed from `started`, the
+    /// caller's reading of the clock just before.
     fn hash_prompt(
         &self,
         name: &str,
         input: RouteInput<'_>,
+        started: tokio::time::Instant,
     ) -> Result<(Vec<u64>, usize), RouterError> {
         let kind = self
             .registry
             .name_kind(name)
             .ok_or_else(|| RouterError::UnknownModel(name.to_string()))?;
         let block_size = self.config.block_size as usize;
-        let started = Instant::now();
         // An adapter's blocks hash with its seed, so base-model blocks never count for it.
         let hasher = match kind {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
@@ -249,7 +255,7 @@ impl AppState {
             }
             RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
         };
-        metrics::observe_phase("hash", started);
+        metrics::observe_phase("hash", started.into_std());
         Ok(hashed)
     }
 
@@ -262,8 +268,8 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query| {
-            self.scheduler.choose(query).map(|d| (d, ()))
+        self.route_queued(name, input, pin, exclude, |query, now| {
+            self.scheduler.choose(query, now).map(|d| (d, ()))
         })
         .await
     }
@@ -277,8 +283,8 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed<Booking>, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query| {
-            self.scheduler.choose_and_book(query)
+        self.route_queued(name, input, pin, exclude, |query, now| {
+            self.scheduler.choose_and_book(query, now)
         })
         .await
     }
@@ -286,17 +292,19 @@ impl AppState {
     /// Routes with `choose`, waiting in the queue ([`crate::queue`]) while
     /// every worker is busy: a waiter tries again on its turn, which comes
     /// when load is released or a breaker's cool-down ends, until the queue
-    /// timeout.
+    /// timeout. `choose` gets the time of its attempt: a request's first
+    /// attempt decides as of the clock reading that starts its queue timeout.
     async fn route_queued<B>(
         &self,
         name: &str,
         input: RouteInput<'_>,
         pin: Option<u64>,
         exclude: &[u64],
-        choose: impl Fn(&RouteQuery<'_>) -> Result<(Decision, B), NoWorker>,
+        choose: impl Fn(&RouteQuery<'_>, tokio::time::Instant) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Routed<B>, RouterError> {
-        let deadline = tokio::time::Instant::now() + self.config.scheduler.queue_timeout();
-        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input)?;
+        let arrived = tokio::time::Instant::now();
+        let deadline = arrived + self.config.scheduler.queue_timeout();
+        let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, arrived)?;
         let query = RouteQuery {
             name,
             prompt_tokens,
@@ -305,7 +313,7 @@ impl AppState {
             exclude,
         };
         // Ok(Ok): routed; Ok(Err(probe_at)): every worker is busy.
-        let attempt = || match choose(&query) {
+        let attempt = |now| match choose(&query, now) {
             Ok(chosen) => Ok(Ok(chosen)),
             Err(NoWorker::AllBusy { probe_at }) => Ok(Err(probe_at)),
             Err(NoWorker::NoneRoutable) => Err(self.unavailable(format!(
@@ -321,13 +329,14 @@ impl AppState {
         // During a sweep the waiters are being offered capacity: wait a turn like them.
         let tried = !self.queue.sweeping();
         if tried {
-            match attempt()? {
+            match attempt(arrived)? {
                 Ok((decision, booking)) => {
                     return Ok(Routed {
                         decision,
                         local_hashes,
                         prompt_tokens,
                         booking,
+                        decided_at: arrived,
                     });
                 }
                 Err(at) => probe_at = at,
@@ -362,7 +371,8 @@ impl AppState {
                     }
                     released.set(self.registry.released.notified());
                     released.as_mut().enable();
-                    match attempt()? {
+                    let now = tokio::time::Instant::now();
+                    match attempt(now)? {
                         Ok((decision, booking)) => {
                             ticket.served();
                             return Ok(Routed {
@@ -370,6 +380,7 @@ impl AppState {
                                 local_hashes,
                                 prompt_tokens,
                                 booking,
+                                decided_at: now,
                             });
                         }
                         Err(at) => {
@@ -462,7 +473,7 @@ impl Waiting {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use super::*;
     use crate::config::QueueOrder;
@@ -517,8 +528,8 @@ mod tests {
     /// Routes a token prompt for "m" and books it, without waiting.
     fn route_and_book_now(state: &AppState, tokens: &[u32]) -> Option<Routed<Booking>> {
         state
-            .try_route("m", RouteInput::Tokens(tokens), None, &[], |query| {
-                state.scheduler.choose_and_book(query)
+            .try_route("m", RouteInput::Tokens(tokens), None, &[], |query, now| {
+                state.scheduler.choose_and_book(query, now)
             })
             .unwrap()
             .ok()
@@ -633,9 +644,13 @@ mod tests {
         let holds = [1, 2]
             .map(|id| {
                 state
-                    .try_route("m", RouteInput::Tokens(&[7; 64]), Some(id), &[], |q| {
-                        state.scheduler.choose_and_book(q)
-                    })
+                    .try_route(
+                        "m",
+                        RouteInput::Tokens(&[7; 64]),
+                        Some(id),
+                        &[],
+                        |q, now| state.scheduler.choose_and_book(q, now),
+                    )
                     .unwrap()
                     .unwrap()
                     .booking
