@@ -877,7 +877,7 @@ impl KvIndex {
             // A bounded index's blocks keep half their local hash in the
             // recency order, read under its lock (taken before the shards', as
             // writers take it), a batch at a time.
-            let eviction = self.eviction.as_ref().map(|e| e.eviction.lock().unwrap());
+            let eviction = self.lock_eviction();
             let mut reader = ShardReader::new(&self.table);
             for &(engine, r) in part {
                 let shard = reader.shard(r.shard());
