@@ -581,9 +581,10 @@ async fn measure_all(
                     3 => baseline_pid.into_iter().collect(),
                     _ => Vec::new(),
                 };
-                let counting = match args.syscalls && !pids.is_empty() {
-                    true => Some(SyscallCount::start(pids).await?),
-                    false => None,
+                let counting = if args.syscalls && !pids.is_empty() {
+                    Some(SyscallCount::start(pids).await?)
+                } else {
+                    None
                 };
                 let before = cpu()?;
                 let rate = throughput(&client, &targets[target], load).await?;
