@@ -357,6 +357,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// Lets `change` update the value of `key`, then drops the entry if
     /// `change` returned true; false if `key` is absent. One probe, where
     /// `get_mut` then `remove` took two (a block's last holder leaving).
+    #[inline]
     pub fn change_or_remove(&mut self, key: u64, change: impl FnOnce(&mut V) -> bool) -> bool {
         if key == EMPTY {
             let Some(value) = self.zero.as_mut() else {

@@ -1549,6 +1549,7 @@ impl KvIndex {
 
     /// Takes the worker's membership of one block away; returns 1 if the worker
     /// held it (for the caller to subtract from `held`), else 0.
+    #[inline]
     fn unhold(
         &self,
         writer: &mut ShardWriter<'_>,
@@ -1624,11 +1625,21 @@ impl KvIndex {
 
     /// Gives back the memory of engine-hash entries whose blocks were evicted,
     /// once they are at least half of the worker's entries (amortised O(1)).
+    #[inline]
     fn sweep_dangling(&self, slot: &WorkerSlot, state: &mut WorkerState, evicting: bool) {
-        let dangling = slot.dangling.load(Ordering::Relaxed);
-        if !evicting || dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
+        if !evicting {
             return;
         }
+        let dangling = slot.dangling.load(Ordering::Relaxed);
+        if dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
+            return;
+        }
+        self.sweep_dangling_now(slot, state);
+    }
+
+    /// [`Self::sweep_dangling`]'s sweep.
+    #[cold]
+    fn sweep_dangling_now(&self, slot: &WorkerSlot, state: &mut WorkerState) {
         let mut reader = ShardReader::new(&self.table);
         state
             .blocks

@@ -510,40 +510,52 @@ impl Shard {
         let Shard { entries, spilled } = self;
         let (mut held, mut empty) = (false, None);
         entries.change_or_remove(seq, |entry| {
-            held = if let Some(b) = entry.workers.bitset() {
-                let held = worker < BITSET_IDS && b & 1 << worker != 0;
-                if held {
-                    entry.workers = Holders((b & !(1 << worker)) as u32);
-                }
-                held
-            } else if entry.workers.is_spilled() {
-                let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
-                match ids.binary_search(&worker) {
-                    Ok(at) => {
-                        ids.remove(at);
-                        let encoded = Holders::encode(ids);
-                        if !encoded.is_spilled() {
-                            entry.workers = encoded;
-                            spilled.remove(&seq);
-                            shrink_sparse(spilled);
-                        }
-                        true
+            held = match entry.workers.bitset() {
+                // A small fleet's every block, inline.
+                Some(b) => {
+                    let held = worker < BITSET_IDS && b & 1 << worker != 0;
+                    if held {
+                        entry.workers = Holders((b & !(1 << worker)) as u32);
                     }
-                    Err(_) => false,
+                    held
                 }
-            } else {
-                let mut ids = entry.workers.inline_ids();
-                let held = ids.remove(worker);
-                if held {
-                    entry.workers = Holders::encode(ids.as_slice());
-                }
-                held
+                None => Self::remove_listed(spilled, seq, &mut entry.workers, worker),
             };
             let gone = entry.workers == Holders::NONE;
             empty = gone.then_some(*entry);
             gone
         });
         (held, empty)
+    }
+
+    /// [`Self::remove`] from holders in a list form or spilled; whether the
+    /// worker held the block.
+    fn remove_listed(
+        spilled: &mut SeqMap<Vec<u32>>,
+        seq: u64,
+        workers: &mut Holders,
+        worker: u32,
+    ) -> bool {
+        if workers.is_spilled() {
+            let ids = spilled.get_mut(&seq).expect("spilled holders are listed");
+            let Ok(at) = ids.binary_search(&worker) else {
+                return false;
+            };
+            ids.remove(at);
+            let encoded = Holders::encode(ids);
+            if !encoded.is_spilled() {
+                *workers = encoded;
+                spilled.remove(&seq);
+                shrink_sparse(spilled);
+            }
+            return true;
+        }
+        let mut ids = workers.inline_ids();
+        let held = ids.remove(worker);
+        if held {
+            *workers = Holders::encode(ids.as_slice());
+        }
+        held
     }
 
     /// Drops the block for every worker; returns the worker indices that held it.
