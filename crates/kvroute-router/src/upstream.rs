@@ -19,6 +19,7 @@
 //! `https://` workers get rustls (trusting the system's roots and
 //! `upstream.ca_file`); `http://` ones never touch TLS.
 
+use std::cell::RefCell;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -228,12 +229,29 @@ impl Target {
     /// The request line's origin-form URI for `path`.
     fn path(&self, path: &'static str) -> Result<Uri, String> {
         match &self.prefix {
-            None => Ok(Uri::from(PathAndQuery::from_static(path))),
+            None => Ok(Uri::from(parsed_path(path))),
             Some(prefix) => format!("{prefix}{path}")
                 .parse()
                 .map_err(|e| format!("{e}")),
         }
     }
+}
+
+/// `path` parsed, once per thread: parsing it per request cost ~200
+/// instructions, a copy of a parsed one a few. Paths are the router's own
+/// constants, so the list stays as short as their number.
+fn parsed_path(path: &'static str) -> PathAndQuery {
+    thread_local! {
+        static PARSED: RefCell<Vec<(&'static str, PathAndQuery)>> = const { RefCell::new(Vec::new()) };
+    }
+    PARSED.with_borrow_mut(|parsed| {
+        if let Some((_, known)) = parsed.iter().find(|(p, _)| *p == path) {
+            return known.clone();
+        }
+        let known = PathAndQuery::from_static(path);
+        parsed.push((path, known.clone()));
+        known
+    })
 }
 
 /// Each worker's address and idle connections, most recently used last.
