@@ -18,6 +18,7 @@
 //! worker's depth by bisection: about log2(blocks) probes per worker predicted
 //! to hold block 0, instead of one probe per matched block.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
@@ -178,6 +179,33 @@ impl Spares {
     }
 }
 
+/// A lookup's and a record's buffers, kept per thread: fresh ones were five
+/// allocations per routed request (the lookup's listings, chain keys,
+/// generations and matches, the record's chain keys).
+#[derive(Default)]
+struct Scratch {
+    /// (worker serial, generation) for each generation listing the worker
+    /// under the request's root.
+    listed: Vec<(u64, usize)>,
+    /// The request's chain keys (a record's, then its pair keys).
+    keys: Vec<u64>,
+    /// A lookup's matches, handed out once the layer's lock is let go.
+    matches: Vec<WorkerMatch>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// Runs `f` with the thread's buffers (fresh ones if they are in use: a
+/// lookup's caller may look up again from its callback).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|kept| match kept.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
 /// Routing decisions as predicted cache contents, per worker.
 pub struct PredictedIndex {
     ttl_ms: u64,
@@ -218,8 +246,23 @@ impl PredictedIndex {
     /// record of one worker must use the same TTL, so that its entries along a
     /// path still expire no later than their parents.
     pub fn record_for(&self, worker: WorkerKey, local_hashes: &[u64], now: Instant, ttl: Duration) {
+        with_scratch(|scratch| self.record_into(worker, local_hashes, now, ttl, &mut scratch.keys));
+    }
+
+    /// [`Self::record_for`] with a buffer for the path's keys.
+    fn record_into(
+        &self,
+        worker: WorkerKey,
+        local_hashes: &[u64],
+        now: Instant,
+        ttl: Duration,
+        keys: &mut Vec<u64>,
+    ) {
         let ttl_ms = (ttl.as_millis().min(self.ttl_ms as u128)) as u64;
-        let mut keys = chain_keys(&local_hashes[..local_hashes.len().min(self.max_blocks)]);
+        chain_keys(
+            &local_hashes[..local_hashes.len().min(self.max_blocks)],
+            keys,
+        );
         let Some(&root) = keys.first() else {
             return;
         };
@@ -252,12 +295,12 @@ impl PredictedIndex {
         }
         let serial = inner.serial(worker);
         let generation = inner.generations.back_mut().expect("opened above");
-        for key in &mut keys {
+        for key in keys.iter_mut() {
             *key = pair_key(*key, serial);
         }
         let (mut added, mut new_root) = (0u64, false);
         let offset = generation.offset(expires);
-        generation.entries.set_path(&keys, offset, |depth| {
+        generation.entries.set_path(keys, offset, |depth| {
             added += 1;
             new_root |= depth == 0;
         });
@@ -285,8 +328,29 @@ impl PredictedIndex {
     /// Per worker with an unexpired predicted prefix of `local_hashes`: its depth.
     /// `total_blocks` is the worker's count of predicted entries.
     pub fn find_matches(&self, local_hashes: &[u64], now: Instant) -> Vec<WorkerMatch> {
+        let mut matches = Vec::new();
+        self.for_each_match(local_hashes, now, |m| matches.push(m));
+        matches
+    }
+
+    /// [`Self::find_matches`] handed to `found` one by one, with no allocation
+    /// once the thread's buffers have grown: the router's lookup per request.
+    pub fn for_each_match(
+        &self,
+        local_hashes: &[u64],
+        now: Instant,
+        found: impl FnMut(WorkerMatch),
+    ) {
+        with_scratch(|scratch| {
+            self.matches_into(local_hashes, now, scratch);
+            scratch.matches.drain(..).for_each(found);
+        });
+    }
+
+    /// Fills `scratch.matches` (empty) for `local_hashes`.
+    fn matches_into(&self, local_hashes: &[u64], now: Instant, scratch: &mut Scratch) {
         let Some(&first) = local_hashes.first() else {
-            return Vec::new();
+            return;
         };
         let now = self.millis(now);
         let inner = self.inner.read().unwrap();
@@ -296,47 +360,52 @@ impl PredictedIndex {
         // request, since a record writes its path from block 0 and lists the
         // worker when it writes block 0 (invariant 1). A probe then looks in one
         // or two tables, not in every generation's.
-        let mut listed: Vec<(u64, usize)> = inner
-            .generations
-            .iter()
-            .enumerate()
-            .filter_map(|(i, g)| Some((i, g.roots.get(&root)?)))
-            .flat_map(|(i, serials)| serials.iter().map(move |&serial| (serial, i)))
-            .collect();
+        let listed = &mut scratch.listed;
+        listed.clear();
+        listed.extend(
+            inner
+                .generations
+                .iter()
+                .enumerate()
+                .filter_map(|(i, g)| Some((i, g.roots.get(&root)?)))
+                .flat_map(|(i, serials)| serials.iter().map(move |&serial| (serial, i))),
+        );
+        if listed.is_empty() {
+            return;
+        }
         // By worker, then newest generation first.
         listed.sort_unstable_by_key(|&(serial, i)| (serial, std::cmp::Reverse(i)));
-        let mut keys = None;
-        let mut generations = Vec::new();
-        let mut matches = Vec::new();
+        let keys = &mut scratch.keys;
+        keys.clear();
         for listings in listed.chunk_by(|a, b| a.0 == b.0) {
             let serial = listings[0].0;
-            generations.clear();
-            generations.extend(listings.iter().map(|&(_, i)| &inner.generations[i]));
-            if !live(&generations, &[root], 0, serial, now) {
+            let live = |keys: &[u64], p: usize| live(&inner.generations, listings, keys, p, now);
+            if !live(&[root], 0) {
                 continue;
             }
             let Some(&(worker, total_blocks)) = inner.workers.get(&serial) else {
                 continue;
             };
-            let keys = keys.get_or_insert_with(|| chain_keys(local_hashes));
+            if keys.is_empty() {
+                chain_keys(local_hashes, keys);
+            }
             // The worker's live entries along the request form a prefix, so
             // "holds block p" is true up to its depth and false after.
             let (mut held, mut limit) = (1, keys.len());
             while held < limit {
                 let probe = held + (limit - held) / 2;
-                if live(&generations, keys, probe, serial, now) {
+                if live(keys, probe) {
                     held = probe + 1;
                 } else {
                     limit = probe;
                 }
             }
-            matches.push(WorkerMatch {
+            scratch.matches.push(WorkerMatch {
                 worker,
                 depth: held as u32,
                 total_blocks,
             });
         }
-        matches
     }
 
     /// Forgets every prediction for `worker`. Its entries stop matching at once
@@ -390,12 +459,21 @@ impl Inner {
     }
 }
 
-/// Whether any of `generations` has an unexpired entry of the worker for block
-/// `p` of the path whose chain keys are `keys`.
-fn live(generations: &[&Generation], keys: &[u64], p: usize, serial: u64, now: u64) -> bool {
-    generations
-        .iter()
-        .any(|g| g.expiry(keys, p, serial).is_some_and(|e| e > now))
+/// Whether any of the generations in `listings` ((worker serial, generation),
+/// one worker's) has an unexpired entry of the worker for block `p` of the path
+/// whose chain keys are `keys`.
+fn live(
+    generations: &VecDeque<Generation>,
+    listings: &[(u64, usize)],
+    keys: &[u64],
+    p: usize,
+    now: u64,
+) -> bool {
+    listings.iter().any(|&(serial, i)| {
+        generations[i]
+            .expiry(keys, p, serial)
+            .is_some_and(|e| e > now)
+    })
 }
 
 #[cfg(test)]

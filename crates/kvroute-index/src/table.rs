@@ -47,17 +47,16 @@ pub(crate) fn chain_key(parent: Option<u64>, local: u64) -> u64 {
     (product as u64) ^ ((product >> 64) as u64)
 }
 
-/// The keys of a path of local hashes, from block 0.
-pub(crate) fn chain_keys(local_hashes: &[u64]) -> Vec<u64> {
+/// The keys of a path of local hashes, from block 0, into `keys` (emptied
+/// first): callers keep the buffer.
+pub(crate) fn chain_keys(local_hashes: &[u64], keys: &mut Vec<u64>) {
     let mut parent = None;
-    local_hashes
-        .iter()
-        .map(|&local| {
-            let key = chain_key(parent, local);
-            parent = Some(key);
-            key
-        })
-        .collect()
+    keys.clear();
+    keys.extend(local_hashes.iter().map(|&local| {
+        let key = chain_key(parent, local);
+        parent = Some(key);
+        key
+    }));
 }
 
 /// A block's key in the table, which also says where it lives: 57 bits of

@@ -711,7 +711,7 @@ async fn proxy(
         let received = Instant::now();
         let (headers, body) = read_body(&state, request).await?;
         let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
-        crate::proxy::forward(
+        let response = crate::proxy::forward(
             &state,
             Forward {
                 model: &parsed.model,
@@ -725,7 +725,9 @@ async fn proxy(
                 permit,
             },
         )
-        .await
+        .await;
+        crate::upstream::recycle_headers(headers);
+        response
     };
     forwarded.await.unwrap_or_else(IntoResponse::into_response)
 }

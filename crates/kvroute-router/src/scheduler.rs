@@ -273,12 +273,12 @@ impl Scheduler {
             }
         }
         if uses_predictions {
-            for m in self.predicted.find_matches(local_hashes, now) {
+            self.predicted.for_each_match(local_hashes, now, |m| {
                 let entry = overlaps
                     .entry(m.worker)
                     .or_insert((0, 0, 0, m.total_blocks));
                 entry.1 = m.depth;
-            }
+            });
         }
     }
 

@@ -19,6 +19,7 @@
 //! `https://` workers get rustls (trusting the system's roots and
 //! `upstream.ca_file`); `http://` ones never touch TLS.
 
+use std::cell::RefCell;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -228,12 +229,51 @@ impl Target {
     /// The request line's origin-form URI for `path`.
     fn path(&self, path: &'static str) -> Result<Uri, String> {
         match &self.prefix {
-            None => Ok(Uri::from(PathAndQuery::from_static(path))),
+            None => Ok(Uri::from(parsed_path(path))),
             Some(prefix) => format!("{prefix}{path}")
                 .parse()
                 .map_err(|e| format!("{e}")),
         }
     }
+}
+
+/// `path` parsed, once per thread: parsing it per request cost ~200
+/// instructions, a copy of a parsed one a few. Paths are the router's own
+/// constants, so the list stays as short as their number.
+fn parsed_path(path: &'static str) -> PathAndQuery {
+    thread_local! {
+        static PARSED: RefCell<Vec<(&'static str, PathAndQuery)>> = const { RefCell::new(Vec::new()) };
+    }
+    PARSED.with_borrow_mut(|parsed| {
+        if let Some((_, known)) = parsed.iter().find(|(p, _)| *p == path) {
+            return known.clone();
+        }
+        let known = PathAndQuery::from_static(path);
+        parsed.push((path, known.clone()));
+        known
+    })
+}
+
+/// Most emptied header maps a thread keeps (see [`recycle_headers`]): requests
+/// in flight end and start in bursts, so one kept map would be overwritten
+/// before the next request takes it about half the time.
+const SPARE_HEADER_MAPS: usize = 64;
+
+thread_local! {
+    static SPARE_HEADERS: RefCell<Vec<HeaderMap>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Keeps `headers`, a forwarded request's own that nothing needs any more,
+/// emptied, for a later request this thread forwards: its headers go to the
+/// worker in it. A map made per forwarded request while the client's was
+/// dropped took two allocations and two frees per request (callgrind).
+pub fn recycle_headers(mut headers: HeaderMap) {
+    SPARE_HEADERS.with_borrow_mut(|spares| {
+        if spares.len() < SPARE_HEADER_MAPS {
+            headers.clear();
+            spares.push(headers);
+        }
+    });
 }
 
 /// Each worker's address and idle connections, most recently used last.
@@ -384,6 +424,9 @@ impl Upstream {
         *request.uri_mut() = target.path(path).map_err(Failure::Other)?;
         let forwarded = request.headers_mut();
         if let Some(headers) = headers {
+            if let Some(spare) = SPARE_HEADERS.with_borrow_mut(Vec::pop) {
+                *forwarded = spare;
+            }
             forwarded.reserve(headers.len() + 1);
             let (mut content_length, mut lengths) = (None, 0);
             for (name, value) in headers {
@@ -1105,6 +1148,32 @@ mod tests {
                 .collect();
             assert_eq!(lengths, [sent], "{given:?}: {head}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_recycled_header_map_carries_only_the_next_requests_headers() {
+        let (url, mut events) = raw_worker(None).await;
+        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+        let mut old = HeaderMap::new();
+        old.insert("x-old", "1".parse().unwrap());
+        super::recycle_headers(old);
+        let mut headers = HeaderMap::new();
+        headers.insert("x-new", "2".parse().unwrap());
+        let response = upstream
+            .post(&url, "/v1/completions", &headers, Bytes::from("{}"))
+            .await
+            .unwrap();
+        response.into_body().collect().await.unwrap();
+        let head = loop {
+            match events.recv().await.unwrap() {
+                head if head.starts_with("POST") => break head,
+                _ => {}
+            }
+        };
+        assert!(
+            head.contains("x-new: 2") && !head.contains("x-old"),
+            "{head}"
+        );
     }
 
     #[tokio::test]
