@@ -1073,7 +1073,7 @@ impl KvIndex {
     pub fn pin_path(&self, local_hashes: &[u64]) -> PinnedPath<'_> {
         PinnedPath {
             index: self,
-            seqs: self.pin_seqs(local_hashes),
+            nodes: self.pin_nodes(local_hashes),
         }
     }
 
@@ -1081,29 +1081,31 @@ impl KvIndex {
     /// response's body holds it until the response ends.
     pub fn pin_path_owned(self: &Arc<Self>, local_hashes: &[u64]) -> OwnedPinnedPath {
         OwnedPinnedPath {
-            seqs: self.pin_seqs(local_hashes),
+            nodes: self.pin_nodes(local_hashes),
             index: Arc::clone(self),
         }
     }
 
-    fn pin_seqs(&self, local_hashes: &[u64]) -> Vec<u64> {
+    /// Pins the path's blocks present now, and returns their recency nodes:
+    /// what the unpin releases (nothing, and no lock, when none was present).
+    fn pin_nodes(&self, local_hashes: &[u64]) -> Vec<Touch> {
         let Some(eviction) = &self.eviction else {
             return Vec::new();
         };
-        let seqs: Vec<u64> = path_refs(local_hashes).iter().map(|r| r.key()).collect();
         let mut eviction = eviction.lock();
-        eviction
-            .lru
-            .pin(self.nodes_of(seqs.iter().copied()).into_iter(), 1);
-        seqs
+        let nodes = self.nodes_of(path_refs(local_hashes).map(BlockRef::key));
+        eviction.lru.pin(nodes.iter().copied(), 1);
+        nodes
     }
 
-    fn unpin_seqs(&self, seqs: &[u64]) {
+    /// Releases what [`Self::pin_nodes`] pinned. A node that left its block
+    /// since (the block removed, its pins with it) is skipped by the order.
+    fn unpin_nodes(&self, nodes: &[Touch]) {
+        if nodes.is_empty() {
+            return;
+        }
         if let Some(eviction) = &self.eviction {
-            let mut eviction = eviction.lock();
-            eviction
-                .lru
-                .pin(self.nodes_of(seqs.iter().copied()).into_iter(), -1);
+            eviction.lock().lru.pin(nodes.iter().copied(), -1);
         }
     }
 
@@ -1679,24 +1681,24 @@ impl KvIndex {
 /// Blocks of a request being routed, protected from eviction while it lives.
 pub struct PinnedPath<'a> {
     index: &'a KvIndex,
-    seqs: Vec<u64>,
+    nodes: Vec<Touch>,
 }
 
 impl Drop for PinnedPath<'_> {
     fn drop(&mut self) {
-        self.index.unpin_seqs(&self.seqs);
+        self.index.unpin_nodes(&self.nodes);
     }
 }
 
 /// A [`PinnedPath`] that owns its reference to the index.
 pub struct OwnedPinnedPath {
     index: Arc<KvIndex>,
-    seqs: Vec<u64>,
+    nodes: Vec<Touch>,
 }
 
 impl Drop for OwnedPinnedPath {
     fn drop(&mut self) {
-        self.index.unpin_seqs(&self.seqs);
+        self.index.unpin_nodes(&self.nodes);
     }
 }
 

@@ -172,16 +172,13 @@ fn shard_of(raw: u64) -> u16 {
 }
 
 /// The blocks of a path of local hashes, from block 0.
-pub(crate) fn path_refs(local_hashes: &[u64]) -> Vec<BlockRef> {
+pub(crate) fn path_refs(local_hashes: &[u64]) -> impl Iterator<Item = BlockRef> + '_ {
     let mut parent = None;
-    local_hashes
-        .iter()
-        .map(|&local| {
-            let r = BlockRef::child_of(parent, local);
-            parent = Some(r);
-            r
-        })
-        .collect()
+    local_hashes.iter().map(move |&local| {
+        let r = BlockRef::child_of(parent, local);
+        parent = Some(r);
+        r
+    })
 }
 
 /// One distinct block: with its key, a 20-byte slot.
@@ -788,7 +785,7 @@ mod tests {
         /// the block's shard allows one.
         #[test]
         fn the_chain_step_is_undone_to_the_parent(locals in prop::collection::vec(any::<u64>(), 2..40)) {
-            let path = path_refs(&locals);
+            let path: Vec<BlockRef> = path_refs(&locals).collect();
             prop_assert!(path[0].is_root());
             for (depth, pair) in path.windows(2).enumerate() {
                 let (parent, child) = (pair[0], pair[1]);

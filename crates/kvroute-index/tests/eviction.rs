@@ -93,6 +93,22 @@ fn a_path_being_routed_is_never_evicted() {
     assert!(index.stats().memberships <= 3);
 }
 
+/// A pin holds the blocks present when it was taken: dropping it releases
+/// those only, never another request's pin on blocks stored since.
+#[test]
+fn a_pin_taken_before_its_blocks_came_never_releases_a_later_pin() {
+    let index = limited(3);
+    let early = index.pin_path(&[11, 12, 13]);
+    feed(&index, W, vec![stored(None, &[(1, 11), (2, 12), (3, 13)])]);
+    let routed = index.pin_path(&[11, 12, 13]);
+    drop(early);
+    feed(&index, W, vec![stored(None, &[(4, 21), (5, 22), (6, 23)])]);
+    // `routed` still holds the first chain: only the new one could go.
+    assert_eq!(depth(&index, &[11, 12, 13]), 3);
+    assert_eq!(depth(&index, &[21, 22, 23]), 0);
+    drop(routed);
+}
+
 #[test]
 fn evicted_blocks_drop_for_every_worker_and_later_events_still_apply() {
     let index = limited(4);
