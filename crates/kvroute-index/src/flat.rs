@@ -291,6 +291,10 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     }
 
     /// The value of `key`, made by `make` if absent; and whether it was made.
+    /// Inlined, as [`Self::insert`]: a stored chain inserts each block into
+    /// both tables, and the two calls were ~25 of its ~400 instructions a
+    /// block at 16 workers (MEASUREMENTS.md, "Seventh pass at 16 workers").
+    #[inline]
     pub fn get_or_insert(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
         if key == EMPTY {
             let made = self.zero.is_none();
@@ -347,6 +351,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     }
 
     /// Sets `key` to `value`; returns the value it replaced.
+    #[inline]
     pub fn insert(&mut self, key: u64, value: V) -> Option<V> {
         let (slot, made) = self.get_or_insert(key, || value);
         (!made).then(|| std::mem::replace(slot, value))
