@@ -304,15 +304,19 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
             self.resize(self.grown());
         }
         let at = self.key_or_empty(key);
-        if self.slots[at].key() == key {
-            return (&mut self.slots[at].value, false);
+        // SAFETY: `key_or_empty` returns a slot of the table (indexed
+        // unchecked: its three bounds checks were ~4 % of a stored chain's
+        // instructions at 16 workers).
+        let slot = unsafe { self.slots.get_unchecked_mut(at) };
+        if slot.key() == key {
+            return (&mut slot.value, false);
         }
-        self.slots[at] = Slot {
+        *slot = Slot {
             key: halves(key),
             value: make(),
         };
         self.in_slots += 1;
-        (&mut self.slots[at].value, true)
+        (&mut slot.value, true)
     }
 
     /// The first slot from `key`'s home on, cyclically, that holds `key` or
