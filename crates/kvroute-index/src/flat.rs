@@ -254,7 +254,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            let slot: *const i8 = self.slots[self.home(key)..].as_ptr().cast();
+            // The home slot's address, not a slice of the table from it: no
+            // bounds check (a home is below the length).
+            let slot: *const i8 = self.slots.as_ptr().wrapping_add(self.home(key)).cast();
             // SAFETY: SSE is part of x86_64's baseline; a prefetch is a hint
             // that reads nothing architecturally and cannot fault. The later
             // addresses may lie past the table, where it does nothing (they
