@@ -1425,27 +1425,30 @@ impl KvIndex {
                             }
                             place = eviction.lru.start_chain(parent_node);
                         }
-                        // Each block's key, chained once.
-                        let mut refs = Vec::with_capacity(blocks.len());
-                        let mut at = parent;
-                        for block in blocks {
-                            let r = BlockRef::child_of(at, block.tokens_hash);
-                            refs.push(r);
-                            at = Some(r);
-                        }
                         // New chains are mostly new blocks, a cache miss each in
                         // the table and in the engine map: their slots are
                         // fetched ahead, as a walk's are (the engine map grown
                         // first, so that none moves under the prefetches).
+                        // Each key is chained once, PREFETCH_AHEAD blocks
+                        // before it is inserted, into a ring as the walk's
+                        // (`ahead[i % PREFETCH_AHEAD]` is block i's key until
+                        // the loop reaches it), not into a vector allocated
+                        // per chain.
                         state.blocks.reserve(blocks.len());
-                        for block in blocks.iter().take(PREFETCH_AHEAD) {
+                        let mut ahead = [BlockRef::from_key(0); PREFETCH_AHEAD];
+                        let mut last = parent;
+                        for (i, block) in blocks.iter().take(PREFETCH_AHEAD).enumerate() {
+                            let r = BlockRef::child_of(last, block.tokens_hash);
+                            ahead[i] = r;
+                            last = Some(r);
                             state.blocks.prefetch_insert(block.block_hash);
                         }
-                        for (i, (block, &r)) in blocks.iter().zip(&refs).enumerate() {
+                        for (i, block) in blocks.iter().enumerate() {
+                            let r = ahead[i % PREFETCH_AHEAD];
                             let seq = r.key();
                             if i == 0 {
                                 let shard = writer.shard(r.shard());
-                                for early in refs.iter().take(PREFETCH_AHEAD).skip(1) {
+                                for early in ahead.iter().take(blocks.len()).skip(1) {
                                     if early.shard() == r.shard() {
                                         shard.entries.prefetch_insert(early.key());
                                     }
@@ -1453,7 +1456,9 @@ impl KvIndex {
                             }
                             if let Some(later) = blocks.get(i + PREFETCH_AHEAD) {
                                 state.blocks.prefetch_insert(later.block_hash);
-                                let next = refs[i + PREFETCH_AHEAD];
+                                let next = BlockRef::child_of(last, later.tokens_hash);
+                                ahead[i % PREFETCH_AHEAD] = next;
+                                last = Some(next);
                                 if next.shard() == r.shard() {
                                     writer.shard(r.shard()).entries.prefetch_insert(next.key());
                                 }
