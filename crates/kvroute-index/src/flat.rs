@@ -147,58 +147,6 @@ fn halves(key: u64) -> [u32; 2] {
     [key as u32, (key >> 32) as u32]
 }
 
-/// Whether any of a probe group's [`PROBE_GROUP`] slots holds `key` or is
-/// empty: 0 if none, else the lowest set bit is `2j` for the first such slot
-/// `j` (a bit a 32-bit lane; halved by the caller once a group hits). On
-/// x86_64 two keys to an SSE2 register, compared as 32-bit halves both of
-/// which must match: 25 instructions a group where the slot-by-slot test
-/// compiled to 39, and an insert of a new key tests two to three groups in
-/// each table (MEASUREMENTS.md, "Eighth pass at 16 workers").
-#[inline]
-fn key_or_empty_in<V>(group: &[Slot<V>], key: u64) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{
-            __m128i, _mm_cmpeq_epi32, _mm_loadl_epi64, _mm_movemask_epi8, _mm_packs_epi16,
-            _mm_packs_epi32, _mm_set1_epi64x, _mm_setzero_si128, _mm_unpacklo_epi64,
-        };
-        assert!(group.len() == PROBE_GROUP);
-        // SAFETY: SSE2 is part of x86_64's baseline; each load reads the 8
-        // bytes of a slot's key (`Slot` is `repr(C)`, the key first), and
-        // the group has `PROBE_GROUP` slots (asserted; the check folds away
-        // where the caller sliced the group).
-        let lanes = unsafe {
-            let load = |j: usize| _mm_loadl_epi64(group.as_ptr().add(j).cast::<__m128i>());
-            let (first, second) = (
-                _mm_unpacklo_epi64(load(0), load(1)),
-                _mm_unpacklo_epi64(load(2), load(3)),
-            );
-            let equal_to =
-                |v: __m128i| _mm_packs_epi32(_mm_cmpeq_epi32(first, v), _mm_cmpeq_epi32(second, v));
-            let (is_key, is_empty) = (
-                equal_to(_mm_set1_epi64x(key as i64)),
-                equal_to(_mm_setzero_si128()),
-            );
-            // One bit a 32-bit half: bits 2j and 2j + 1 say whether slot j's
-            // halves are the key's, bits 8 + 2j and 9 + 2j whether empty.
-            _mm_movemask_epi8(_mm_packs_epi16(is_key, is_empty)) as u32
-        };
-        let both = lanes & lanes >> 1 & 0x5555;
-        // A slot's empty bit folded onto its key bit (the high byte's bits
-        // left in place lie above every low one, so the lowest bit is right).
-        both | both >> 8
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let mut hits = 0u32;
-        for (j, slot) in group.iter().enumerate() {
-            let k = slot.key();
-            hits |= u32::from((k == key) | (k == EMPTY)) << (2 * j);
-        }
-        hits
-    }
-}
-
 ///
 /// A table that grew past `FLOOR` slots never shrinks below it: a
 /// block-table shard whose share of a small fleet's blocks comes and goes
@@ -385,9 +333,13 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         let mut at = self.home(key);
         loop {
             if let Some(group) = self.slots.get(at..at + PROBE_GROUP) {
-                let hits = key_or_empty_in(group, key);
+                let mut hits = 0u32;
+                for (j, slot) in group.iter().enumerate() {
+                    let k = slot.key();
+                    hits |= u32::from((k == key) | (k == EMPTY)) << j;
+                }
                 if hits != 0 {
-                    return at + hits.trailing_zeros() as usize / 2;
+                    return at + hits.trailing_zeros() as usize;
                 }
                 at += PROBE_GROUP;
                 if at == len {
@@ -709,41 +661,6 @@ mod tests {
                 }
                 prop_assert_eq!(map.len(), left.len());
             }
-        }
-    }
-
-    proptest! {
-        /// A probe group's test (in SSE2 on x86_64) finds the first slot a
-        /// slot-by-slot test does, in 16- and 20-byte slots, among keys that
-        /// share a half with the probed key or with an empty slot (a half
-        /// alone must not match).
-        #[test]
-        fn a_group_stops_where_a_slot_by_slot_test_does(
-            key in 1..u64::MAX,
-            picks in prop::collection::vec((0..4u8, 0..4u8, any::<u32>()), PROBE_GROUP),
-        ) {
-            let half = |pick: u8, other: u32| match pick {
-                0 => 0,
-                1 => key as u32,
-                2 => (key >> 32) as u32,
-                _ => other,
-            };
-            let keys: Vec<u64> = picks
-                .iter()
-                .map(|&(low, high, other)| {
-                    u64::from(half(low, other)) | u64::from(half(high, other)) << 32
-                })
-                .collect();
-            let first = keys.iter().position(|&k| k == key || k == EMPTY);
-            let expected = first.map_or(32, |j| 2 * j as u32);
-            let narrow: Vec<Slot<u64>> =
-                keys.iter().map(|&k| Slot { key: halves(k), value: !k }).collect();
-            let wide: Vec<Slot<[u32; 3]>> = keys
-                .iter()
-                .map(|&k| Slot { key: halves(k), value: [u32::MAX; 3] })
-                .collect();
-            prop_assert_eq!(key_or_empty_in(&narrow, key).trailing_zeros(), expected);
-            prop_assert_eq!(key_or_empty_in(&wide, key).trailing_zeros(), expected);
         }
     }
 
