@@ -141,6 +141,12 @@ fn home_in(key: u64, len: usize) -> usize {
     ((u128::from(hash) * len as u128) >> 64) as usize
 }
 
+/// The slot after `at` in a table of `len` slots, cyclically.
+#[inline]
+fn next_in(at: usize, len: usize) -> usize {
+    if at + 1 == len { 0 } else { at + 1 }
+}
+
 /// The halves of a key.
 #[inline]
 fn halves(key: u64) -> [u32; 2] {
@@ -191,11 +197,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// The slot after `at`, cyclically.
     #[inline]
     fn next(&self, at: usize) -> usize {
-        if at + 1 == self.slots.len() {
-            0
-        } else {
-            at + 1
-        }
+        next_in(at, self.slots.len())
     }
 
     /// The slot of `key` (not 0), if present.
@@ -419,10 +421,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         // slot, −1.3 % of a 16-worker replay's; MEASUREMENTS.md, "Eighth pass
         // at 16 workers").
         let slots = self.slots.as_mut_slice();
-        let wrap = |at: usize| if at + 1 == len { 0 } else { at + 1 };
-        let (mut hole, mut next, mut gap) = (at, wrap(at), 1);
+        let (mut hole, mut next, mut gap) = (at, next_in(at, len), 1);
         loop {
-            // SAFETY: `at` is a slot of the table, and `wrap` keeps `next`
+            // SAFETY: `at` is a slot of the table, and `next_in` keeps `next`
             // (and so `hole`, which is `at` or an earlier `next`) below `len`.
             let key = unsafe { slots.get_unchecked(next) }.key();
             if key == EMPTY {
@@ -434,7 +435,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
             unsafe { *slots.get_unchecked_mut(hole) = *slots.get_unchecked(from) };
             hole = from;
             gap = std::hint::select_unpredictable(movable, 0, gap) + 1;
-            next = wrap(next);
+            next = next_in(next, len);
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
