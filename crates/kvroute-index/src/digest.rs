@@ -42,6 +42,7 @@ impl BlockSetDigest {
     }
 
     /// Takes away a member of the set.
+    #[inline]
     pub fn remove(&mut self, block_hash: u64) {
         self.block_count = self.block_count.wrapping_sub(1);
         self.block_set_hash = self.block_set_hash.wrapping_sub(mix(block_hash));
