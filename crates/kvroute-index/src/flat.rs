@@ -168,8 +168,12 @@ pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     slots: Vec<Slot<V>>,
     /// Entries in `slots` (32 bits, so that `removed` fits beside it).
     in_slots: u32,
-    /// Removals since the table was last laid out (see [`CHURN_MAX_SIXTEENTHS`]).
+    /// Removals since the table was last laid out, or since it was last found
+    /// not dense enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]).
     removed: u32,
+    /// The table shrinks once it holds fewer entries than this (see
+    /// [`Self::shrink_below`]).
+    shrink_below: u32,
     zero: Option<V>,
 }
 
@@ -179,6 +183,7 @@ impl<V, const FLOOR: usize> Default for FlatMap<V, FLOOR> {
             slots: Vec::new(),
             in_slots: 0,
             removed: 0,
+            shrink_below: 0,
             zero: None,
         }
     }
@@ -444,21 +449,47 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
-        self.removed = self.removed.saturating_add(1);
-        let (len, entries) = (self.slots.len(), self.in_slots as usize);
-        // Gives memory back once under a quarter of what the table may hold
-        // (a sixth with a floor): under churn a shard's share of the blocks
-        // moves around.
-        let usable = len * MAX_EIGHTHS / 8;
-        let shrink_under = if FLOOR > 0 { FLOORED_SHRINK_UNDER } else { 4 };
-        if usable > 64 && len > FLOOR && entries * shrink_under < usable {
-            self.resize(Self::slots_for(entries * 2).max(FLOOR));
-        } else if self.removed as usize >= len
-            && entries * 16 > len * CHURN_MAX_SIXTEENTHS[usize::from(FLOOR > 0)]
-        {
-            self.resize((entries * 16).div_ceil(CHURN_SIXTEENTHS[usize::from(FLOOR > 0)]));
+        self.removed += 1;
+        // Two compares a removal; what they call for is worked out only
+        // then (computed at every removal, the bounds were ~25 instructions
+        // of each table's removal: MEASUREMENTS.md, "Ninth pass at 16
+        // workers").
+        if self.in_slots < self.shrink_below || self.removed as usize >= len {
+            self.relayout_after_removals();
         }
         removed
+    }
+
+    /// Gives memory back once under [`Self::shrink_below`] entries; else,
+    /// once the table lost as many entries as it has slots, lays it out
+    /// again sparser if it is churning dense (see [`CHURN_MAX_SIXTEENTHS`]),
+    /// or counts its removals afresh.
+    #[cold]
+    fn relayout_after_removals(&mut self) {
+        let (len, entries) = (self.slots.len(), self.in_slots as usize);
+        if self.in_slots < self.shrink_below {
+            self.resize(Self::slots_for(entries * 2).max(FLOOR));
+        } else if entries * 16 > len * CHURN_MAX_SIXTEENTHS[usize::from(FLOOR > 0)] {
+            self.resize((entries * 16).div_ceil(CHURN_SIXTEENTHS[usize::from(FLOOR > 0)]));
+        } else {
+            self.removed = 0;
+        }
+    }
+
+    /// Entries under which a table of `len` slots shrinks: a quarter of what
+    /// it may hold (a sixth with a floor, and never to below the floor), so
+    /// that under churn a shard whose share of the blocks moves around, or a
+    /// worker's emptied engine map, gives memory back; none for a short
+    /// table.
+    fn shrink_below(len: usize) -> u32 {
+        let usable = len * MAX_EIGHTHS / 8;
+        let shrink_under = if FLOOR > 0 { FLOORED_SHRINK_UNDER } else { 4 };
+        if usable > 64 && len > FLOOR {
+            // `entries * shrink_under < usable`, as a bound on entries.
+            u32::try_from(usable.div_ceil(shrink_under)).unwrap_or(u32::MAX)
+        } else {
+            0
+        }
     }
 
     /// Every entry, in no particular order.
@@ -491,6 +522,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// doubled one).
     fn resize(&mut self, slots: usize) {
         self.removed = 0;
+        self.shrink_below = Self::shrink_below(slots);
         let old = std::mem::replace(&mut self.slots, Self::empty_slots(slots));
         let Some(&first) = old.first() else {
             return;
