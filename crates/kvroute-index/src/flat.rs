@@ -174,6 +174,11 @@ pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     /// The table shrinks once it holds fewer entries than this (see
     /// [`Self::shrink_below`]).
     shrink_below: u32,
+    /// The most entries the table holds before it grows ([`MAX_EIGHTHS`] of
+    /// its slots), kept from its last layout: an insert compares, where it
+    /// computed the bound (~3 instructions of each of a stored block's two
+    /// inserts; MEASUREMENTS.md, "Ninth pass at 16 workers").
+    most: u32,
     zero: Option<V>,
 }
 
@@ -184,6 +189,7 @@ impl<V, const FLOOR: usize> Default for FlatMap<V, FLOOR> {
             in_slots: 0,
             removed: 0,
             shrink_below: 0,
+            most: 0,
             zero: None,
         }
     }
@@ -314,7 +320,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
             let made = self.zero.is_none();
             return (self.zero.get_or_insert_with(make), made);
         }
-        if (self.in_slots as usize + 1) * 8 > self.slots.len() * MAX_EIGHTHS {
+        if self.in_slots >= self.most {
             self.resize(self.grown());
         }
         let at = self.key_or_empty(key);
@@ -523,6 +529,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     fn resize(&mut self, slots: usize) {
         self.removed = 0;
         self.shrink_below = Self::shrink_below(slots);
+        self.most = u32::try_from(slots * MAX_EIGHTHS / 8).unwrap_or(u32::MAX);
         let old = std::mem::replace(&mut self.slots, Self::empty_slots(slots));
         let Some(&first) = old.first() else {
             return;
