@@ -60,7 +60,7 @@ const MAX_EIGHTHS: usize = 7;
 /// ~6 % more heap in its churned state, MEASUREMENTS.md, "Fifth pass at 16
 /// workers"; 1/2 → 7/16 took a further 4.7 % of a replay thread's
 /// instructions, the removals' shifts and the inserts' probes shorter, for
-/// ~11 % more heap at the end of the replay, "Ninth pass at 16 workers").
+/// ~9 % more heap at the end of the replay, "Ninth pass at 16 workers").
 /// Sparser still is not faster: a table laid out 3/8 or 5/16 full is near
 /// the shrink bound (a quarter of what it may hold), and a pool dipping
 /// below it shrank and regrew.
