@@ -564,8 +564,8 @@ impl WorkerEvents<'_> {
 
 impl Drop for WorkerEvents<'_> {
     fn drop(&mut self) {
-        self.let_limit_go();
         if self.index.eviction.is_some() {
+            self.let_limit_go();
             let mut spare = std::mem::take(&mut self.deferred);
             spare.changes.shrink_to(SPARE_CHANGES);
             SPARE_DEFERRED.set(spare);
@@ -1553,6 +1553,7 @@ impl KvIndex {
     }
 
     /// [`WorkerSlot::add_held`], or with a limit its shared form.
+    #[inline]
     fn add_held(&self, slot: &WorkerSlot, delta: i64) {
         if self.eviction.is_some() {
             slot.add_held_shared(delta);
@@ -1657,42 +1658,46 @@ impl KvIndex {
                                     .shard(r.shard())
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
-                            let counted_added = (counted * u64::from(added)) as i64;
-                            if limited.is_some() && eviction.is_none() {
-                                // Written down for the run's hand-over.
-                                deferred.memberships += counted_added;
-                                let change = if created {
-                                    let id = deferred.ids.pop().expect("nodes readied");
-                                    entry.set_lru_node(id);
-                                    let tokens_low = block.tokens_hash as u32;
-                                    Change::Insert {
-                                        seq,
-                                        id,
-                                        tokens_low,
+                            if let Some(limited) = limited {
+                                let counted_added = (counted * u64::from(added)) as i64;
+                                match eviction.as_deref_mut() {
+                                    None => {
+                                        // Written down for the run's hand-over.
+                                        deferred.memberships += counted_added;
+                                        let change = if created {
+                                            let id = deferred.ids.pop().expect("nodes readied");
+                                            entry.set_lru_node(id);
+                                            let tokens_low = block.tokens_hash as u32;
+                                            Change::Insert {
+                                                seq,
+                                                id,
+                                                tokens_low,
+                                            }
+                                        } else {
+                                            Change::Place((seq, entry.lru_node()))
+                                        };
+                                        deferred.changes.push(change);
                                     }
-                                } else {
-                                    Change::Place((seq, entry.lru_node()))
-                                };
-                                deferred.changes.push(change);
-                            }
-                            if let Some(eviction) = eviction.as_deref_mut() {
-                                let limited = limited.expect("a bounded index");
-                                limited
-                                    .memberships
-                                    .fetch_add(counted_added, Ordering::Relaxed);
-                                let lru = &mut eviction.lru;
-                                let node = if created {
-                                    let low = block.tokens_hash as u32;
-                                    let node = lru.insert(seq, low, parent_node, &mut place);
-                                    entry.set_lru_node(node);
-                                    node
-                                } else {
-                                    let node = entry.lru_node();
-                                    lru.place(&mut place, (seq, node));
-                                    node
-                                };
-                                parent_node = Some((seq, node));
-                                eviction.chain.push((seq, node));
+                                    Some(eviction) => {
+                                        limited
+                                            .memberships
+                                            .fetch_add(counted_added, Ordering::Relaxed);
+                                        let lru = &mut eviction.lru;
+                                        let node = if created {
+                                            let low = block.tokens_hash as u32;
+                                            let node =
+                                                lru.insert(seq, low, parent_node, &mut place);
+                                            entry.set_lru_node(node);
+                                            node
+                                        } else {
+                                            let node = entry.lru_node();
+                                            lru.place(&mut place, (seq, node));
+                                            node
+                                        };
+                                        parent_node = Some((seq, node));
+                                        eviction.chain.push((seq, node));
+                                    }
+                                }
                             }
                         }
                         match eviction.as_deref_mut() {
