@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crossbeam_utils::CachePadded;
@@ -34,7 +34,7 @@ use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::flat::FlatMap;
-use crate::lru::{ChainPlace, Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
+use crate::lru::{ChainPlace, Change, Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
 use crate::table::{
     BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
@@ -176,7 +176,7 @@ struct WorkerSlot {
     /// The bucket of interned-index cells holding this worker's, at `at`; its
     /// `held` counts the blocks whose bit is set for the worker (its
     /// memberships). Read without locks; written only through
-    /// [`WorkerSlot::add_held`].
+    /// [`WorkerSlot::add_held`] and [`WorkerSlot::add_held_shared`].
     cells: Arc<[Cell]>,
     at: usize,
     /// Engine-hash entries whose block was evicted, not yet swept from `state`.
@@ -209,6 +209,15 @@ impl WorkerSlot {
                 .store(held.wrapping_add_signed(delta), Ordering::Relaxed);
         }
     }
+
+    /// [`Self::add_held`] as a read-modify-write, for a bounded index: its
+    /// writers change the table without the eviction mutex, and the evictor
+    /// may meet them.
+    fn add_held_shared(&self, delta: i64) {
+        if delta != 0 {
+            self.held().fetch_add(delta as u64, Ordering::Relaxed);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -219,6 +228,20 @@ struct WorkerState {
     /// Digest of the keys of `blocks`, kept as they change (unless `trimmed`).
     digest: BlockSetDigest,
     counters: Counters,
+}
+
+/// A bounded index's upkeep of one run of a worker's events, made without
+/// the eviction mutex and not yet handed over (see [`Limited::handover`]).
+/// Kept by the run, not the worker (at 1,024 workers a list and a few nodes
+/// kept per worker were 20 B a membership), and its lists by the thread
+/// between runs ([`SPARE_DEFERRED`]).
+#[derive(Default)]
+struct Deferred {
+    changes: Vec<Change>,
+    /// Counted memberships added (less those released).
+    memberships: i64,
+    /// Recency nodes given out for blocks this worker will create.
+    ids: Vec<u32>,
 }
 
 impl WorkerState {
@@ -296,9 +319,17 @@ struct Eviction {
     /// A stored chain's blocks with their nodes, for its touch; kept across
     /// events.
     chain: Vec<Touch>,
-    memberships: u64,
-    max_memberships: u64,
+    /// [`Handover::changes`] as last taken over, emptied into the order.
+    changes: Vec<Change>,
     evicted_blocks: u64,
+}
+
+/// Writers' changes to the recency order handed over, and nodes for them to
+/// give new blocks (see [`Limited::handover`]).
+#[derive(Default)]
+struct Handover {
+    changes: Vec<Change>,
+    ids: Vec<u32>,
 }
 
 /// The `max_blocks` limit's state and the lookups' touches waiting for it,
@@ -314,7 +345,39 @@ struct Limited {
     /// its slices (the lock is not fair, and it would otherwise take it back
     /// at once, slice after slice).
     waiting: AtomicU32,
+    /// The changes stores and removals made to the recency order, in the
+    /// order their runs handed them over: a writer changes the block table
+    /// without the eviction mutex, writes the order's upkeep down in its run
+    /// ([`Deferred`]) and hands it over here at the run's end (or every
+    /// [`DUMP_BATCH`] changes); whoever takes the eviction mutex next applies
+    /// them before anything reads the order ([`Limited::lock`]). New blocks
+    /// get their nodes from the ids here, given out by that mutex's holders.
+    handover: Mutex<Handover>,
+    /// Counted memberships, handed-over runs' included.
+    memberships: AtomicI64,
+    max_memberships: i64,
+    /// Nodes kept ready in [`Handover::ids`]: [`READY_IDS`], fewer for a
+    /// small limit.
+    ready_ids: usize,
 }
+
+/// Nodes kept ready for writers in [`Handover::ids`] at most.
+const READY_IDS: usize = 1024;
+
+thread_local! {
+    /// The lists of this thread's last run (empty, their room kept): fresh
+    /// ones were two to five allocations a run, ~6 % of a bounded replay's
+    /// instructions at 16 workers.
+    static SPARE_DEFERRED: std::cell::Cell<Deferred> = std::cell::Cell::default();
+}
+
+/// Changes a thread's spare list keeps room for at most.
+const SPARE_CHANGES: usize = 2 * DUMP_BATCH;
+
+/// Changes waiting in [`Handover::changes`] past which the run that hands
+/// more over applies them itself: the lock is then held for a few hundred
+/// microseconds at most, and the lists (two, swapped) stay small.
+const APPLY_AT: usize = 2048;
 
 impl Limited {
     fn lock(&self) -> MutexGuard<'_, Eviction> {
@@ -322,10 +385,20 @@ impl Limited {
         let mut guard = self.eviction.lock().unwrap();
         self.waiting.fetch_sub(1, Ordering::Relaxed);
         let eviction = &mut *guard;
-        // O(1) under the lookups' lock: moving thousands of touches there, a
-        // holder descheduled meanwhile held up every lookup (0.6–8 ms).
-        std::mem::swap(&mut *self.touches.lock().unwrap(), &mut eviction.inbox);
-        eviction.lru.defer(&mut eviction.inbox);
+        {
+            let mut handover = self.handover.lock().unwrap();
+            std::mem::swap(&mut handover.changes, &mut eviction.changes);
+            // O(1) under the lookups' lock: moving thousands of touches
+            // there, a holder descheduled meanwhile held up every lookup
+            // (0.6–8 ms). Taken with the changes, which say where each
+            // run's hand-over fell among them.
+            std::mem::swap(&mut *self.touches.lock().unwrap(), &mut eviction.inbox);
+            let missing = self.ready_ids.saturating_sub(handover.ids.len());
+            eviction.lru.give_ids(missing, &mut handover.ids);
+        }
+        eviction
+            .lru
+            .apply_changes(&mut eviction.changes, &mut eviction.inbox);
         guard
     }
 
@@ -409,14 +482,8 @@ pub struct WorkerEvents<'a> {
     index: &'a KvIndex,
     slot: &'a WorkerSlot,
     state: MutexGuard<'a, WorkerState>,
-    /// With `max_blocks`, the limit's lock, taken by the run's first applied
-    /// event and held for the run, [`DUMP_BATCH`] blocks at most: one lock a
-    /// run, not one an event (every writer takes it, so the ingest threads
-    /// passed it to each other event by event), and a lookup's pin waits no
-    /// longer than for a dump's batch (a message may bring 64 Ki events).
-    eviction: Option<MutexGuard<'a, Eviction>>,
-    /// Blocks applied since `eviction` was taken.
-    under_eviction: usize,
+    /// With `max_blocks`, the run's upkeep of the limit not yet handed over.
+    deferred: Deferred,
     /// Without `max_blocks`, the block-table shard the run's last event
     /// wrote, kept locked for the next while they share it (a conversation's
     /// blocks share a shard, and an engine evicts them together), for
@@ -442,34 +509,39 @@ impl WorkerEvents<'_> {
         let outcome = self.index.apply_locked(
             self.slot,
             &mut self.state,
-            &mut self.eviction,
             &mut self.writer,
+            &mut self.deferred,
             event,
         );
         self.under_writer += blocks_changed(&event.kind);
-        // With a limit the shard is let go after each event: the eviction
-        // lock is taken before a shard's, and evicting writes other shards.
+        // With a limit the shard is let go after each event: an eviction
+        // takes the eviction lock before a shard's.
         if self.under_writer >= RUN_SHARD_BLOCKS || self.index.eviction.is_some() {
             self.let_shard_go();
         }
-        if self.eviction.is_some() {
-            self.under_eviction += blocks_changed(&event.kind);
-            if self.under_eviction >= DUMP_BATCH {
+        if let Some(limited) = self.index.eviction.as_deref() {
+            // Handed over once the run passes the limit (evicting at once, as
+            // after each event before) or holds a batch of changes.
+            let deferred = &self.deferred;
+            if deferred.changes.len() >= DUMP_BATCH
+                || limited.memberships.load(Ordering::Relaxed) + deferred.memberships
+                    > limited.max_memberships
+            {
                 self.let_limit_go();
             }
         }
         outcome
     }
 
-    /// Lets the `max_blocks` limit's lock go, if the run holds it (the next
-    /// applied event takes it again), and the block-table shard the run
-    /// keeps locked. A caller running the workers of two indexes at once (a
-    /// rank's two tiers) holds one limit and one shard at a time: two runs
-    /// that took the two in opposite orders would wait for each other.
+    /// Hands the run's upkeep of the `max_blocks` limit over (see
+    /// [`Limited::handover`]), evicting if the index is over the limit, and
+    /// lets go of the block-table shard the run keeps locked. A caller
+    /// running the workers of two indexes at once (a rank's two tiers) calls
+    /// it before switching: an eviction in one must not wait for a shard the
+    /// other run holds.
     pub fn let_limit_go(&mut self) {
-        self.eviction = None;
-        self.under_eviction = 0;
         self.let_shard_go();
+        self.index.hand_over(&mut self.deferred);
     }
 
     /// Lets the block-table shard the run holds go, if any.
@@ -486,6 +558,17 @@ impl WorkerEvents<'_> {
                 rejected_blocks: 0,
                 unknown_removals: 0,
             },
+        }
+    }
+}
+
+impl Drop for WorkerEvents<'_> {
+    fn drop(&mut self) {
+        if self.index.eviction.is_some() {
+            self.let_limit_go();
+            let mut spare = std::mem::take(&mut self.deferred);
+            spare.changes.shrink_to(SPARE_CHANGES);
+            SPARE_DEFERRED.set(spare);
         }
     }
 }
@@ -513,18 +596,24 @@ impl Default for KvIndex {
 impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         let eviction = config.max_blocks.map(|max| {
-            Arc::new(Limited {
+            let limited = Arc::new(Limited {
                 eviction: Mutex::new(Eviction {
                     lru: Lru::default(),
                     inbox: touch_list(),
                     chain: Vec::new(),
-                    memberships: 0,
-                    max_memberships: max as u64,
+                    changes: Vec::new(),
                     evicted_blocks: 0,
                 }),
                 touches: Mutex::new(touch_list()),
                 waiting: AtomicU32::new(0),
-            })
+                handover: Mutex::default(),
+                memberships: AtomicI64::new(0),
+                max_memberships: max as i64,
+                ready_ids: (max / 16).clamp(64, READY_IDS),
+            });
+            // Nodes readied for the first stores.
+            drop(limited.lock());
+            limited
         });
         Self {
             table: Table::new(),
@@ -571,8 +660,10 @@ impl KvIndex {
                 index: self,
                 slot,
                 state: slot.state.lock().unwrap(),
-                eviction: None,
-                under_eviction: 0,
+                deferred: match self.eviction {
+                    Some(_) => SPARE_DEFERRED.take(),
+                    None => Deferred::default(),
+                },
                 writer: ShardWriter::new(&self.table),
                 under_writer: 0,
             })
@@ -585,40 +676,27 @@ impl KvIndex {
         &'a self,
         slot: &WorkerSlot,
         state: &mut WorkerState,
-        eviction: &mut Option<MutexGuard<'a, Eviction>>,
         writer: &mut ShardWriter<'a>,
+        deferred: &mut Deferred,
         event: &KvEvent,
     ) -> ApplyOutcome {
         let outcome = match state.take_in_sequence(event.event_id) {
             Err(out_of_sequence) => out_of_sequence,
             Ok(()) => {
-                if eviction.is_none() && self.eviction.is_some() {
-                    if let EventKind::Stored { blocks, .. } = &event.kind {
-                        // The worker's own map grown before the limit's lock
-                        // is taken, not under it: at 1,024 workers its
-                        // resizes were a tenth of a replay thread's
-                        // instructions, every other writer waiting.
-                        state.blocks.reserve(blocks.len());
-                    }
-                    *eviction = self.lock_eviction();
+                if let Some(limited) = self.eviction.as_deref()
+                    && let EventKind::Stored { blocks, .. } = &event.kind
+                {
+                    // Before any shard is locked: readying them may take
+                    // the eviction lock.
+                    self.ready_ids(limited, deferred, blocks.len());
                 }
-                self.sweep_dangling(slot, state, eviction.is_some());
+                self.sweep_dangling(slot, state, self.eviction.is_some());
                 let applied = match &event.kind {
                     EventKind::Removed { block_hashes } => {
-                        self.remove_blocks(slot, state, block_hashes, eviction, writer)
+                        self.remove_blocks(slot, state, block_hashes, &mut None, writer, deferred)
                     }
-                    kind => self.apply_kind(slot, state, kind, eviction, writer),
+                    kind => self.apply_kind(slot, state, kind, &mut None, writer, deferred),
                 };
-                if eviction.is_some() {
-                    writer.release();
-                }
-                if let Some(eviction) = eviction.as_deref_mut()
-                    && eviction.memberships > eviction.max_memberships
-                {
-                    // Tested here: the call, once an event, was ~1 % of a
-                    // bounded replay's instructions at 16 workers.
-                    self.evict_over_limit(eviction, &mut EvictionScan::default(), usize::MAX);
-                }
                 ApplyOutcome::Applied {
                     rejected_blocks: applied.rejected_blocks,
                     unknown_removals: applied.unknown_removals,
@@ -637,7 +715,7 @@ impl KvIndex {
         {
             let mut state = slot.state.lock().unwrap();
             let mut eviction = self.lock_eviction();
-            self.clear(&slot, &mut state, &mut eviction);
+            self.clear(&slot, &mut state, &mut eviction, &mut Deferred::default());
             self.retired.lock().unwrap().add(&state.counters);
         }
         self.free_idx(slot.idx);
@@ -731,7 +809,14 @@ impl KvIndex {
                 _ => {
                     let writer = &mut ShardWriter::new(&self.table);
                     orphans += self
-                        .apply_kind(shadow, &mut state, kind, &mut eviction, writer)
+                        .apply_kind(
+                            shadow,
+                            &mut state,
+                            kind,
+                            &mut eviction,
+                            writer,
+                            &mut Deferred::default(),
+                        )
                         .rejected_blocks;
                     writer.release();
                     batch += match kind {
@@ -762,7 +847,15 @@ impl KvIndex {
                     blocks: part.to_vec(),
                 };
                 let writer = &mut ShardWriter::new(&self.table);
-                self.apply_kind(shadow, &mut state, &part_event, &mut eviction, writer);
+                let deferred = &mut Deferred::default();
+                self.apply_kind(
+                    shadow,
+                    &mut state,
+                    &part_event,
+                    &mut eviction,
+                    writer,
+                    deferred,
+                );
                 writer.release();
                 if eviction.is_some() {
                     let mut path: Vec<u64> = parent.iter().map(|r| r.key()).collect();
@@ -825,10 +918,11 @@ impl KvIndex {
         let old_blocks = std::mem::take(&mut old_state.blocks);
         // Nobody else locks the hidden slot's state: it is in no registry yet.
         *shadow.state.lock().unwrap() = state;
-        let mut eviction = self.lock_eviction();
-        if let Some(eviction) = eviction.as_deref_mut() {
-            eviction.memberships = eviction.memberships + shadow.held().load(Ordering::Relaxed)
-                - old.held().load(Ordering::Relaxed);
+        let _eviction = self.lock_eviction();
+        if let Some(limited) = self.eviction.as_deref() {
+            let delta = shadow.held().load(Ordering::Relaxed) as i64
+                - old.held().load(Ordering::Relaxed) as i64;
+            limited.memberships.fetch_add(delta, Ordering::Relaxed);
         }
         {
             let _indices = self.indices.lock().unwrap();
@@ -850,8 +944,8 @@ impl KvIndex {
         refs.sort_unstable_by_key(|r| r.shard());
         for part in refs.chunks(pace.batch) {
             let mut eviction = self.lock_eviction();
-            let released = self.unhold_all(slot, part, &mut eviction);
-            slot.add_held(-released);
+            let released = self.unhold_all(slot, part, &mut eviction, &mut Deferred::default());
+            self.add_held(slot, -released);
             drop(eviction);
             (pace.between)();
         }
@@ -878,26 +972,17 @@ impl KvIndex {
         // Block key → (the engine hashes naming it, tokens hash); parent key → children.
         let mut blocks: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         let mut order = Vec::new();
+        let mut found = Vec::new();
         for part in held.chunks(DUMP_BATCH) {
             // A bounded index's blocks keep half their local hash in the
             // recency order, read under its lock (taken before the shards', as
-            // writers take it), a batch at a time.
-            let eviction = self.lock_eviction();
-            let mut reader = ShardReader::new(&self.table);
-            for &(engine, r) in part {
-                let shard = reader.shard(r.shard());
-                if !shard.holds(r.key(), slot.idx) {
-                    continue;
-                }
-                let Some(&entry) = shard.entries.get(r.key()) else {
-                    continue;
-                };
-                let tokens_hash = match &eviction {
-                    Some(eviction) => {
-                        entry.tokens_hash_with_low(eviction.lru.tokens_low(entry.lru_node()))
-                    }
-                    None => entry.tokens_hash(),
-                };
+            // an evictor takes it), a batch at a time. A block another
+            // worker's run created and has not handed over yet has it only
+            // in that run: the batch is read again once the run ended.
+            while !self.dump_part(&slot, part, &mut found) {
+                std::thread::yield_now();
+            }
+            for (engine, r, tokens_hash) in found.drain(..) {
                 let names = blocks.entry(r.key()).or_default();
                 if names.is_empty() {
                     order.push((r, tokens_hash));
@@ -941,6 +1026,39 @@ impl KvIndex {
             last_event_id: state.last_event_id,
             events,
         })
+    }
+
+    /// The blocks of `part` the worker holds, with their local hashes, into
+    /// `found`; false (`found` left empty) if one's is not known yet.
+    fn dump_part(
+        &self,
+        slot: &WorkerSlot,
+        part: &[(u64, BlockRef)],
+        found: &mut Vec<(u64, BlockRef, u64)>,
+    ) -> bool {
+        let eviction = self.lock_eviction();
+        let mut reader = ShardReader::new(&self.table);
+        for &(engine, r) in part {
+            let shard = reader.shard(r.shard());
+            if !shard.holds(r.key(), slot.idx) {
+                continue;
+            }
+            let Some(&entry) = shard.entries.get(r.key()) else {
+                continue;
+            };
+            let tokens_hash = match &eviction {
+                Some(eviction) => match eviction.lru.tokens_low((r.key(), entry.lru_node())) {
+                    Some(low) => entry.tokens_hash_with_low(low),
+                    None => {
+                        found.clear();
+                        return false;
+                    }
+                },
+                None => entry.tokens_hash(),
+            };
+            found.push((engine, r, tokens_hash));
+        }
+        true
     }
 
     /// The digest of the engine block hashes `worker` holds, with the event id
@@ -1387,6 +1505,63 @@ impl KvIndex {
         self.eviction.as_deref().map(Limited::lock)
     }
 
+    /// Gives `deferred` at least `n` nodes for new blocks (see
+    /// [`Limited::handover`]); takes the eviction lock (which readies more)
+    /// only when too few are ready. No shard may be locked.
+    fn ready_ids(&self, limited: &Limited, deferred: &mut Deferred, n: usize) {
+        while deferred.ids.len() < n {
+            let want = n - deferred.ids.len();
+            let short = {
+                let mut handover = limited.handover.lock().unwrap();
+                let from = handover.ids.len().saturating_sub(want);
+                deferred.ids.extend(handover.ids.drain(from..));
+                handover.ids.is_empty()
+            };
+            if short && deferred.ids.len() < n {
+                drop(limited.lock());
+            }
+        }
+    }
+
+    /// Hands a run's upkeep of the limit over (see [`Limited::handover`]);
+    /// evicts if the index is then over the limit. No shard may be locked.
+    fn hand_over(&self, deferred: &mut Deferred) {
+        let Some(limited) = self.eviction.as_deref() else {
+            return;
+        };
+        if deferred.changes.is_empty() && deferred.memberships == 0 && deferred.ids.is_empty() {
+            return;
+        }
+        let waiting = {
+            let mut handover = limited.handover.lock().unwrap();
+            // Nodes readied for blocks that were there already.
+            handover.ids.append(&mut deferred.ids);
+            // Lookups' touches written down so far come before these.
+            let touches = limited.touches.lock().unwrap().len();
+            if touches > 0 {
+                handover.changes.push(Change::Touches(touches as u32));
+            }
+            handover.changes.append(&mut deferred.changes);
+            handover.changes.len()
+        };
+        let added = std::mem::take(&mut deferred.memberships);
+        let count = limited.memberships.fetch_add(added, Ordering::Relaxed) + added;
+        if count > limited.max_memberships || waiting >= APPLY_AT {
+            let mut eviction = limited.lock();
+            self.evict_over_limit(&mut eviction, &mut EvictionScan::default(), usize::MAX);
+        }
+    }
+
+    /// [`WorkerSlot::add_held`], or with a limit its shared form.
+    #[inline]
+    fn add_held(&self, slot: &WorkerSlot, delta: i64) {
+        if self.eviction.is_some() {
+            slot.add_held_shared(delta);
+        } else {
+            slot.add_held(delta);
+        }
+    }
+
     /// Applies one event's contents to the worker's state; returns what it
     /// could not apply.
     fn apply_kind(
@@ -1396,10 +1571,12 @@ impl KvIndex {
         kind: &EventKind,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
         writer: &mut ShardWriter<'_>,
+        deferred: &mut Deferred,
     ) -> Applied {
         let mut rejected_blocks = 0;
         let mut held_delta = 0;
         let counted = u64::from(slot.live.load(Ordering::Relaxed));
+        let limited = self.eviction.as_deref();
         match kind {
             EventKind::Stored {
                 parent_hash,
@@ -1417,13 +1594,18 @@ impl KvIndex {
                         // place in the order.
                         let mut parent_node = None;
                         let mut place = ChainPlace::default();
-                        if let Some(eviction) = eviction.as_deref_mut() {
+                        if limited.is_some() {
                             if let Some(p) = parent {
                                 let entry = writer.shard(p.shard()).entries.get(p.key());
                                 parent_node = entry.map(|e| (p.key(), e.lru_node()));
-                                eviction.chain.extend(parent_node);
                             }
-                            place = eviction.lru.start_chain(parent_node);
+                            match eviction.as_deref_mut() {
+                                Some(eviction) => {
+                                    eviction.chain.extend(parent_node);
+                                    place = eviction.lru.start_chain(parent_node);
+                                }
+                                None => deferred.changes.push(Change::Start(parent_node)),
+                            }
                         }
                         // New chains are mostly new blocks, a cache miss each in
                         // the table and in the engine map: their slots are
@@ -1466,7 +1648,8 @@ impl KvIndex {
                             match state.blocks.insert(block.block_hash, r) {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {
-                                    held_delta -= self.unhold(writer, slot, old, eviction);
+                                    held_delta -=
+                                        self.unhold(writer, slot, old, eviction, deferred);
                                 }
                                 Some(_) => {}
                             }
@@ -1475,45 +1658,74 @@ impl KvIndex {
                                     .shard(r.shard())
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
-                            if let Some(eviction) = eviction.as_deref_mut() {
-                                eviction.memberships += counted * added as u64;
-                                let lru = &mut eviction.lru;
-                                let node = if created {
-                                    let low = block.tokens_hash as u32;
-                                    let node = lru.insert(seq, low, parent_node, &mut place);
-                                    entry.set_lru_node(node);
-                                    node
-                                } else {
-                                    let node = entry.lru_node();
-                                    lru.place(&mut place, (seq, node));
-                                    node
-                                };
-                                parent_node = Some((seq, node));
-                                eviction.chain.push((seq, node));
+                            if let Some(limited) = limited {
+                                let counted_added = (counted * u64::from(added)) as i64;
+                                match eviction.as_deref_mut() {
+                                    None => {
+                                        // Written down for the run's hand-over.
+                                        deferred.memberships += counted_added;
+                                        let change = if created {
+                                            let id = deferred.ids.pop().expect("nodes readied");
+                                            entry.set_lru_node(id);
+                                            let tokens_low = block.tokens_hash as u32;
+                                            Change::Insert {
+                                                seq,
+                                                id,
+                                                tokens_low,
+                                            }
+                                        } else {
+                                            Change::Place((seq, entry.lru_node()))
+                                        };
+                                        deferred.changes.push(change);
+                                    }
+                                    Some(eviction) => {
+                                        limited
+                                            .memberships
+                                            .fetch_add(counted_added, Ordering::Relaxed);
+                                        let lru = &mut eviction.lru;
+                                        let node = if created {
+                                            let low = block.tokens_hash as u32;
+                                            let node =
+                                                lru.insert(seq, low, parent_node, &mut place);
+                                            entry.set_lru_node(node);
+                                            node
+                                        } else {
+                                            let node = entry.lru_node();
+                                            lru.place(&mut place, (seq, node));
+                                            node
+                                        };
+                                        parent_node = Some((seq, node));
+                                        eviction.chain.push((seq, node));
+                                    }
+                                }
                             }
                         }
-                        if let Some(eviction) = eviction.as_deref_mut() {
-                            // Placed as one touch of the parent and the
-                            // blocks leaves them, unless a block went on the
-                            // way: then touched.
-                            let Eviction { lru, chain, .. } = eviction;
-                            if place.lost {
-                                lru.touch(chain.drain(..));
+                        match eviction.as_deref_mut() {
+                            Some(eviction) => {
+                                // Placed as one touch of the parent and the
+                                // blocks leaves them, unless a block went on
+                                // the way: then touched.
+                                let Eviction { lru, chain, .. } = eviction;
+                                if place.lost {
+                                    lru.touch(chain.drain(..));
+                                }
+                                chain.clear();
                             }
-                            chain.clear();
+                            None if limited.is_some() => deferred.changes.push(Change::End),
+                            None => {}
                         }
                     }
                 }
             }
             EventKind::Removed { block_hashes } => {
-                return self.remove_blocks(slot, state, block_hashes, eviction, writer);
+                return self.remove_blocks(slot, state, block_hashes, eviction, writer, deferred);
             }
             EventKind::Cleared => {
                 writer.release();
-                self.clear(slot, state, eviction);
+                self.clear(slot, state, eviction, deferred);
             }
         }
-        slot.add_held(held_delta);
+        self.add_held(slot, held_delta);
         Applied {
             rejected_blocks,
             unknown_removals: 0,
@@ -1533,6 +1745,7 @@ impl KvIndex {
         block_hashes: &[u64],
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
         writer: &mut ShardWriter<'_>,
+        deferred: &mut Deferred,
     ) -> Applied {
         let mut unknown_removals = 0;
         let mut held_delta = 0;
@@ -1540,12 +1753,12 @@ impl KvIndex {
             match state.blocks.remove(*hash) {
                 Some(r) => {
                     state.digest.remove(*hash);
-                    held_delta -= self.unhold(writer, slot, r, eviction);
+                    held_delta -= self.unhold(writer, slot, r, eviction, deferred);
                 }
                 None => unknown_removals += 1,
             }
         }
-        slot.add_held(held_delta);
+        self.add_held(slot, held_delta);
         Applied {
             rejected_blocks: 0,
             unknown_removals,
@@ -1558,12 +1771,13 @@ impl KvIndex {
         slot: &WorkerSlot,
         state: &mut WorkerState,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
+        deferred: &mut Deferred,
     ) {
         let mut refs: Vec<BlockRef> = state.blocks.iter().map(|(_, r)| r).collect();
         state.blocks = EngineMap::default();
         refs.sort_unstable_by_key(|r| r.shard());
-        let released = self.unhold_all(slot, &refs, eviction);
-        slot.add_held(-released);
+        let released = self.unhold_all(slot, &refs, eviction, deferred);
+        self.add_held(slot, -released);
         state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
         slot.trimmed.store(false, Ordering::Relaxed);
@@ -1575,15 +1789,18 @@ impl KvIndex {
         slot: &WorkerSlot,
         refs: &[BlockRef],
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
+        deferred: &mut Deferred,
     ) -> i64 {
         let mut writer = ShardWriter::new(&self.table);
         refs.iter()
-            .map(|&r| self.unhold(&mut writer, slot, r, eviction))
+            .map(|&r| self.unhold(&mut writer, slot, r, eviction, deferred))
             .sum()
     }
 
     /// Takes the worker's membership of one block away; returns 1 if the worker
-    /// held it (for the caller to subtract from `held`), else 0.
+    /// held it (for the caller to subtract from `held`), else 0. With a
+    /// limit, the limit's count and recency order follow under its lock
+    /// (`eviction`), or else are written down in `deferred`.
     #[inline(always)]
     fn unhold(
         &self,
@@ -1591,14 +1808,24 @@ impl KvIndex {
         slot: &WorkerSlot,
         r: BlockRef,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
+        deferred: &mut Deferred,
     ) -> i64 {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
-        if let Some(eviction) = eviction.as_deref_mut() {
-            if slot.live.load(Ordering::Relaxed) {
-                eviction.memberships -= held as u64;
-            }
-            if let Some(entry) = gone {
-                eviction.lru.remove(entry.lru_node());
+        if let Some(limited) = self.eviction.as_deref() {
+            let released = i64::from(held && slot.live.load(Ordering::Relaxed));
+            match eviction.as_deref_mut() {
+                Some(eviction) => {
+                    limited.memberships.fetch_sub(released, Ordering::Relaxed);
+                    if let Some(entry) = gone {
+                        eviction.lru.remove(entry.lru_node());
+                    }
+                }
+                None => {
+                    deferred.memberships -= released;
+                    if let Some(entry) = gone {
+                        deferred.changes.push(Change::Remove(entry.lru_node()));
+                    }
+                }
             }
         }
         i64::from(held)
@@ -1614,7 +1841,9 @@ impl KvIndex {
         scan: &mut EvictionScan,
         max_victims: usize,
     ) -> bool {
-        if eviction.memberships <= eviction.max_memberships {
+        let limited = self.eviction.as_deref().expect("a bounded index evicts");
+        let over = || limited.memberships.load(Ordering::Relaxed) > limited.max_memberships;
+        if !over() {
             return false;
         }
         let indices = self.indices.lock().unwrap();
@@ -1624,11 +1853,11 @@ impl KvIndex {
             evicted_this_pass,
         } = scan;
         let mut victims = 0;
-        while eviction.memberships > eviction.max_memberships {
+        while over() {
             if victims == max_victims {
                 return true;
             }
-            let Some(seq) = eviction.lru.next_victim(cursor) else {
+            let Some((seq, id)) = eviction.lru.next_victim(cursor) else {
                 // A pass can end over the limit when evicting a leaf made its
                 // parent a leaf behind the cursor: an ancestor older than its
                 // descendants, as a store under an untouched ancestor leaves it.
@@ -1641,16 +1870,23 @@ impl KvIndex {
             };
             *evicted_this_pass = true;
             victims += 1;
+            let shard = writer.shard(BlockRef::from_key(seq).shard());
+            if shard.entries.get(seq).is_none_or(|e| e.lru_node() != id) {
+                // Its last holder's removal went from the table already and
+                // is still to be handed over or applied: that frees the node.
+                eviction.lru.await_removal(id);
+                continue;
+            }
             eviction.evicted_blocks += 1;
-            for idx in writer.shard(BlockRef::from_key(seq).shard()).evict(seq) {
+            for idx in shard.evict(seq) {
                 let Some(slot) = indices.by_idx.get(idx as usize).and_then(Option::as_ref) else {
                     continue;
                 };
                 // Bits of a dump being built or of a replaced state are not counted.
                 if slot.live.load(Ordering::Relaxed) {
-                    eviction.memberships -= 1;
+                    limited.memberships.fetch_sub(1, Ordering::Relaxed);
                 }
-                slot.add_held(-1);
+                slot.add_held_shared(-1);
                 slot.dangling.fetch_add(1, Ordering::Relaxed);
                 slot.trimmed.store(true, Ordering::Relaxed);
             }
@@ -1775,29 +2011,95 @@ mod tests {
         assert_eq!(bounded, plain);
     }
 
-    /// A run of a worker's events holds the limit's lock from its first
-    /// applied event on, but lets it go once a dump's batch of blocks went
-    /// under it, so that a lookup's pin never waits for a whole message.
+    /// A run's stores and removals take no lock of the limit's (the ingest
+    /// threads passed it to each other run by run): their upkeep of the
+    /// recency order and of the limit's count is handed over at the run's
+    /// end and applied by the lock's next holder before it reads the order.
     #[test]
-    fn a_run_holds_the_limits_lock_for_a_batch_of_blocks_at_most() {
+    fn a_runs_stores_and_removals_take_no_lock_of_the_limits() {
         let index = KvIndex::new(IndexConfig {
             max_blocks: Some(1 << 20),
         });
-        let free = || index.eviction.as_ref().unwrap().eviction.try_lock().is_ok();
-        let stored = |event_id, first, len| KvEvent {
-            event_id,
-            kind: chain(first, len, None),
-        };
+        let limited = index.eviction.as_deref().unwrap();
+        let free = || limited.eviction.try_lock().is_ok();
+        let event = |event_id, kind| KvEvent { event_id, kind };
         index.with_worker(WorkerKey::new(1, 0), |events| {
+            events.apply(&event(1, chain(1, 4, None)));
+            assert!(free(), "a store takes no lock of the limit's");
+            let removed = EventKind::Removed {
+                block_hashes: vec![4, 3],
+            };
+            events.apply(&event(2, removed));
+            assert!(free(), "nor does a removal");
+            events.apply(&event(3, chain(100, DUMP_BATCH as u64, None)));
             assert!(free());
-            events.apply(&stored(1, 1, 4));
-            assert!(!free(), "held between the events of a run");
-            events.apply(&stored(2, 100, DUMP_BATCH as u64 - 4));
-            assert!(free(), "let go after a batch of blocks");
-            events.apply(&stored(3, 5_000, 1));
-            assert!(!free());
         });
-        assert!(free());
+        let held = 2 + DUMP_BATCH;
+        assert_eq!(limited.lock().lru.len(), held);
+        assert_eq!(limited.memberships.load(Ordering::Relaxed), held as i64);
+    }
+
+    /// Two ingest threads store and remove blocks they share under a small
+    /// limit, handing their runs over in whatever order they end: a block's
+    /// removal may then come before its insertion, and an eviction may meet a
+    /// block whose removal is not applied yet. Afterwards every table entry
+    /// has one recency node and the limit counts exactly the memberships
+    /// held. (Debug builds also check that no node is removed twice.)
+    #[test]
+    fn runs_handed_over_in_any_order_leave_exact_counts_and_one_node_a_block() {
+        const LIMIT: usize = 16;
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(LIMIT),
+        });
+        thread::scope(|scope| {
+            for w in 0..2u64 {
+                let index = &index;
+                scope.spawn(move || {
+                    let mut event_id = 0;
+                    let mut next = |kind| {
+                        event_id += 1;
+                        KvEvent { event_id, kind }
+                    };
+                    for round in 0..2_000u64 {
+                        // Both workers' chains share their first blocks
+                        // (equal local hashes under no parent); engine
+                        // hashes are the worker's own.
+                        let len = 1 + (round * 7 + w) % 6;
+                        let base = 1_000 * (w + 1) + round % 50 * 10;
+                        let blocks = (0..len)
+                            .map(|i| StoredBlock {
+                                block_hash: base + i,
+                                tokens_hash: round % 5 * 10 + i + 1,
+                            })
+                            .collect();
+                        let gone: Vec<u64> = (0..len)
+                            .rev()
+                            .filter(|i| (round + i) % 3 != 0)
+                            .map(|i| base + i)
+                            .collect();
+                        index.with_worker(WorkerKey::new(w, 0), |events| {
+                            events.apply(&next(EventKind::Stored {
+                                parent_hash: None,
+                                blocks,
+                            }));
+                            events.apply(&next(EventKind::Removed { block_hashes: gone }));
+                        });
+                    }
+                });
+            }
+        });
+        let held: u64 = index
+            .workers()
+            .iter()
+            .map(|&w| index.worker_blocks(w))
+            .sum();
+        assert_eq!(index.stats().memberships, held);
+        let limited = index.eviction.as_deref().unwrap();
+        let eviction = limited.lock();
+        assert_eq!(limited.memberships.load(Ordering::Relaxed), held as i64);
+        assert!(held <= LIMIT as u64);
+        assert_eq!(eviction.lru.len() as u64, index.table.distinct_blocks());
+        assert!(eviction.evicted_blocks > 0, "the limit was reached");
     }
 
     /// Lookups on a fleet that stores nothing leave their touches to the
@@ -1999,7 +2301,7 @@ mod tests {
             assert_eq!(index.indices.lock().unwrap().free.len(), 2);
             assert!(!index.cells.any_hidden());
             if let Some(eviction) = &index.eviction {
-                assert_eq!(eviction.lock().memberships, 8);
+                assert_eq!(eviction.memberships.load(Ordering::Relaxed), 8);
             }
         }
     }

@@ -37,6 +37,15 @@
 //! short slices ([`Lru::apply_some`]) when nothing else does, so a lookup
 //! rarely finds too many waiting and has to apply them all itself (64 Ki
 //! moves, 3–12 ms).
+//!
+//! Stores and removals are written down too ([`Change`], by the index's runs
+//! of events, which change the block table without this order's lock) and
+//! applied in the order they were handed over ([`Lru::apply_changes`]); new
+//! blocks' nodes are given out beforehand ([`Lru::give_ids`]). Runs of two
+//! threads may hand over in the other order than they changed the table: a
+//! block's removal may come before its insertion (the node is marked and
+//! freed when the insertion comes), and the eviction scan may take a block
+//! whose removal is still to come ([`Lru::await_removal`]).
 
 use std::collections::VecDeque;
 
@@ -48,8 +57,18 @@ const NIL: u32 = u32::MAX;
 /// remain: out of the list, freed when its last child goes.
 const RETIRED: u32 = u32::MAX - 1;
 
-/// Marks (in `older`) a node on the free list.
+/// Marks (in `older`) a node not in the order: free, or given out to a
+/// writer for a block whose insertion ([`Change::Insert`]) is not applied yet.
 const FREE: u32 = u32::MAX - 2;
+
+/// Marks (in `older`) a node whose block's removal was applied before its
+/// insertion (two writers handed their changes over in the other order):
+/// the insertion, when it comes, frees it.
+const DOOMED: u32 = u32::MAX - 3;
+
+/// Marks (in `older`) a node the eviction scan took out of the order while
+/// its block's removal was not applied yet: that removal frees it.
+const EVICTED: u32 = u32::MAX - 4;
 
 /// In [`Node::children`]: the block is pinned (its count is in [`Lru::pins`]).
 const PINNED: u32 = 1 << 31;
@@ -68,6 +87,26 @@ pub(crate) const DRAIN_AT: usize = 1 << 13;
 /// A block's key and the node the index found it under, to be checked
 /// against the node when used.
 pub(crate) type Touch = (u64, u32);
+
+/// A change to the order a writer made to the block table without this
+/// order's lock, written down in its run and handed over at the run's end
+/// ([`Lru::apply_changes`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Change {
+    /// A stored chain starts under its parent (key and node), if present.
+    Start(Option<Touch>),
+    /// The chain's next block, new, at a node given out by [`Lru::give_ids`].
+    Insert { seq: u64, id: u32, tokens_low: u32 },
+    /// The chain's next block, present already.
+    Place(Touch),
+    /// The chain ended.
+    End,
+    /// The block at this node went (nobody holds it any more).
+    Remove(u32),
+    /// Lookups' touches written down before this point: the first this
+    /// many of the list handed over with the changes.
+    Touches(u32),
+}
 
 /// 28 bytes: 4-byte aligned, the key in halves.
 #[derive(Clone, Copy)]
@@ -95,6 +134,12 @@ impl Node {
     fn seq(&self) -> u64 {
         u64::from(self.seq[0]) | u64::from(self.seq[1]) << 32
     }
+}
+
+/// Whether a node's `older` says it is in the list.
+#[inline]
+fn in_order(older: u32) -> bool {
+    !matches!(older, RETIRED | FREE | DOOMED | EVICTED)
 }
 
 fn halves(seq: u64) -> [u32; 2] {
@@ -135,6 +180,16 @@ impl Slab {
     }
 }
 
+/// A node not in the order (see [`FREE`]).
+const FREE_NODE: Node = Node {
+    seq: [0, 0],
+    parent: NIL,
+    newer: NIL,
+    older: FREE,
+    children: 0,
+    tokens_low: 0,
+};
+
 impl std::ops::Index<u32> for Slab {
     type Output = Node;
 
@@ -165,6 +220,9 @@ pub(crate) struct Lru {
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
     pending: VecDeque<Touch>,
+    /// A handed-over chain's blocks, for its touch when its place was lost;
+    /// kept across calls.
+    chain: Vec<Touch>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -215,7 +273,69 @@ impl Lru {
     fn holds(&self, (seq, id): Touch) -> bool {
         self.nodes
             .get(id)
-            .is_some_and(|n| n.older != RETIRED && n.older != FREE && n.seq == halves(seq))
+            .is_some_and(|n| in_order(n.older) && n.seq == halves(seq))
+    }
+
+    /// Gives out `n` nodes for writers to put new blocks in without this
+    /// order's lock: their [`Change::Insert`] links them when applied.
+    pub fn give_ids(&mut self, n: usize, out: &mut Vec<u32>) {
+        for _ in 0..n {
+            let id = match self.free.pop() {
+                Some(id) => id,
+                None => self.nodes.push(FREE_NODE),
+            };
+            out.push(id);
+        }
+    }
+
+    /// Applies changes writers made without this order's lock, in the order
+    /// they were handed over, and lookups' touches, each where
+    /// [`Change::Touches`] says it was written down among them, leaving both
+    /// lists empty.
+    pub fn apply_changes(&mut self, changes: &mut Vec<Change>, touches: &mut Vec<Touch>) {
+        let mut touched = 0;
+        let mut chain = std::mem::take(&mut self.chain);
+        let mut place = ChainPlace::default();
+        let mut parent = None;
+        for change in changes.drain(..) {
+            match change {
+                Change::Start(p) => {
+                    chain.clear();
+                    chain.extend(p);
+                    parent = p;
+                    place = self.start_chain(p);
+                }
+                Change::Insert {
+                    seq,
+                    id,
+                    tokens_low,
+                } => {
+                    self.insert_at(id, seq, tokens_low, parent, &mut place);
+                    parent = Some((seq, id));
+                    chain.push((seq, id));
+                }
+                Change::Place(touch) => {
+                    self.place(&mut place, touch);
+                    parent = Some(touch);
+                    chain.push(touch);
+                }
+                Change::End => {
+                    if place.lost {
+                        self.touch(chain.drain(..));
+                    }
+                    chain.clear();
+                }
+                Change::Remove(id) => self.remove(id),
+                Change::Touches(upto) => {
+                    let upto = (upto as usize).max(touched);
+                    self.defer_from(&touches[touched..upto]);
+                    touched = upto;
+                }
+            }
+        }
+        self.chain = chain;
+        self.defer_from(&touches[touched..]);
+        touches.clear();
     }
 
     /// Starts placing a stored chain whose parent is `parent` (its key and
@@ -256,22 +376,41 @@ impl Lru {
         parent: Option<Touch>,
         place: &mut ChainPlace,
     ) -> u32 {
+        let id = match self.free.pop() {
+            Some(id) => id,
+            None => self.nodes.push(FREE_NODE),
+        };
+        self.insert_at(id, seq, tokens_low, parent, place);
+        id
+    }
+
+    /// [`Self::insert`] at node `id`, given out by [`Self::give_ids`]; a node
+    /// whose block's removal came first is freed instead.
+    #[inline(always)]
+    fn insert_at(
+        &mut self,
+        id: u32,
+        seq: u64,
+        tokens_low: u32,
+        parent: Option<Touch>,
+        place: &mut ChainPlace,
+    ) {
         self.apply_pending();
+        if self.nodes[id].older == DOOMED {
+            self.free_node(id);
+            // The chain's next block then finds its place lost.
+            place.behind = Some((seq, id));
+            return;
+        }
         let parent = parent.filter(|&p| self.holds(p)).map_or(NIL, |(_, id)| id);
-        let node = Node {
+        self.nodes[id] = Node {
             seq: halves(seq),
             parent,
             newer: NIL,
             older: NIL,
-            children: 0,
+            // Pinned before it was handed over.
+            children: self.nodes[id].children & PINNED,
             tokens_low,
-        };
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.nodes[id] = node;
-                id
-            }
-            None => self.nodes.push(node),
         };
         let anchor = self.chain_anchor(place);
         self.link_behind(id, anchor);
@@ -280,7 +419,6 @@ impl Lru {
             self.nodes[parent].children += 1;
         }
         self.len += 1;
-        id
     }
 
     /// Moves a block already in the order to a chain's next place.
@@ -296,25 +434,34 @@ impl Lru {
         place.behind = Some(touch);
     }
 
-    /// The low half of the local hash of the block at node `id`.
-    pub fn tokens_low(&self, id: u32) -> u32 {
-        self.nodes[id].tokens_low
+    /// The low half of the local hash of the block at its node; none while
+    /// its insertion is still to be handed over.
+    pub fn tokens_low(&self, touch: Touch) -> Option<u32> {
+        self.holds(touch).then(|| self.nodes[touch.1].tokens_low)
     }
 
     /// Forgets the block at node `id` (nobody holds it any more).
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
+        match self.nodes[id].older {
+            // Its insertion is still to be applied (handed over later).
+            FREE => {
+                self.nodes[id].older = DOOMED;
+                self.unpin_all(id);
+                return;
+            }
+            EVICTED => {
+                self.free_node(id);
+                return;
+            }
+            _ => {}
+        }
         debug_assert!(self.holds((self.nodes[id].seq(), id)));
         self.unlink(id);
         self.len -= 1;
-        let node = &mut self.nodes[id];
-        let parent = node.parent;
-        if node.children & PINNED != 0 {
-            // Its pins go with it, as they did with a node found by key.
-            node.children &= !PINNED;
-            self.pins.remove(u64::from(id));
-        }
+        let parent = self.nodes[id].parent;
+        self.unpin_all(id);
         if self.nodes[id].children == 0 {
             self.free_node(id);
         } else {
@@ -322,6 +469,17 @@ impl Lru {
         }
         if parent != NIL {
             self.release_child(parent);
+        }
+    }
+
+    /// Drops the pins of a block that went, as they did with a node found by
+    /// key.
+    #[inline]
+    fn unpin_all(&mut self, id: u32) {
+        let node = &mut self.nodes[id];
+        if node.children & PINNED != 0 {
+            node.children &= !PINNED;
+            self.pins.remove(u64::from(id));
         }
     }
 
@@ -353,7 +511,16 @@ impl Lru {
 
     /// Takes over touches written down elsewhere, in order (each path leaf
     /// first), leaving `touches` empty.
+    #[cfg(test)]
     pub fn defer(&mut self, touches: &mut Vec<Touch>) {
+        self.defer_from(touches);
+        touches.clear();
+    }
+
+    fn defer_from(&mut self, touches: &[Touch]) {
+        if touches.is_empty() {
+            return;
+        }
         if self.pending.len() + touches.len() > MAX_PENDING {
             self.apply_pending();
         }
@@ -363,7 +530,7 @@ impl Lru {
             // a routing decision's p99 at 8k tokens).
             self.pending.reserve_exact(MAX_PENDING);
         }
-        self.pending.extend(touches.drain(..));
+        self.pending.extend(touches);
     }
 
     #[inline]
@@ -399,13 +566,26 @@ impl Lru {
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
+    ///
+    /// A block whose insertion is still to be handed over is pinned too: its
+    /// node (named by the block's table entry, read under this order's lock)
+    /// is the block's until that insertion or its removal is applied, and
+    /// keeps the pin through the insertion.
     pub fn pin(&mut self, path: impl Iterator<Item = Touch>, delta: i32) {
         for touch in path {
-            if !self.holds(touch) {
+            let (seq, id) = touch;
+            let pending = self.nodes.get(id).is_some_and(|n| n.older == FREE);
+            if !pending && !self.holds(touch) {
                 continue;
             }
-            let id = touch.1;
             let node = &mut self.nodes[id];
+            if pending {
+                if delta > 0 {
+                    node.seq = halves(seq);
+                } else if node.seq != halves(seq) {
+                    continue;
+                }
+            }
             if delta < 0 && node.children & PINNED == 0 {
                 continue;
             }
@@ -422,7 +602,7 @@ impl Lru {
 
     /// The next evictable block (an unpinned leaf) from `cursor` toward the head,
     /// removed from the order; none when the scan reached the head.
-    pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
+    pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<Touch> {
         self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
@@ -441,12 +621,23 @@ impl Lru {
                     id,
                     seq: self.nodes[id].seq(),
                 });
-                return Some(seq);
+                return Some((seq, id));
             }
             at = next;
         }
         *cursor = Cursor::Done;
         None
+    }
+
+    /// The eviction scan's last victim, node `id`, whose block's removal is
+    /// still to be applied (its block already went from the table): kept out
+    /// of the order until that removal frees it.
+    pub fn await_removal(&mut self, id: u32) {
+        // Freed last, or just before the parent its removal freed.
+        if let Some(at) = self.free.iter().rposition(|&free| free == id) {
+            self.free.swap_remove(at);
+            self.nodes[id].older = EVICTED;
+        }
     }
 
     #[inline]
@@ -510,20 +701,39 @@ mod tests {
     use crate::table::NO_PARENT;
 
     /// The order with the key → node map the block table keeps for it, so
-    /// that tests name blocks by key as the index does.
+    /// that tests name blocks by key as the index does; with `deferred`,
+    /// stores and removals write their changes down as a bounded index's
+    /// runs do, applied before the order is next read.
     #[derive(Default)]
     struct Keyed {
         lru: Lru,
         table: HashMap<u64, u32>,
+        deferred: Option<Vec<Change>>,
     }
 
     impl Keyed {
+        fn deferred() -> Self {
+            Self {
+                deferred: Some(Vec::new()),
+                ..Self::default()
+            }
+        }
+
         fn found(&self, seq: u64) -> Option<Touch> {
             self.table.get(&seq).map(|&id| (seq, id))
         }
 
+        /// Applies the changes written down (a hand-over and the lock's next
+        /// holder applying it).
+        fn flush(&mut self) {
+            if let Some(changes) = &mut self.deferred {
+                self.lru.apply_changes(changes, &mut Vec::new());
+            }
+        }
+
         /// Adds a block as the newest; no-op if present.
         fn insert(&mut self, seq: u64, parent: u64) {
+            self.flush();
             if self.table.contains_key(&seq) {
                 return;
             }
@@ -544,6 +754,9 @@ mod tests {
         /// dropped on the way, as an engine hash named again drops the block
         /// it named.
         fn store(&mut self, parent: Option<u64>, blocks: &[u64], remove: Option<(u64, usize)>) {
+            if self.deferred.is_some() {
+                return self.store_deferred(parent, blocks, remove);
+            }
             let mut parent = parent.and_then(|p| self.found(p));
             let mut chain: Vec<Touch> = parent.into_iter().collect();
             let mut place = self.lru.start_chain(parent);
@@ -570,19 +783,59 @@ mod tests {
             }
         }
 
+        /// [`Self::store`] as a run without the order's lock writes it down.
+        fn store_deferred(
+            &mut self,
+            parent: Option<u64>,
+            blocks: &[u64],
+            remove: Option<(u64, usize)>,
+        ) {
+            let parent = parent.and_then(|p| self.found(p));
+            self.write(Change::Start(parent));
+            for (i, &seq) in blocks.iter().enumerate() {
+                if let Some((gone, _)) = remove.filter(|&(_, at)| at == i) {
+                    self.remove(gone);
+                }
+                let change = match self.found(seq) {
+                    Some(touch) => Change::Place(touch),
+                    None => {
+                        let mut id = Vec::new();
+                        self.lru.give_ids(1, &mut id);
+                        self.table.insert(seq, id[0]);
+                        Change::Insert {
+                            seq,
+                            id: id[0],
+                            tokens_low: seq as u32,
+                        }
+                    }
+                };
+                self.write(change);
+            }
+            self.write(Change::End);
+        }
+
+        fn write(&mut self, change: Change) {
+            self.deferred.as_mut().unwrap().push(change);
+        }
+
         fn remove(&mut self, seq: u64) {
             if let Some(id) = self.table.remove(&seq) {
-                self.lru.remove(id);
+                match self.deferred.is_some() {
+                    true => self.write(Change::Remove(id)),
+                    false => self.lru.remove(id),
+                }
             }
         }
 
         fn touch(&mut self, path: impl DoubleEndedIterator<Item = u64>) {
+            self.flush();
             let path: Vec<Touch> = path.filter_map(|s| self.found(s)).collect();
             self.lru.touch(path.into_iter());
         }
 
         /// Writes down a touch as a lookup does, nodes found now.
         fn defer(&mut self, touches: &mut Vec<u64>) {
+            self.flush();
             let mut found: Vec<Touch> = touches.drain(..).filter_map(|s| self.found(s)).collect();
             self.lru.defer(&mut found);
         }
@@ -592,17 +845,20 @@ mod tests {
         }
 
         fn pin(&mut self, path: &[u64], delta: i32) {
+            self.flush();
             let path: Vec<Touch> = path.iter().filter_map(|&s| self.found(s)).collect();
             self.lru.pin(path.into_iter(), delta);
         }
 
         fn next_victim(&mut self, cursor: &mut Cursor) -> Option<u64> {
-            let victim = self.lru.next_victim(cursor)?;
+            self.flush();
+            let (victim, _) = self.lru.next_victim(cursor)?;
             self.table.remove(&victim);
             Some(victim)
         }
 
-        fn len(&self) -> usize {
+        fn len(&mut self) -> usize {
+            self.flush();
             assert_eq!(self.lru.len(), self.table.len());
             self.lru.len()
         }
@@ -790,7 +1046,8 @@ mod tests {
         /// no pin and no block stored below it while it was present.
         #[test]
         fn chains_evict_the_oldest_unpinned_leaf(
-            ops in proptest::collection::vec(tree_op(), 1..120)
+            ops in proptest::collection::vec(tree_op(), 1..120),
+            deferred: bool,
         ) {
             /// A present block: its key, pins, and the parent it was stored
             /// under (key and that parent's incarnation), if present then.
@@ -800,7 +1057,7 @@ mod tests {
                 pins: u32,
                 under: Option<(u64, u32)>,
             }
-            let mut lru = Keyed::default();
+            let mut lru = if deferred { Keyed::deferred() } else { Keyed::default() };
             // Newest first; how many times each key was stored.
             let mut model: Vec<Block> = Vec::new();
             let mut incarnation = [0u32; 16];
@@ -922,5 +1179,100 @@ mod tests {
         lru.remove(2);
         assert_eq!(evict(&mut lru, 1), vec![3]);
         assert_eq!(evict(&mut lru, 1), vec![1]);
+    }
+
+    /// Two runs handed over in the other order than they changed the table:
+    /// a block's removal comes before its insertion. The block never enters
+    /// the order, its node is freed, and the chain's block stored under it
+    /// is placed as a touch of the chain would place it (no parent counted:
+    /// its parent is gone, as after a removal applied in order).
+    #[test]
+    fn a_removal_handed_over_before_its_insertion_frees_the_node() {
+        let mut lru = Lru::default();
+        let mut ids = Vec::new();
+        lru.give_ids(3, &mut ids);
+        let [a, b, c] = ids[..] else { unreachable!() };
+        let insert = |seq, id| Change::Insert {
+            seq,
+            id,
+            tokens_low: 0,
+        };
+        let mut earlier = vec![Change::Start(None), insert(1, a), insert(2, b), Change::End];
+        let mut later = vec![Change::Remove(a)];
+        lru.apply_changes(&mut later, &mut Vec::new());
+        lru.apply_changes(&mut earlier, &mut Vec::new());
+        assert_eq!(lru.len(), 1);
+        let mut others = vec![Change::Start(None), insert(3, c), Change::End];
+        lru.apply_changes(&mut others, &mut Vec::new());
+        // 2 is a leaf older than 3; node a is free again.
+        assert_eq!(lru.next_victim(&mut Cursor::default()), Some((2, b)));
+        let mut again = Vec::new();
+        lru.give_ids(2, &mut again);
+        assert!(again.contains(&a), "{again:?}");
+    }
+
+    /// A victim whose block left the table by a removal not yet applied is
+    /// kept out of the order, and that removal, when applied, frees it once;
+    /// also when taking the victim freed its retired parent after it.
+    #[test]
+    fn a_victim_awaiting_its_removal_is_freed_by_it() {
+        let mut lru = Lru::default();
+        let mut ids = Vec::new();
+        lru.give_ids(2, &mut ids);
+        let [parent, child] = ids[..] else {
+            unreachable!()
+        };
+        let insert = |seq, id| Change::Insert {
+            seq,
+            id,
+            tokens_low: 0,
+        };
+        let mut stored = vec![
+            Change::Start(None),
+            insert(1, parent),
+            insert(2, child),
+            Change::End,
+        ];
+        // The parent goes first: retired, counting its child.
+        stored.push(Change::Remove(parent));
+        lru.apply_changes(&mut stored, &mut Vec::new());
+        assert_eq!(lru.next_victim(&mut Cursor::default()), Some((2, child)));
+        lru.await_removal(child);
+        let mut given = Vec::new();
+        lru.give_ids(2, &mut given);
+        assert!(
+            !given.contains(&child),
+            "free before its removal: {given:?}"
+        );
+        assert!(given.contains(&parent));
+        lru.apply_changes(&mut vec![Change::Remove(child)], &mut Vec::new());
+        lru.give_ids(2, &mut given);
+        assert_eq!(given.iter().filter(|&&id| id == child).count(), 1);
+        assert_eq!(lru.len(), 0);
+    }
+
+    /// A pin taken while a block's insertion is still to be handed over
+    /// holds the block once inserted, and its release lets it go.
+    #[test]
+    fn a_pin_on_a_block_not_yet_handed_over_holds_it() {
+        let mut lru = Lru::default();
+        let mut ids = Vec::new();
+        lru.give_ids(2, &mut ids);
+        let [a, b] = ids[..] else { unreachable!() };
+        assert_eq!(lru.tokens_low((1, a)), None, "not inserted yet");
+        lru.pin([(1, a)].into_iter(), 1);
+        let insert = |seq, id| Change::Insert {
+            seq,
+            id,
+            tokens_low: 7,
+        };
+        let mut stored = vec![Change::Start(None), insert(1, a), Change::End];
+        stored.extend([Change::Start(None), insert(2, b), Change::End]);
+        lru.apply_changes(&mut stored, &mut Vec::new());
+        assert_eq!(lru.tokens_low((1, a)), Some(7));
+        // 1 is older, but pinned.
+        assert_eq!(lru.next_victim(&mut Cursor::default()), Some((2, b)));
+        lru.pin([(1, a)].into_iter(), -1);
+        assert_eq!(lru.next_victim(&mut Cursor::default()), Some((1, a)));
     }
 }
