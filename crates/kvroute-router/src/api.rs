@@ -3,6 +3,7 @@
 //! and metrics.
 
 use std::borrow::Cow;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -60,7 +61,10 @@ impl Api {
     /// Answers one request, counted by status ([`metrics::HTTP_RESPONSES`]).
     /// Counted here rather than by a middleware (`middleware::from_fn` boxes
     /// a clone of the inner service and a future per request).
-    pub async fn respond(self, request: axum::http::Request<Incoming>) -> Response {
+    pub async fn respond(
+        self,
+        request: axum::http::Request<Incoming>,
+    ) -> Result<Response, Infallible> {
         let endpoint = match request.uri().path() {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::Chat),
@@ -72,11 +76,11 @@ impl Api {
             }
             _ => {
                 let mut rest = self.rest;
-                rest.call(request).await.unwrap_or_else(|e| match e {})
+                rest.call(request).await?
             }
         };
         metrics::count_response(response.status().as_u16());
-        response
+        Ok(response)
     }
 }
 
@@ -953,7 +957,7 @@ mod tests {
 
     /// A body of `frames`, sent one by one.
     fn streamed(frames: &[&'static str]) -> axum::body::Body {
-        let frames: Vec<Result<Bytes, std::convert::Infallible>> = frames
+        let frames: Vec<Result<Bytes, Infallible>> = frames
             .iter()
             .map(|f| Ok(Bytes::from_static(f.as_bytes())))
             .collect();

@@ -11,7 +11,6 @@
 //! proxied endpoints read hyper's body as it is, and a connection polls its
 //! shutdown signal only when that signal woke it.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,10 +42,7 @@ pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::R
         });
         let (api, open) = (api.clone(), open.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let api = api.clone();
-                async move { Ok::<_, Infallible>(api.respond(request).await) }
-            });
+            let service = service_fn(move |request| api.clone().respond(request));
             let connection = http1::Builder::new().serve_connection(TokioIo::new(io), service);
             if let Err(e) = Graceful::new(connection, stop).await {
                 tracing::trace!("connection ended: {e}");
