@@ -43,7 +43,13 @@ pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::R
         let (api, open) = (api.clone(), open.clone());
         tokio::spawn(async move {
             let service = service_fn(move |request| api.clone().respond(request));
-            let connection = http1::Builder::new().serve_connection(TokioIo::new(io), service);
+            // Head and body copied into one buffer and sent with one write:
+            // ~400 instructions a small request less than queueing them for
+            // `writev` (callgrind); a response body is copied once more
+            // (memcpy, about an instruction per 32 bytes).
+            let connection = http1::Builder::new()
+                .writev(false)
+                .serve_connection(TokioIo::new(io), service);
             if let Err(e) = Graceful::new(connection, stop).await {
                 tracing::trace!("connection ended: {e}");
             }
