@@ -1,7 +1,7 @@
 //! Serving the HTTP API's connections: hyper's HTTP/1 server on each accepted
 //! connection, told to finish gracefully when the router stops.
 //!
-//! Not `axum::serve`, whose layers cost a small proxied request ~2k
+//! Not `axum::serve`, whose layers cost a small proxied request ~2.7k
 //! instructions of the router's ~55k (callgrind, README's proxy section): it
 //! serves through hyper-util's auto builder, which sniffs every connection for
 //! HTTP/2 (this build serves HTTP/1 only) and passes every read through a
