@@ -117,9 +117,10 @@ pub struct IndexStats {
     pub unknown_removals: u64,
 }
 
-/// Mixes engine block hashes, which are opaque and may be small or structured.
+/// Mixes engine block hashes, which are opaque and may be small or structured
+/// (and worker keys and serials, which are small).
 #[derive(Default)]
-struct EngineHasher(u64);
+pub(crate) struct EngineHasher(u64);
 
 impl Hasher for EngineHasher {
     fn finish(&self) -> u64 {
@@ -298,7 +299,11 @@ const PREFETCH_AHEAD: usize = 16;
 /// events then rarely share the lock's cache line.
 const REGISTRY_SHARDS: usize = 16;
 
-type WorkerMap = HashMap<WorkerKey, Arc<WorkerSlot>, BuildHasherDefault<EngineHasher>>;
+type WorkerMap = WorkerHashMap<WorkerKey, Arc<WorkerSlot>>;
+
+/// A map keyed by workers' keys or serials: hashed by [`EngineHasher`], not
+/// SipHash (~100 instructions a lookup; the keys come from the fleet, not clients).
+pub(crate) type WorkerHashMap<K, V> = HashMap<K, V, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
 /// to 31 ranks stays in the blocks' inline bitsets. What lookups read of each

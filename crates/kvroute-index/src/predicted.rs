@@ -19,12 +19,12 @@
 //! to hold block 0, instead of one probe per matched block.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use crate::event::WorkerKey;
-use crate::index::WorkerMatch;
+use crate::index::{WorkerHashMap, WorkerMatch};
 use crate::slots::{GROUP, Slots};
 use crate::table::{SeqMap, chain_key, chain_keys};
 
@@ -60,7 +60,7 @@ struct Generation {
     /// Chain key of a depth-0 block → serials of the workers with an entry for it here.
     roots: SeqMap<Vec<u64>>,
     /// Worker serial → its entries here.
-    per_worker: HashMap<u64, u64>,
+    per_worker: WorkerHashMap<u64, u64>,
     /// When the generation took its first entry, ms since the epoch: its
     /// entries' expiries are kept as 32-bit offsets from it (49 days; a longer
     /// TTL counts as that).
@@ -75,7 +75,7 @@ impl Generation {
         Self {
             entries,
             roots: SeqMap::default(),
-            per_worker: HashMap::new(),
+            per_worker: WorkerHashMap::default(),
             opened,
             newest_expiry: 0,
         }
@@ -114,9 +114,9 @@ struct Inner {
     len: usize,
     /// Workers by key → their serial. A worker removed and seen again gets a new
     /// serial, so entries left behind by the old one can never match.
-    serials: HashMap<WorkerKey, u64>,
+    serials: WorkerHashMap<WorkerKey, u64>,
     /// Serial → (worker, its entries over all generations).
-    workers: HashMap<u64, (WorkerKey, u64)>,
+    workers: WorkerHashMap<u64, (WorkerKey, u64)>,
     next_serial: u64,
 }
 

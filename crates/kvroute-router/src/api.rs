@@ -16,6 +16,7 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body::Body as _;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
 use kvroute_index::ExtraKeys;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -33,21 +34,22 @@ use crate::tokenize::Prompt;
 
 pub use crate::proxy::WORKER_HEADER;
 
-/// The HTTP API as one service: the two proxied endpoints, then everything
-/// else through axum's router; every response counted.
-pub fn service(state: Arc<AppState>) -> CountResponses<Api> {
+/// The HTTP API: the two proxied endpoints, then everything else through
+/// axum's router; every response counted.
+pub fn service(state: Arc<AppState>) -> Api {
     let inflight = Inflight::new(state.config.limits.max_inflight_requests);
-    CountResponses(Api {
+    Api {
         rest: router(Arc::clone(&state), inflight.clone()),
         state,
         inflight,
-    })
+    }
 }
 
 /// The proxied endpoints are matched before axum's router is asked: they are
 /// most of the traffic, and the router's matching, method routing, extractors
 /// and boxed services cost a few microseconds of a proxy hop that is otherwise
-/// little more than two loopback round trips.
+/// little more than two loopback round trips. They read hyper's body as it
+/// is; axum's router boxes it.
 #[derive(Clone)]
 pub struct Api {
     state: Arc<AppState>,
@@ -55,36 +57,30 @@ pub struct Api {
     rest: Router,
 }
 
-type Proxied = std::pin::Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
-
-impl Service<Request> for Api {
-    type Response = Response;
-    type Error = Infallible;
-    type Future =
-        futures_util::future::Either<Proxied, axum::routing::future::RouteFuture<Infallible>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Infallible>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: Request) -> Self::Future {
+impl Api {
+    /// Answers one request, counted by status ([`metrics::HTTP_RESPONSES`]).
+    /// Counted here rather than by a middleware (`middleware::from_fn` boxes
+    /// a clone of the inner service and a future per request).
+    pub async fn respond(
+        self,
+        request: axum::http::Request<Incoming>,
+    ) -> Result<Response, Infallible> {
         let endpoint = match request.uri().path() {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::Chat),
             _ => None,
         };
-        match endpoint {
+        let response = match endpoint {
             Some(endpoint) if request.method() == Method::POST => {
-                let (state, inflight) = (Arc::clone(&self.state), self.inflight.clone());
-                futures_util::future::Either::Left(Box::pin(async move {
-                    Ok(proxy(state, inflight, request, endpoint).await)
-                }))
+                proxy(self.state, self.inflight, request, endpoint).await
             }
-            _ => futures_util::future::Either::Right(self.rest.call(request)),
-        }
+            _ => {
+                let mut rest = self.rest;
+                rest.call(request).await?
+            }
+        };
+        metrics::count_response(response.status().as_u16());
+        Ok(response)
     }
 }
 
@@ -141,60 +137,6 @@ impl RouterError {
         let mut response = self.into_response();
         *response.status_mut() = status;
         response
-    }
-}
-
-/// Counts every response by status ([`metrics::HTTP_RESPONSES`]). A service of
-/// its own rather than `middleware::from_fn`, which boxes a clone of the inner
-/// service and a future per request: a few microseconds of a proxy hop.
-#[derive(Clone)]
-pub struct CountResponses<S>(S);
-
-impl<S, B> Service<axum::http::Request<B>> for CountResponses<S>
-where
-    S: Service<axum::http::Request<B>, Response = Response>,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = Counted<S::Future>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
-        Counted {
-            response: self.0.call(request),
-        }
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A response on its way out, counted when it is ready.
-    pub struct Counted<F> {
-        #[pin]
-        response: F,
-    }
-}
-
-impl<F, E> Future for Counted<F>
-where
-    F: Future<Output = Result<Response, E>>,
-{
-    type Output = Result<Response, E>;
-
-    fn poll(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let result = std::task::ready!(self.project().response.poll(cx));
-        if let Ok(response) = &result {
-            metrics::count_response(response.status().as_u16());
-        }
-        std::task::Poll::Ready(result)
     }
 }
 
@@ -274,14 +216,29 @@ impl Parsed<'_> {
     }
 }
 
-async fn read_body(state: &AppState, request: Request) -> Result<(HeaderMap, Bytes), RouterError> {
+async fn read_body<B: ClientBody>(
+    state: &AppState,
+    request: axum::http::Request<B>,
+) -> Result<(HeaderMap, Bytes), RouterError> {
     let (parts, body) = request.into_parts();
     let body = whole_body(body, state.config.body_limit_bytes).await?;
     Ok((parts.headers, body))
 }
 
+/// A client's request body: hyper's on the proxied endpoints, axum's on the
+/// others.
+trait ClientBody:
+    http_body::Body<Data = Bytes, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Unpin
+{
+}
+
+impl<B> ClientBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Unpin
+{
+}
+
 /// A request's body, at most `limit` bytes of it.
-async fn whole_body(body: axum::body::Body, limit: usize) -> Result<Bytes, RouterError> {
+async fn whole_body<B: ClientBody>(body: B, limit: usize) -> Result<Bytes, RouterError> {
     let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
         if e.downcast_ref::<LengthLimitError>().is_some() {
             RouterError::PayloadTooLarge(limit)
@@ -700,10 +657,10 @@ fn parse_body<'a>(
 }
 
 /// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
-async fn proxy(
+async fn proxy<B: ClientBody>(
     state: Arc<AppState>,
     inflight: Inflight,
-    request: Request,
+    request: axum::http::Request<B>,
     endpoint: Endpoint,
 ) -> Response {
     let forwarded = async {

@@ -9,7 +9,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::ServiceExt;
 use axum::serve::ListenerExt;
 use futures_util::StreamExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
@@ -21,6 +20,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::config::{Config, LogConfig, LogFormat, TlsConfig};
 use crate::error::RouterError;
+use crate::http_serve;
 use crate::ingest::Ingest;
 use crate::metrics;
 use crate::replica::Replica;
@@ -88,36 +88,26 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();
-    let app = crate::api::service(Arc::clone(&state)).into_make_service();
+    let api = crate::api::service(Arc::clone(&state));
     let (http_tls, grpc_tls) = match tls {
         Some(tls) => (Some(tls.http), Some(tls.grpc)),
         None => (None, None),
     };
-    let mut http_stop = stopped.clone();
+    let http_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = http_stop.wait_for(|&s| s).await;
-        };
-        let result = match http_tls {
+        match http_tls {
             None => {
                 // Without TCP_NODELAY, Nagle's algorithm holds back small SSE chunks
                 // until the client's delayed ACK: tens of milliseconds per token.
                 let http = http.tap_io(|tcp| {
                     let _ = tcp.set_nodelay(true);
                 });
-                axum::serve(http, app)
-                    .with_graceful_shutdown(shutdown)
-                    .await
+                http_serve::serve(http, api, http_stop).await;
             }
             Some(config) => {
                 let listener = TlsListener::new(http, config, Serves::Http, count_tls_failure);
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(shutdown)
-                    .await
+                http_serve::serve(listener, api, http_stop).await;
             }
-        };
-        if let Err(e) = result {
-            tracing::error!("http server failed: {e}");
         }
     }));
 

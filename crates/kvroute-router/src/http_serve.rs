@@ -1,0 +1,195 @@
+//! Serving the HTTP API's connections: hyper's HTTP/1 server on each accepted
+//! connection, told to finish gracefully when the router stops.
+//!
+//! Not `axum::serve`, whose layers cost a small proxied request ~2.7k
+//! instructions of the router's ~55k (callgrind, README's proxy section): it
+//! serves through hyper-util's auto builder, which sniffs every connection for
+//! HTTP/2 (this build serves HTTP/1 only) and passes every read through a
+//! rewinding wrapper; it boxes every request's body into axum's `Body`; and
+//! every poll of a connection, several a request, also polls the shutdown
+//! watch, in a `select!` that draws a random number for its order. Here the
+//! proxied endpoints read hyper's body as it is, and a connection polls its
+//! shutdown signal only when that signal woke it.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
+
+use axum::serve::Listener;
+use futures_util::task::AtomicWaker;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::sync::watch;
+
+use crate::api::Api;
+
+/// Serves `api` on the connections `listener` accepts until `stopped` turns
+/// true; then stops accepting, lets each connection finish the response it is
+/// on (an idle one closes at once), and returns when all have closed.
+pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::Receiver<bool>) {
+    // Each connection's task holds a receiver: the sender sees them all gone.
+    let (open_tx, open) = watch::channel(());
+    loop {
+        let (io, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stopped.wait_for(|&s| s) => break,
+        };
+        let mut stop = stopped.clone();
+        let stop = Box::pin(async move {
+            let _ = stop.wait_for(|&s| s).await;
+        });
+        let (api, open) = (api.clone(), open.clone());
+        tokio::spawn(async move {
+            let service = service_fn(move |request| api.clone().respond(request));
+            // Head and body copied into one buffer and sent with one write:
+            // ~400 instructions a small request less than queueing them for
+            // `writev` (callgrind); a response body is copied once more
+            // (memcpy, about an instruction per 32 bytes).
+            let connection = http1::Builder::new()
+                .writev(false)
+                .serve_connection(TokioIo::new(io), service);
+            if let Err(e) = Graceful::new(connection, stop).await {
+                tracing::trace!("connection ended: {e}");
+            }
+            drop(open);
+        });
+    }
+    drop(open);
+    drop(listener);
+    open_tx.closed().await;
+}
+
+type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+pin_project_lite::pin_project! {
+    /// A connection, shut down gracefully once `stop` is ready. `stop` is
+    /// polled at first and then only when it woke the task, which it does
+    /// through [`StopWaker`]: the connection's own wake-ups cost one atomic
+    /// swap each here.
+    struct Graceful<I, S>
+    where
+        S: hyper::service::HttpService<hyper::body::Incoming>,
+    {
+        #[pin]
+        connection: http1::Connection<I, S>,
+        stop: Option<Stop>,
+        stop_waker: Arc<StopWaker>,
+    }
+}
+
+impl<I, S> Graceful<I, S>
+where
+    S: hyper::service::HttpService<hyper::body::Incoming>,
+{
+    fn new(connection: http1::Connection<I, S>, stop: Stop) -> Self {
+        Self {
+            connection,
+            stop: Some(stop),
+            stop_waker: Arc::new(StopWaker {
+                woken: AtomicBool::new(true),
+                task: AtomicWaker::new(),
+            }),
+        }
+    }
+}
+
+impl<I, S, B> Future for Graceful<I, S>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    S: hyper::service::HttpService<hyper::body::Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Output = hyper::Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Some(stop) = this.stop
+            && this.stop_waker.woken.swap(false, Ordering::Acquire)
+        {
+            this.stop_waker.task.register(cx.waker());
+            let waker = Waker::from(Arc::clone(this.stop_waker));
+            if stop
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_ready()
+            {
+                *this.stop = None;
+                this.connection.as_mut().graceful_shutdown();
+            }
+        }
+        this.connection.poll(cx)
+    }
+}
+
+/// The waker `stop` is polled with: it marks that `stop` woke the task, then
+/// wakes the task. The task's waker is registered whenever `stop` is polled;
+/// a spawned task's waker does not change between polls.
+struct StopWaker {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for StopWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+    use crate::config::Config;
+    use crate::state::AppState;
+
+    /// Reads one response to `GET /healthz` (its body is the last thing sent).
+    async fn healthz(client: &mut TcpStream) -> String {
+        client
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: router\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = Vec::new();
+        while !response.ends_with(b"}") {
+            let mut buf = [0; 1024];
+            let n = client.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed mid-response: {response:?}");
+            response.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8(response).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stop_closes_idle_kept_connections_and_serving_returns() {
+        let state = AppState::new(Config::default(), None).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = watch::channel(false);
+        let serving = tokio::spawn(serve(listener, crate::api::service(state), stopped));
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        // Two requests on one connection: it is kept, and is idle now.
+        assert!(healthz(&mut client).await.starts_with("HTTP/1.1 200"));
+        assert!(healthz(&mut client).await.starts_with("HTTP/1.1 200"));
+        stop.send(true).unwrap();
+        // Only a guard against hanging: serving returns once the connection closed.
+        tokio::time::timeout(Duration::from_secs(30), serving)
+            .await
+            .expect("serving returned")
+            .unwrap();
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "{rest:?}");
+    }
+}
