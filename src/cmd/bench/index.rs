@@ -55,6 +55,9 @@ pub struct IndexBenchArgs {
     /// Also stream this many events over ever-new content and report RSS flatness.
     #[arg(long)]
     churn_events: Option<u64>,
+    /// The index's memory bound, as the router's `max_blocks` sets it [default: unbounded].
+    #[arg(long)]
+    max_blocks: Option<usize>,
 }
 
 pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
@@ -65,6 +68,12 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
     {
         bail!("--workers, --blocks-per-worker, --ingest-threads and --rounds must be at least 1");
     }
+    if args.max_blocks == Some(0) {
+        bail!("--max-blocks must be at least 1");
+    }
+    let config = IndexConfig {
+        max_blocks: args.max_blocks,
+    };
     // The churn run goes first, so that the process's RSS is the index's and
     // not what the other measurements freed.
     let churned = match (args.churn_events, &args.timeline) {
@@ -79,6 +88,7 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
                 .map(|r| r.hash_ids)
                 .collect();
             Some(churn(
+                &config,
                 &requests,
                 args.workers,
                 args.blocks_per_worker,
@@ -109,14 +119,13 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
     }
     let shape = Shape::of(&ops);
     let memory = match &requests {
-        Some(requests) => measure_memory(&derive_timeline(
-            requests.iter().map(Vec::as_slice),
-            args.workers,
-            usize::MAX,
-        )),
-        None => measure_memory(&ops),
+        Some(requests) => measure_memory(
+            &config,
+            &derive_timeline(requests.iter().map(Vec::as_slice), args.workers, usize::MAX),
+        ),
+        None => measure_memory(&config, &ops),
     };
-    let replay = replay(&ops, args.ingest_threads, args.rounds);
+    let replay = replay(&config, &ops, args.ingest_threads, args.rounds);
     let secs = replay.wall.as_secs_f64();
     let rounds = args.rounds as f64;
     let us = |q: f64| replay.lookups.value_at_quantile(q) as f64 / 1000.0;
@@ -124,6 +133,7 @@ pub fn run(args: IndexBenchArgs) -> anyhow::Result<()> {
         "bench": "index",
         "source": source,
         "ingest_threads": args.ingest_threads,
+        "max_blocks": args.max_blocks,
         "rounds": args.rounds,
         "requests": shape.lookups,
         "events": shape.events,
@@ -205,7 +215,7 @@ struct Replay {
 
 /// Replays `ops` `rounds` times on fresh indexes: each thread applies the events
 /// of its share of the workers and every `threads`-th lookup, in timeline order.
-fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
+fn replay(config: &IndexConfig, ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
     let mut shares: Vec<Vec<&TimelineOp>> = vec![Vec::new(); threads];
     let mut lookups = 0;
     for op in ops {
@@ -224,7 +234,7 @@ fn replay(ops: &[TimelineOp], threads: usize, rounds: usize) -> Replay {
         lookups: latency_histogram(),
     };
     for _ in 0..rounds {
-        let index = KvIndex::new(IndexConfig::default());
+        let index = KvIndex::new(config.clone());
         let start = Barrier::new(threads + 1);
         std::thread::scope(|scope| {
             let handles: Vec<_> = shares
@@ -298,9 +308,9 @@ struct Memory {
 }
 
 /// Applies every event of `ops` to a fresh index and measures what it holds.
-fn measure_memory(ops: &[TimelineOp]) -> Memory {
+fn measure_memory(config: &IndexConfig, ops: &[TimelineOp]) -> Memory {
     let before = rss_kib("VmRSS:");
-    let index = KvIndex::new(IndexConfig::default());
+    let index = KvIndex::new(config.clone());
     for op in ops {
         if let TimelineOp::Event { worker, event } = op {
             index.apply(*worker, event);
@@ -318,9 +328,15 @@ fn measure_memory(ops: &[TimelineOp]) -> Memory {
 
 /// Streams `events` events over laps of the trace, each lap with new block ids so
 /// that every block is eventually evicted, and samples the process RSS.
-fn churn(requests: &[Vec<u64>], workers: usize, blocks_per_worker: usize, events: u64) -> Value {
+fn churn(
+    config: &IndexConfig,
+    requests: &[Vec<u64>],
+    workers: usize,
+    blocks_per_worker: usize,
+    events: u64,
+) -> Value {
     const SAMPLES: u64 = 20;
-    let index = KvIndex::new(IndexConfig::default());
+    let index = KvIndex::new(config.clone());
     let mut fleet = FleetSimulator::new(workers, blocks_per_worker);
     let mut ops = Vec::new();
     let (mut applied, mut next_sample) = (0u64, events / SAMPLES);
@@ -530,5 +546,24 @@ mod tests {
                 .contains("unknown op")
         );
         assert!(parse_op("nope").unwrap_err().contains("not JSON"));
+    }
+
+    #[test]
+    fn a_churn_under_max_blocks_ends_within_it() {
+        // 4 workers of 64 blocks, each request a new 32-block chain: the pools
+        // hold up to 256 memberships, the limit half of that.
+        let requests: Vec<Vec<u64>> = (0..64u64)
+            .map(|r| (0..32).map(|b| r * 1_000 + b).collect())
+            .collect();
+        let bounded = IndexConfig {
+            max_blocks: Some(128),
+        };
+        let churned = churn(&bounded, &requests, 4, 64, 5_000);
+        assert_eq!(churned["memberships_last"], 128, "{churned}");
+        let unbounded = churn(&IndexConfig::default(), &requests, 4, 64, 5_000);
+        assert!(
+            unbounded["memberships_last"].as_u64() > Some(128),
+            "{unbounded}"
+        );
     }
 }
