@@ -99,40 +99,42 @@ impl BlockHasher {
 
     /// Local hashes of every full block of `tokens`; a trailing partial block is not hashed.
     pub fn local_hashes(&self, tokens: &[u32]) -> Vec<u64> {
+        let mut hashes = Vec::new();
+        self.local_hashes_into(tokens, &mut hashes);
+        hashes
+    }
+
+    /// [`Self::local_hashes`] appended to `out`: a caller that keeps its
+    /// buffer allocates nothing per prompt.
+    pub fn local_hashes_into(&self, tokens: &[u32], out: &mut Vec<u64>) {
         if self.block_size == USUAL_BLOCK_SIZE {
-            return self.usual_local_hashes(tokens);
+            return self.usual_local_hashes(tokens, out);
         }
         // Tokens are written four bytes at a time into a fixed buffer: a
         // byte-wise `extend` cost more than the hash itself (half of a
         // routing decision was hashing).
         let mut bytes = vec![0u8; self.block_size * 4];
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|block| {
-                for (to, t) in bytes.chunks_exact_mut(4).zip(block) {
-                    to.copy_from_slice(&t.to_le_bytes());
-                }
-                xxh3_64_with_seed(&bytes, self.seed)
-            })
-            .collect()
+        out.extend(tokens.chunks_exact(self.block_size).map(|block| {
+            for (to, t) in bytes.chunks_exact_mut(4).zip(block) {
+                to.copy_from_slice(&t.to_le_bytes());
+            }
+            xxh3_64_with_seed(&bytes, self.seed)
+        }));
     }
 
     /// [`Self::local_hashes`] of 16-token blocks. With the length known when
     /// compiled, the copy to bytes is a few vector moves and xxh3's dispatch
     /// on the length folds away: a 128k-token prompt is 8,192 blocks, and
     /// hashing was two thirds of its routing decision.
-    fn usual_local_hashes(&self, tokens: &[u32]) -> Vec<u64> {
+    fn usual_local_hashes(&self, tokens: &[u32], out: &mut Vec<u64>) {
         let (blocks, _partial) = tokens.as_chunks::<USUAL_BLOCK_SIZE>();
-        blocks
-            .iter()
-            .map(|block| {
-                let mut bytes = [0u8; USUAL_BLOCK_SIZE * 4];
-                for (to, t) in bytes.as_chunks_mut::<4>().0.iter_mut().zip(block) {
-                    *to = t.to_le_bytes();
-                }
-                xxh3_64_with_seed(&bytes, self.seed)
-            })
-            .collect()
+        out.extend(blocks.iter().map(|block| {
+            let mut bytes = [0u8; USUAL_BLOCK_SIZE * 4];
+            for (to, t) in bytes.as_chunks_mut::<4>().0.iter_mut().zip(block) {
+                *to = t.to_le_bytes();
+            }
+            xxh3_64_with_seed(&bytes, self.seed)
+        }));
     }
 
     /// Local hash of one full block whose multimodal objects hash to `mm_hashes`:
@@ -157,24 +159,32 @@ impl BlockHasher {
     /// Local hashes of every full block of `tokens` with the request's extra
     /// keys; without any, exactly [`Self::local_hashes`].
     pub fn local_hashes_with(&self, tokens: &[u32], extra: &ExtraKeys) -> Vec<u64> {
+        let mut hashes = Vec::new();
+        self.local_hashes_with_into(tokens, extra, &mut hashes);
+        hashes
+    }
+
+    /// [`Self::local_hashes_with`] appended to `out` (see [`Self::local_hashes_into`]).
+    pub fn local_hashes_with_into(&self, tokens: &[u32], extra: &ExtraKeys, out: &mut Vec<u64>) {
         if extra.is_empty() {
-            return self.local_hashes(tokens);
+            return self.local_hashes_into(tokens, out);
         }
         let salt = extra.salt().map(salt_key);
-        tokens
-            .chunks_exact(self.block_size)
-            .enumerate()
-            .map(|(i, block)| {
-                let (start, end) = (i * self.block_size, (i + 1) * self.block_size);
-                let mm: Vec<u64> = extra
-                    .multimodal
-                    .iter()
-                    .filter(|m| m.offset < end && m.offset + m.length > start)
-                    .map(|m| m.hash)
-                    .collect();
-                self.local_hash_with_keys(block, &mm, if i == 0 { salt } else { None })
-            })
-            .collect()
+        out.extend(
+            tokens
+                .chunks_exact(self.block_size)
+                .enumerate()
+                .map(|(i, block)| {
+                    let (start, end) = (i * self.block_size, (i + 1) * self.block_size);
+                    let mm: Vec<u64> = extra
+                        .multimodal
+                        .iter()
+                        .filter(|m| m.offset < end && m.offset + m.length > start)
+                        .map(|m| m.hash)
+                        .collect();
+                    self.local_hash_with_keys(block, &mm, if i == 0 { salt } else { None })
+                }),
+        );
     }
 }
 

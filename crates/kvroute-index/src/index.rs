@@ -1215,6 +1215,12 @@ impl KvIndex {
         let Some(eviction) = &self.eviction else {
             return Vec::new();
         };
+        // A path none of whose blocks is present pins nothing: say so as of
+        // this look, without the lock (a block stored since would be as
+        // concurrent with the pin under it; stores do not take it).
+        if !self.any_present(path_refs(local_hashes).map(BlockRef::key)) {
+            return Vec::new();
+        }
         let mut eviction = eviction.lock();
         let nodes = self.nodes_of(path_refs(local_hashes).map(BlockRef::key));
         eviction.lru.pin(nodes.iter().copied(), 1);
@@ -1230,6 +1236,15 @@ impl KvIndex {
         if let Some(eviction) = &self.eviction {
             eviction.lock().lru.pin(nodes.iter().copied(), -1);
         }
+    }
+
+    /// Whether any of `keys` has a block in the table now.
+    fn any_present(&self, mut keys: impl Iterator<Item = u64>) -> bool {
+        let mut reader = ShardReader::new(&self.table);
+        keys.any(|key| {
+            let shard = reader.shard(BlockRef::from_key(key).shard());
+            shard.entries.get(key).is_some()
+        })
     }
 
     /// The recency nodes of the blocks present of `keys`, as their table

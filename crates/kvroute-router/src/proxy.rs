@@ -84,8 +84,10 @@ pub async fn forward(
         let Routed {
             decision,
             mut booking,
+            local_hashes,
             ..
         } = routed;
+        crate::state::keep_hashes(local_hashes);
         let worker = decision.worker;
         if decision.request_blocks > 0 {
             metrics::hot()

@@ -2,6 +2,7 @@
 //! the proxy and the `Route` RPC all use, so that a dry run and a proxied request
 //! decide the same way.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use kvroute_index::{
@@ -74,6 +75,24 @@ pub struct Routed<B = ()> {
     pub booking: B,
     /// The clock reading the decision was made as of.
     pub decided_at: tokio::time::Instant,
+}
+
+thread_local! {
+    /// A routed request's block hashes, given back by [`keep_hashes`] once
+    /// its path is pinned: the next prompt hashed on the thread fills it
+    /// rather than a new vector (an allocation per proxied request).
+    static KEPT_HASHES: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+}
+
+/// Blocks of the longest hash list kept for the thread's next prompt (64 KiB);
+/// a longer one is let go.
+const KEPT_HASHES_MAX: usize = 8192;
+
+/// Gives a [`Routed`]'s block hashes back for the thread's next prompt.
+pub fn keep_hashes(hashes: Vec<u64>) {
+    if hashes.capacity() <= KEPT_HASHES_MAX {
+        KEPT_HASHES.set(hashes);
+    }
 }
 
 impl AppState {
@@ -248,15 +267,24 @@ impl AppState {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
             NameKind::Model => BlockHasher::new(block_size),
         };
-        let hashed = match input {
-            RouteInput::Tokens(tokens) => (hasher.local_hashes(tokens), tokens.len()),
-            RouteInput::Prompt { tokens, extra } => {
-                (hasher.local_hashes_with(tokens, extra), tokens.len())
+        let mut hashes = KEPT_HASHES.take();
+        hashes.clear();
+        let prompt_tokens = match input {
+            RouteInput::Tokens(tokens) => {
+                hasher.local_hashes_into(tokens, &mut hashes);
+                tokens.len()
             }
-            RouteInput::LocalHashes(hashes) => (hashes.to_vec(), hashes.len() * block_size),
+            RouteInput::Prompt { tokens, extra } => {
+                hasher.local_hashes_with_into(tokens, extra, &mut hashes);
+                tokens.len()
+            }
+            RouteInput::LocalHashes(given) => {
+                hashes.extend_from_slice(given);
+                given.len() * block_size
+            }
         };
         metrics::observe_phase("hash", started.into_std());
-        Ok(hashed)
+        Ok((hashes, prompt_tokens))
     }
 
     /// Like [`Self::route_now`], but when every worker is busy waits up to the
