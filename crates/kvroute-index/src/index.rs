@@ -1217,7 +1217,8 @@ impl KvIndex {
         };
         // A path none of whose blocks is present pins nothing: say so as of
         // this look, without the lock (a block stored since would be as
-        // concurrent with the pin under it; stores do not take it).
+        // concurrent with the pin under it; stores do not take it). The look
+        // stops at the first block present: one probe more for a cached path.
         if !self.any_present(path_refs(local_hashes).map(BlockRef::key)) {
             return Vec::new();
         }
@@ -1249,8 +1250,12 @@ impl KvIndex {
 
     /// The recency nodes of the blocks present of `keys`, as their table
     /// entries name them. For a bounded index, with the limit's lock held:
-    /// every change to its table is made under that lock, so the nodes are
-    /// current until it is let go.
+    /// stores and removals change the table without it, but a node is freed
+    /// (and so can go to another block) only under it, so a node read here is
+    /// its block's (in the order, or given out for an insertion not yet handed
+    /// over) until the lock is let go, and [`Lru::pin`] pins it as such. Read
+    /// without the lock, the node could be freed and given to another block
+    /// first, which would then keep this pin.
     fn nodes_of(&self, keys: impl Iterator<Item = u64>) -> Vec<Touch> {
         let mut reader = ShardReader::new(&self.table);
         keys.filter_map(|key| {
