@@ -489,11 +489,13 @@ pub struct WorkerEvents<'a> {
     state: MutexGuard<'a, WorkerState>,
     /// With `max_blocks`, the run's upkeep of the limit not yet handed over.
     deferred: Deferred,
-    /// Without `max_blocks`, the block-table shard the run's last event
-    /// wrote, kept locked for the next while they share it (a conversation's
-    /// blocks share a shard, and an engine evicts them together), for
-    /// [`RUN_SHARD_BLOCKS`] blocks at most, so that a lookup of that shard
-    /// waits for a few events at most.
+    /// The block-table shard the run's last event wrote, kept locked for
+    /// the next while they share it (a conversation's blocks share a shard,
+    /// and an engine evicts them together), for [`RUN_SHARD_BLOCKS`] blocks
+    /// at most, so that a lookup of that shard waits for a few events at
+    /// most. With `max_blocks` it is let go before the run takes the
+    /// eviction lock (which comes before a shard's): to ready nodes, to hand
+    /// over and evict, or to sweep.
     writer: ShardWriter<'a>,
     /// Blocks applied since `writer` last let its shard go.
     under_writer: usize,
@@ -519,9 +521,7 @@ impl WorkerEvents<'_> {
             event,
         );
         self.under_writer += blocks_changed(&event.kind);
-        // With a limit the shard is let go after each event: an eviction
-        // takes the eviction lock before a shard's.
-        if self.under_writer >= RUN_SHARD_BLOCKS || self.index.eviction.is_some() {
+        if self.under_writer >= RUN_SHARD_BLOCKS {
             self.let_shard_go();
         }
         if let Some(limited) = self.index.eviction.as_deref() {
@@ -691,11 +691,9 @@ impl KvIndex {
                 if let Some(limited) = self.eviction.as_deref()
                     && let EventKind::Stored { blocks, .. } = &event.kind
                 {
-                    // Before any shard is locked: readying them may take
-                    // the eviction lock.
-                    self.ready_ids(limited, deferred, blocks.len());
+                    self.ready_ids(limited, writer, deferred, blocks.len());
                 }
-                self.sweep_dangling(slot, state, self.eviction.is_some());
+                self.sweep_dangling(slot, state, writer, self.eviction.is_some());
                 let applied = match &event.kind {
                     EventKind::Removed { block_hashes } => {
                         self.remove_blocks(slot, state, block_hashes, &mut None, writer, deferred)
@@ -1532,8 +1530,15 @@ impl KvIndex {
 
     /// Gives `deferred` at least `n` nodes for new blocks (see
     /// [`Limited::handover`]); takes the eviction lock (which readies more)
-    /// only when too few are ready. No shard may be locked.
-    fn ready_ids(&self, limited: &Limited, deferred: &mut Deferred, n: usize) {
+    /// only when too few are ready, letting the run's shard go first (the
+    /// eviction lock comes before a shard's).
+    fn ready_ids(
+        &self,
+        limited: &Limited,
+        writer: &mut ShardWriter<'_>,
+        deferred: &mut Deferred,
+        n: usize,
+    ) {
         while deferred.ids.len() < n {
             let want = n - deferred.ids.len();
             let short = {
@@ -1543,6 +1548,7 @@ impl KvIndex {
                 handover.ids.is_empty()
             };
             if short && deferred.ids.len() < n {
+                writer.release();
                 drop(limited.lock());
             }
         }
@@ -1922,7 +1928,13 @@ impl KvIndex {
     /// Gives back the memory of engine-hash entries whose blocks were evicted,
     /// once they are at least half of the worker's entries (amortised O(1)).
     #[inline]
-    fn sweep_dangling(&self, slot: &WorkerSlot, state: &mut WorkerState, evicting: bool) {
+    fn sweep_dangling(
+        &self,
+        slot: &WorkerSlot,
+        state: &mut WorkerState,
+        writer: &mut ShardWriter<'_>,
+        evicting: bool,
+    ) {
         if !evicting {
             return;
         }
@@ -1930,6 +1942,8 @@ impl KvIndex {
         if dangling == 0 || (dangling as usize) * 2 < state.blocks.len() {
             return;
         }
+        // It reads every shard: the one the run holds too.
+        writer.release();
         self.sweep_dangling_now(slot, state);
     }
 
