@@ -220,9 +220,6 @@ pub(crate) struct Lru {
     /// Blocks to move to the head, in order: the deferred touches' paths, each
     /// leaf first.
     pending: VecDeque<Touch>,
-    /// A handed-over chain's blocks, for its touch when its place was lost;
-    /// kept across calls.
-    chain: Vec<Touch>,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
 }
@@ -294,46 +291,67 @@ impl Lru {
     /// lists empty.
     pub fn apply_changes(&mut self, changes: &mut Vec<Change>, touches: &mut Vec<Touch>) {
         let mut touched = 0;
-        let mut chain = std::mem::take(&mut self.chain);
         let mut place = ChainPlace::default();
         let mut parent = None;
-        for change in changes.drain(..) {
+        // The node of the chain's block the change just before linked: the
+        // next block's parent and place, in the order with nothing moved
+        // since (see `Self::insert_below`).
+        let mut linked = None;
+        // Where the chain under way starts in `changes`, for its touch when
+        // its place was lost.
+        let mut chain_start = 0;
+        for (at, &change) in changes.iter().enumerate() {
             match change {
                 Change::Start(p) => {
-                    chain.clear();
-                    chain.extend(p);
+                    chain_start = at;
                     parent = p;
                     place = self.start_chain(p);
+                    linked = place.behind.map(|(_, id)| id);
                 }
                 Change::Insert {
                     seq,
                     id,
                     tokens_low,
                 } => {
-                    self.insert_at(id, seq, tokens_low, parent, &mut place);
+                    let linked_now = match linked {
+                        Some(prev) if self.nodes[id].older != DOOMED => {
+                            self.insert_below(id, seq, tokens_low, prev);
+                            place.behind = Some((seq, id));
+                            true
+                        }
+                        _ => self.insert_at(id, seq, tokens_low, parent, &mut place),
+                    };
+                    linked = linked_now.then_some(id);
                     parent = Some((seq, id));
-                    chain.push((seq, id));
                 }
                 Change::Place(touch) => {
-                    self.place(&mut place, touch);
+                    linked = self.place(&mut place, touch).then_some(touch.1);
                     parent = Some(touch);
-                    chain.push(touch);
                 }
                 Change::End => {
                     if place.lost {
-                        self.touch(chain.drain(..));
+                        self.touch(changes[chain_start..at].iter().filter_map(|c| match *c {
+                            Change::Start(p) => p,
+                            Change::Insert { seq, id, .. } => Some((seq, id)),
+                            Change::Place(touch) => Some(touch),
+                            _ => None,
+                        }));
                     }
-                    chain.clear();
+                    linked = None;
                 }
-                Change::Remove(id) => self.remove(id),
+                Change::Remove(id) => {
+                    self.remove(id);
+                    linked = None;
+                }
                 Change::Touches(upto) => {
                     let upto = (upto as usize).max(touched);
                     self.defer_from(&touches[touched..upto]);
                     touched = upto;
+                    linked = None;
                 }
             }
         }
-        self.chain = chain;
+        changes.clear();
         self.defer_from(&touches[touched..]);
         touches.clear();
     }
@@ -386,6 +404,7 @@ impl Lru {
 
     /// [`Self::insert`] at node `id`, given out by [`Self::give_ids`]; a node
     /// whose block's removal came first is freed instead.
+    /// Returns whether it linked the node (it did not if freed).
     #[inline(always)]
     fn insert_at(
         &mut self,
@@ -394,13 +413,13 @@ impl Lru {
         tokens_low: u32,
         parent: Option<Touch>,
         place: &mut ChainPlace,
-    ) {
+    ) -> bool {
         self.apply_pending();
         if self.nodes[id].older == DOOMED {
             self.free_node(id);
             // The chain's next block then finds its place lost.
             place.behind = Some((seq, id));
-            return;
+            return false;
         }
         let parent = parent.filter(|&p| self.holds(p)).map_or(NIL, |(_, id)| id);
         self.nodes[id] = Node {
@@ -419,12 +438,47 @@ impl Lru {
             self.nodes[parent].children += 1;
         }
         self.len += 1;
+        true
     }
 
-    /// Moves a block already in the order to a chain's next place.
-    pub fn place(&mut self, place: &mut ChainPlace, touch: Touch) {
+    /// [`Self::insert_at`] of a chain's block whose parent, node `prev`, the
+    /// chain's block before it, was just linked (so it is in the order and
+    /// the block's place): the node's neighbours and its parent's count
+    /// written with one read of each node, not re-checked and re-read (a
+    /// third of a bounded replay's upkeep at 16 workers; MEASUREMENTS.md,
+    /// "The bounded index, fifth pass"). Node `id` is not doomed.
+    #[inline(always)]
+    fn insert_below(&mut self, id: u32, seq: u64, tokens_low: u32, prev: u32) {
+        debug_assert!(self.pending.is_empty() && self.nodes[id].older != DOOMED);
+        // Pinned before it was handed over.
+        let pinned = self.nodes[id].children & PINNED;
+        let older = {
+            let anchor = &mut self.nodes[prev];
+            let older = anchor.older;
+            anchor.older = id;
+            anchor.children += 1;
+            older
+        };
+        self.nodes[id] = Node {
+            seq: halves(seq),
+            parent: prev,
+            newer: prev,
+            older,
+            children: pinned,
+            tokens_low,
+        };
+        match older {
+            NIL => self.tail = Some(id),
+            o => self.nodes[o].newer = id,
+        }
+        self.len += 1;
+    }
+
+    /// Moves a block already in the order to a chain's next place; returns
+    /// whether it was in the order.
+    pub fn place(&mut self, place: &mut ChainPlace, touch: Touch) -> bool {
         if !self.holds(touch) {
-            return;
+            return false;
         }
         let anchor = self.chain_anchor(place);
         if anchor != Some(touch.1) {
@@ -432,6 +486,7 @@ impl Lru {
             self.link_behind(touch.1, anchor);
         }
         place.behind = Some(touch);
+        true
     }
 
     /// The low half of the local hash of the block at its node; none while
@@ -444,7 +499,9 @@ impl Lru {
     #[inline(always)]
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
-        match self.nodes[id].older {
+        // Read once: each read of a node indexes the slab's chunks again.
+        let node = self.nodes[id];
+        match node.older {
             // Its insertion is still to be applied (handed over later).
             FREE => {
                 self.nodes[id].older = DOOMED;
@@ -457,18 +514,23 @@ impl Lru {
             }
             _ => {}
         }
-        debug_assert!(self.holds((self.nodes[id].seq(), id)));
-        self.unlink(id);
+        debug_assert!(self.holds((node.seq(), id)));
+        self.unlink_between(node.newer, node.older);
         self.len -= 1;
-        let parent = self.nodes[id].parent;
-        self.unpin_all(id);
-        if self.nodes[id].children == 0 {
-            self.free_node(id);
-        } else {
-            self.nodes[id].older = RETIRED;
+        if node.children & PINNED != 0 {
+            self.pins.remove(u64::from(id));
         }
-        if parent != NIL {
-            self.release_child(parent);
+        let children = node.children & !PINNED;
+        {
+            let n = &mut self.nodes[id];
+            n.children = children;
+            n.older = if children == 0 { FREE } else { RETIRED };
+        }
+        if children == 0 {
+            self.free.push(id);
+        }
+        if node.parent != NIL {
+            self.release_child(node.parent);
         }
     }
 
@@ -646,6 +708,12 @@ impl Lru {
             let n = &self.nodes[id];
             (n.newer, n.older)
         };
+        self.unlink_between(newer, older);
+    }
+
+    /// Joins the neighbours of a node leaving the order.
+    #[inline]
+    fn unlink_between(&mut self, newer: u32, older: u32) {
         match newer {
             NIL => self.head = (older != NIL).then_some(older),
             n => self.nodes[n].older = older,
