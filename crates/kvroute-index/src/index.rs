@@ -2062,6 +2062,53 @@ mod tests {
         assert_eq!(bounded, plain);
     }
 
+    /// A dump of a bounded index reads each block's local hash in part from
+    /// its recency node: a block another worker's run created and has not
+    /// handed over yet has no node in the order, and the dump waits for that
+    /// run's hand-over instead of writing a wrong hash (or leaving the block
+    /// out). The dump is let go only once it has taken the limit's lock (the
+    /// lookups' touches list it swaps out empties) while the block was still
+    /// pending.
+    #[test]
+    fn a_dump_waits_for_a_block_another_run_has_not_handed_over() {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(1 << 20),
+        });
+        let limited = index.eviction.as_deref().unwrap();
+        let (creator, dumped) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let event = |kind| KvEvent { event_id: 1, kind };
+        let blocks = chain(1, 3, None);
+        let (created, created_rx) = mpsc::channel();
+        let (end, end_rx) = mpsc::channel::<()>();
+        thread::scope(|scope| {
+            let (index, blocks) = (&index, &blocks);
+            scope.spawn(move || {
+                index.with_worker(creator, |events| {
+                    events.apply(&event(blocks.clone()));
+                    // The run stays open, its changes not handed over; its
+                    // shard let go, for the other worker's store.
+                    events.let_shard_go();
+                    created.send(()).unwrap();
+                    end_rx.recv().unwrap();
+                });
+            });
+            created_rx.recv().unwrap();
+            index.apply(dumped, &event(blocks.clone()));
+            // A lookup's touches, for the dump's first lock to take.
+            index.find_matches(&[1, 2, 3]);
+            assert!(!limited.touches.lock().unwrap().is_empty());
+            let dump = scope.spawn(|| index.dump(dumped).unwrap());
+            while !limited.touches.lock().unwrap().is_empty() {
+                thread::yield_now();
+            }
+            end.send(()).unwrap();
+            let dump = dump.join().unwrap();
+            let plain = KvIndex::default();
+            plain.apply(dumped, &event(blocks.clone()));
+            assert_eq!(dump, plain.dump(dumped).unwrap());
+        });
+    }
+
     /// A run's stores and removals take no lock of the limit's (the ingest
     /// threads passed it to each other run by run): their upkeep of the
     /// recency order and of the limit's count is handed over at the run's
