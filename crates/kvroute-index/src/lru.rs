@@ -405,8 +405,12 @@ impl Lru {
 
     /// Adds a new block, a chain's next at `place` (a fresh place: the
     /// newest), under `parent` (its key and node) if that is still in the
-    /// order; returns its node, for the block's entry.
-    #[inline]
+    /// order; returns its node, for the block's entry. Out of line: only a
+    /// caller holding the order's lock (a dump's build) inserts at once, and
+    /// inlined into the event path's code it cost the unbounded index's
+    /// replay ~1M instructions (MEASUREMENTS.md, "The bounded index, fifth
+    /// pass").
+    #[inline(never)]
     pub fn insert(
         &mut self,
         seq: u64,
