@@ -82,12 +82,13 @@ pub async fn forward(
         // The worker uses these blocks until the response ends: keep them indexed.
         let pinned = state.index.pin_path_owned(&routed.local_hashes);
         let Routed {
-            decision,
+            mut decision,
             mut booking,
             local_hashes,
             ..
         } = routed;
         crate::state::keep_hashes(local_hashes);
+        crate::scheduler::keep_scores(std::mem::take(&mut decision.scores));
         let worker = decision.worker;
         if decision.request_blocks > 0 {
             metrics::hot()
