@@ -695,7 +695,7 @@ async fn parse<'a>(
         }
     };
     let took = started.map_or(std::time::Duration::ZERO, |started| started.elapsed());
-    metrics::record_phase("tokenize", took);
+    metrics::record_phase(metrics::Phase::Tokenize, took);
     match tokenized {
         Some((tokens, multimodal)) => {
             parsed.tokens = tokens;

@@ -106,7 +106,7 @@ pub async fn forward(
         let sent_at = tokio::time::Instant::now();
         let sent = sent_at.into_std();
         if tried.is_empty() {
-            metrics::record_phase("total", sent.duration_since(request.received));
+            metrics::record_phase(metrics::Phase::Total, sent.duration_since(request.received));
         }
         let post = std::pin::pin!(state.upstream.post(
             &decision.base_url,

@@ -186,7 +186,7 @@ impl Scheduler {
             let fleet = self.registry.lock();
             let decision = self.choose_locked(&fleet, query, overlaps, now);
             drop(fleet);
-            metrics::observe_phase("schedule", started);
+            metrics::observe_phase(metrics::Phase::Schedule, started);
             decision
         })
     }
@@ -214,7 +214,7 @@ impl Scheduler {
                 (d, booking)
             });
             drop(fleet);
-            metrics::observe_phase("schedule", started);
+            metrics::observe_phase(metrics::Phase::Schedule, started);
             chosen
         })
     }
@@ -264,7 +264,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         self.overlaps(query.local_hashes, now.into_std(), overlaps);
         let ended = std::time::Instant::now();
-        metrics::record_phase("find_matches", ended - started);
+        metrics::record_phase(metrics::Phase::FindMatches, ended - started);
         ended
     }
 

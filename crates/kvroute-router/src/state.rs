@@ -280,7 +280,7 @@ impl AppState {
                 given.len() * block_size
             }
         };
-        metrics::observe_phase("hash", started.into_std());
+        metrics::observe_phase(metrics::Phase::Hash, started.into_std());
         Ok((hashes, prompt_tokens))
     }
 
