@@ -25,6 +25,7 @@ pub mod error;
 pub mod faults;
 pub mod http_serve;
 pub mod ingest;
+mod kept;
 pub mod limits;
 pub mod low_priority;
 pub mod metrics;

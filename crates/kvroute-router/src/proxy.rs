@@ -82,12 +82,13 @@ pub async fn forward(
         // The worker uses these blocks until the response ends: keep them indexed.
         let pinned = state.index.pin_path_owned(&routed.local_hashes);
         let Routed {
-            decision,
+            mut decision,
             mut booking,
             local_hashes,
             ..
         } = routed;
         crate::state::keep_hashes(local_hashes);
+        crate::scheduler::keep_scores(std::mem::take(&mut decision.scores));
         let worker = decision.worker;
         if decision.request_blocks > 0 {
             metrics::hot()
@@ -105,7 +106,7 @@ pub async fn forward(
         let sent_at = tokio::time::Instant::now();
         let sent = sent_at.into_std();
         if tried.is_empty() {
-            metrics::record_phase("total", sent.duration_since(request.received));
+            metrics::record_phase(metrics::Phase::Total, sent.duration_since(request.received));
         }
         let post = std::pin::pin!(state.upstream.post(
             &decision.base_url,

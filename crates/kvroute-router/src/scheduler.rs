@@ -56,7 +56,7 @@
 //! little as the cheapest matched one: each costed rank was a cold read or
 //! two, and 33 of them (32 tied idle ranks) were a routing decision's tail.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -102,6 +102,22 @@ pub struct Score {
     pub prefill_blocks: f64,
     pub decode_blocks: f64,
     pub cost: f64,
+}
+
+thread_local! {
+    /// A proxied request's [`Decision::scores`], given back by
+    /// [`keep_scores`] once it is sent: the thread's next decision fills it
+    /// rather than a new vector (an allocation per proxied request).
+    static KEPT_SCORES: Cell<Vec<Score>> = const { Cell::new(Vec::new()) };
+}
+
+/// Ranks of the longest scores list kept for the thread's next decision (16
+/// KiB); a longer one is let go.
+const KEPT_SCORES_MAX: usize = 256;
+
+/// Gives a decision's scores back for the thread's next decision.
+pub fn keep_scores(scores: Vec<Score>) {
+    crate::kept::keep(&KEPT_SCORES, scores, KEPT_SCORES_MAX);
 }
 
 #[derive(Clone, Debug)]
@@ -170,7 +186,7 @@ impl Scheduler {
             let fleet = self.registry.lock();
             let decision = self.choose_locked(&fleet, query, overlaps, now);
             drop(fleet);
-            metrics::observe_phase("schedule", started);
+            metrics::observe_phase(metrics::Phase::Schedule, started);
             decision
         })
     }
@@ -198,7 +214,7 @@ impl Scheduler {
                 (d, booking)
             });
             drop(fleet);
-            metrics::observe_phase("schedule", started);
+            metrics::observe_phase(metrics::Phase::Schedule, started);
             chosen
         })
     }
@@ -248,7 +264,7 @@ impl Scheduler {
         let started = std::time::Instant::now();
         self.overlaps(query.local_hashes, now.into_std(), overlaps);
         let ended = std::time::Instant::now();
-        metrics::record_phase("find_matches", ended - started);
+        metrics::record_phase(metrics::Phase::FindMatches, ended - started);
         ended
     }
 
@@ -324,31 +340,33 @@ impl Scheduler {
             })
         };
 
-        let mut scores: Vec<Score> = if let Some(pin) = query.pin {
+        let mut scores = crate::kept::take(&KEPT_SCORES);
+        if let Some(pin) = query.pin {
             // A pinned request skips busy and breaker checks: the caller asked for it.
-            let pinned: Vec<Score> = group
-                .members
-                .iter()
-                .copied()
-                .filter(|k| k.worker_id == pin)
-                .filter_map(score)
-                .collect();
-            if pinned.is_empty() {
+            scores.extend(
+                group
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|k| k.worker_id == pin)
+                    .filter_map(score),
+            );
+            if scores.is_empty() {
                 return Err(NoWorker::NoneRoutable);
             }
-            pinned
         } else if let Some(probe) = fleet.probe_due(group, now, usable) {
-            score(probe).into_iter().collect()
+            scores.extend(score(probe));
         } else {
             match self.policy {
                 Policy::Kv | Policy::Approx => {
                     // The ranks that matched, then the least loaded of the rest.
-                    let mut scores: Vec<Score> = overlaps
-                        .keys()
-                        .copied()
-                        .filter(|&k| group.members.binary_search(&k).is_ok() && usable(k))
-                        .filter_map(score)
-                        .collect();
+                    scores.extend(
+                        overlaps
+                            .keys()
+                            .copied()
+                            .filter(|&k| group.members.binary_search(&k).is_ok() && usable(k))
+                            .filter_map(score),
+                    );
                     let cheapest = scores.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
                     let floor = self.unmatched_floor(limits, query.prompt_tokens, request_blocks);
                     let mut taken = 0;
@@ -367,28 +385,21 @@ impl Scheduler {
                         taken += 1;
                         last_load = Some(load);
                     }
-                    scores
                 }
-                Policy::LeastLoaded => group
-                    .by_load
-                    .iter()
-                    .map(|&(_, k)| k)
-                    .find(|&k| usable(k))
-                    .and_then(score)
-                    .into_iter()
-                    .collect(),
-                Policy::RoundRobin => {
-                    first_usable(&group.members, group.next_round_robin(), usable)
-                        .and_then(score)
-                        .into_iter()
-                        .collect()
-                }
+                Policy::LeastLoaded => scores.extend(
+                    group
+                        .by_load
+                        .iter()
+                        .map(|&(_, k)| k)
+                        .find(|&k| usable(k))
+                        .and_then(score),
+                ),
+                Policy::RoundRobin => scores.extend(
+                    first_usable(&group.members, group.next_round_robin(), usable).and_then(score),
+                ),
                 Policy::Random => {
                     let start = rand::random_range(0..group.members.len());
-                    first_usable(&group.members, start, usable)
-                        .and_then(score)
-                        .into_iter()
-                        .collect()
+                    scores.extend(first_usable(&group.members, start, usable).and_then(score));
                 }
                 Policy::PowerOfTwo => {
                     let n = group.members.len();
@@ -405,10 +416,10 @@ impl Scheduler {
                         }
                         (a, b) => a.or(b),
                     };
-                    chosen.and_then(score).into_iter().collect()
+                    scores.extend(chosen.and_then(score));
                 }
             }
-        };
+        }
         if scores.is_empty() {
             return Err(NoWorker::AllBusy {
                 probe_at: fleet.next_probe_at(group, query.exclude, now),

@@ -90,9 +90,7 @@ const KEPT_HASHES_MAX: usize = 8192;
 
 /// Gives a [`Routed`]'s block hashes back for the thread's next prompt.
 pub fn keep_hashes(hashes: Vec<u64>) {
-    if hashes.capacity() <= KEPT_HASHES_MAX {
-        KEPT_HASHES.set(hashes);
-    }
+    crate::kept::keep(&KEPT_HASHES, hashes, KEPT_HASHES_MAX);
 }
 
 impl AppState {
@@ -267,8 +265,7 @@ impl AppState {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
             NameKind::Model => BlockHasher::new(block_size),
         };
-        let mut hashes = KEPT_HASHES.take();
-        hashes.clear();
+        let mut hashes = crate::kept::take(&KEPT_HASHES);
         let prompt_tokens = match input {
             RouteInput::Tokens(tokens) => {
                 hasher.local_hashes_into(tokens, &mut hashes);
@@ -283,7 +280,7 @@ impl AppState {
                 given.len() * block_size
             }
         };
-        metrics::observe_phase("hash", started.into_std());
+        metrics::observe_phase(metrics::Phase::Hash, started.into_std());
         Ok((hashes, prompt_tokens))
     }
 
