@@ -315,12 +315,13 @@ impl Lru {
         let mut parent = None;
         // The node of the chain's block the change just before linked: the
         // next block's parent and place, in the order with nothing moved
-        // since (see `Self::insert_below`).
+        // since (see `Self::insert_run_below`).
         let mut linked = None;
         // Where the chain under way starts in `changes`, for its touch when
         // its place was lost.
         let mut chain_start = 0;
-        for (at, &change) in changes.iter().enumerate() {
+        let mut at = 0;
+        while let Some(&change) = changes.get(at) {
             match change {
                 Change::Start(p) => {
                     chain_start = at;
@@ -333,16 +334,17 @@ impl Lru {
                     id,
                     tokens_low,
                 } => {
-                    let linked_now = match linked {
-                        Some(prev) if self.nodes[id].older != DOOMED => {
-                            self.insert_below(id, seq, tokens_low, prev);
-                            place.behind = Some((seq, id));
-                            true
-                        }
-                        _ => self.insert_at(id, seq, tokens_low, parent, &mut place),
-                    };
-                    linked = linked_now.then_some(id);
-                    parent = Some((seq, id));
+                    let run = linked.and_then(|prev| self.insert_run_below(prev, &changes[at..]));
+                    if let Some((inserted, last)) = run {
+                        at += inserted - 1;
+                        place.behind = Some(last);
+                        linked = Some(last.1);
+                        parent = Some(last);
+                    } else {
+                        let linked_now = self.insert_at(id, seq, tokens_low, parent, &mut place);
+                        linked = linked_now.then_some(id);
+                        parent = Some((seq, id));
+                    }
                 }
                 Change::Place(touch) => {
                     linked = self.place(&mut place, touch).then_some(touch.1);
@@ -376,6 +378,7 @@ impl Lru {
                     linked = None;
                 }
             }
+            at += 1;
         }
         changes.clear();
         self.defer_from(&touches[touched..]);
@@ -471,38 +474,74 @@ impl Lru {
         true
     }
 
-    /// [`Self::insert_at`] of a chain's block whose parent, node `prev`, the
-    /// chain's block before it, was just linked (so it is in the order and
-    /// the block's place): the node's neighbours and its parent's count
-    /// written with one read of each node, not re-checked and re-read
-    /// (with the removal's one read, 82M -> 59M instructions of the apply
-    /// at 16 workers; MEASUREMENTS.md, "The bounded index, fifth pass").
-    /// Node `id` is not doomed.
+    /// [`Self::insert_at`] of the new blocks `changes` starts with (its
+    /// leading [`Change::Insert`]s, up to a doomed node): a chain's next
+    /// blocks, below node `prev`, the chain's block before them, just linked
+    /// (so it is in the order, and the first one's parent and place).
+    /// Returns how many, and the last one's key and node; none if the first
+    /// node is doomed. Each node is read once and written once, whole (its
+    /// neighbours are the blocks before and after it in the run), and
+    /// `prev`'s older neighbour is given the last as its newer once: one
+    /// block at a time read and wrote the block before and that neighbour
+    /// for each (MEASUREMENTS.md, "The bounded index, sixth pass").
     #[inline(always)]
-    fn insert_below(&mut self, id: u32, seq: u64, tokens_low: u32, prev: u32) {
-        debug_assert!(self.pending.is_empty() && self.nodes[id].older != DOOMED);
-        // Pinned before it was handed over.
-        let pinned = self.nodes[id].children & PINNED;
-        let older = {
-            let anchor = &mut self.nodes[prev];
-            let older = anchor.older;
-            anchor.older = id;
-            anchor.children += 1;
-            older
-        };
-        self.nodes[id] = Node {
-            seq: halves(seq),
-            parent: prev,
-            newer: prev,
-            older,
-            children: pinned,
-            tokens_low,
-        };
-        match older {
-            NIL => self.tail = Some(id),
-            o => self.nodes[o].newer = id,
+    fn insert_run_below(&mut self, prev: u32, changes: &[Change]) -> Option<(usize, Touch)> {
+        debug_assert!(self.pending.is_empty());
+        // The block linked last and its node, not written yet: its older
+        // neighbour is the next block of the run, if any.
+        let mut above: Option<(Touch, Node)> = None;
+        let mut older = NIL;
+        let mut inserted = 0;
+        for change in changes {
+            let Change::Insert {
+                seq,
+                id,
+                tokens_low,
+            } = *change
+            else {
+                break;
+            };
+            let node = self.nodes[id];
+            if node.older == DOOMED {
+                break;
+            }
+            let parent = match above {
+                None => {
+                    let anchor = &mut self.nodes[prev];
+                    older = anchor.older;
+                    anchor.older = id;
+                    anchor.children += 1;
+                    prev
+                }
+                Some(((_, at), mut linked)) => {
+                    linked.older = id;
+                    linked.children += 1;
+                    self.nodes[at] = linked;
+                    at
+                }
+            };
+            above = Some((
+                (seq, id),
+                Node {
+                    seq: halves(seq),
+                    parent,
+                    newer: parent,
+                    older,
+                    // Pinned before it was handed over.
+                    children: node.children & PINNED,
+                    tokens_low,
+                },
+            ));
+            inserted += 1;
         }
-        self.len += 1;
+        let (last, node) = above?;
+        self.nodes[last.1] = node;
+        match older {
+            NIL => self.tail = Some(last.1),
+            o => self.nodes[o].newer = last.1,
+        }
+        self.len += inserted;
+        Some((inserted, last))
     }
 
     /// Moves a block already in the order to a chain's next place; returns
@@ -1316,6 +1355,44 @@ mod tests {
         assert!(again.contains(&a), "{again:?}");
     }
 
+    /// Three nodes given out and the changes of a stored chain of new
+    /// blocks 1, 2 and 3 at them, in that order.
+    fn new_chain(lru: &mut Lru) -> ([u32; 3], Vec<Change>) {
+        let mut ids = Vec::new();
+        lru.give_ids(3, &mut ids);
+        let ids: [u32; 3] = ids[..].try_into().expect("three ids");
+        let mut changes = vec![Change::Start(None)];
+        changes.extend((1..).zip(ids).map(|(seq, id)| Change::Insert {
+            seq,
+            id,
+            tokens_low: 0,
+        }));
+        changes.push(Change::End);
+        (ids, changes)
+    }
+
+    /// As above for a block in the middle of a chain of new blocks, which
+    /// the apply links as a run below the block before: the run stops at
+    /// the doomed node, which is freed, and the block after it, its place
+    /// lost, goes to the head, then the chain's touch moves the first there.
+    #[test]
+    fn a_removal_handed_over_before_its_insertion_mid_chain_frees_the_node() {
+        let mut lru = Lru::default();
+        let ([a, b, c], mut earlier) = new_chain(&mut lru);
+        let mut later = vec![Change::Remove(b)];
+        lru.apply_changes(&mut later, &mut Vec::new());
+        lru.apply_changes(&mut earlier, &mut Vec::new());
+        assert_eq!(lru.len(), 2);
+        // Neither counts a child: 3's parent, 2, was not in the order.
+        let mut cursor = Cursor::default();
+        assert_eq!(lru.next_victim(&mut cursor), Some((3, c)));
+        assert_eq!(lru.next_victim(&mut cursor), Some((1, a)));
+        assert_eq!(lru.next_victim(&mut cursor), None);
+        let mut again = Vec::new();
+        lru.give_ids(3, &mut again);
+        assert!(again.contains(&b), "{again:?}");
+    }
+
     /// A victim whose block left the table by a removal not yet applied is
     /// kept out of the order, and that removal, when applied, frees it once;
     /// also when taking the victim freed its retired parent after it.
@@ -1379,5 +1456,23 @@ mod tests {
         assert_eq!(lru.next_victim(&mut Cursor::default()), Some((2, b)));
         lru.pin([(1, a)].into_iter(), -1);
         assert_eq!(lru.next_victim(&mut Cursor::default()), Some((1, a)));
+    }
+
+    /// As above for a block in the middle of a chain of new blocks, which
+    /// the apply links as a run below the block before.
+    #[test]
+    fn a_pin_mid_chain_on_a_block_not_yet_handed_over_holds_it() {
+        let mut lru = Lru::default();
+        let ([a, b, c], mut stored) = new_chain(&mut lru);
+        lru.pin([(2, b)].into_iter(), 1);
+        lru.apply_changes(&mut stored, &mut Vec::new());
+        let mut cursor = Cursor::default();
+        assert_eq!(lru.next_victim(&mut cursor), Some((3, c)));
+        // 2 is a leaf now, but pinned, and 1 counts it.
+        assert_eq!(lru.next_victim(&mut cursor), None);
+        lru.pin([(2, b)].into_iter(), -1);
+        let mut cursor = Cursor::default();
+        assert_eq!(lru.next_victim(&mut cursor), Some((2, b)));
+        assert_eq!(lru.next_victim(&mut cursor), Some((1, a)));
     }
 }
