@@ -371,9 +371,7 @@ impl Lru {
                     // list was ~30 instructions more a touch.
                     let upto = (upto as usize).max(touched);
                     self.apply_pending();
-                    for &touch in &touches[touched..upto] {
-                        self.move_to_head(touch);
-                    }
+                    self.touch_in_order(&touches[touched..upto]);
                     touched = upto;
                     linked = None;
                 }
@@ -689,6 +687,55 @@ impl Lru {
         self.pending.is_empty()
     }
 
+    /// Moves lookups' touches (each path leaf first) to the head, as
+    /// [`Self::move_to_head`] of each in turn would, and a run of them whose
+    /// blocks lie in the order already as that leaves them (each right
+    /// newer than the one before: a path touched or stored before) as one
+    /// piece, reading each of its nodes once (MEASUREMENTS.md, "The bounded
+    /// index, sixth pass").
+    fn touch_in_order(&mut self, touches: &[Touch]) {
+        let mut at = 0;
+        while let Some(&oldest) = touches.get(at) {
+            at += 1;
+            if !self.holds(oldest) {
+                continue;
+            }
+            let mut newest = oldest.1;
+            while let Some(&(seq, id)) = touches.get(at) {
+                // Right newer than a block in the order: in it too.
+                match self.nodes.get(id) {
+                    Some(node) if node.older == newest && node.seq == halves(seq) => {}
+                    _ => break,
+                }
+                newest = id;
+                at += 1;
+            }
+            self.move_run_to_head(oldest.1, newest);
+        }
+    }
+
+    /// Moves the blocks from node `oldest` up to node `newest`, neighbours
+    /// in the order, to the head, keeping their order.
+    #[inline]
+    fn move_run_to_head(&mut self, oldest: u32, newest: u32) {
+        let above = self.nodes[newest].newer;
+        if above == NIL {
+            return;
+        }
+        let below = self.nodes[oldest].older;
+        self.nodes[above].older = below;
+        match below {
+            NIL => self.tail = Some(above),
+            b => self.nodes[b].newer = above,
+        }
+        // Not in the run (which is below it): the run's newest is not the head.
+        let old_head = self.head.unwrap_or(NIL);
+        self.nodes[old_head].newer = oldest;
+        self.nodes[oldest].older = old_head;
+        self.nodes[newest].newer = NIL;
+        self.head = Some(newest);
+    }
+
     /// Moves a block still in the order to the head, reading its node once
     /// (nothing to do at the head already).
     #[inline]
@@ -988,6 +1035,15 @@ mod tests {
             self.lru.apply_some(n)
         }
 
+        /// Hands lookups' touches over as a run's hand-over marks them,
+        /// nodes found now, and applies them.
+        fn hand_over_touches(&mut self, touches: &[u64]) {
+            self.flush();
+            let mut found: Vec<Touch> = touches.iter().filter_map(|&s| self.found(s)).collect();
+            let mut marked = vec![Change::Touches(found.len() as u32)];
+            self.lru.apply_changes(&mut marked, &mut found);
+        }
+
         fn pin(&mut self, path: &[u64], delta: i32) {
             self.flush();
             let path: Vec<Touch> = path.iter().filter_map(|&s| self.found(s)).collect();
@@ -1014,6 +1070,21 @@ mod tests {
         std::iter::from_fn(|| lru.next_victim(&mut cursor))
             .take(n)
             .collect()
+    }
+
+    /// A path whose blocks lie in the order as a touch leaves them, below
+    /// other blocks, moves to the head whole when touched again.
+    #[test]
+    fn a_path_touched_again_moves_whole() {
+        let mut lru = Keyed::default();
+        for seq in [1, 2, 3] {
+            lru.insert(seq, NO_PARENT);
+        }
+        // Leaf first: 1 newest, then 2.
+        lru.hand_over_touches(&[2, 1]);
+        lru.insert(4, NO_PARENT);
+        lru.hand_over_touches(&[2, 1]);
+        assert_eq!(evict(&mut lru, 10), vec![3, 4, 2, 1]);
     }
 
     #[test]
@@ -1073,6 +1144,8 @@ mod tests {
         Insert(u64),
         Remove(u64),
         TouchLater(Vec<u64>),
+        /// A path touched this many times, handed over with a run's changes.
+        TouchHandedOver(Vec<u64>, usize),
         /// The recency thread's slice: changes nothing the order shows.
         ApplySome(usize),
         Evict,
@@ -1084,14 +1157,17 @@ mod tests {
             (0..12u64).prop_map(Op::Insert),
             (0..12u64).prop_map(Op::Remove),
             proptest::collection::vec(0..12u64, 0..5).prop_map(Op::TouchLater),
+            (proptest::collection::vec(0..12u64, 0..5), 1..3usize)
+                .prop_map(|(path, times)| Op::TouchHandedOver(path, times)),
             (0..6usize).prop_map(Op::ApplySome),
             Just(Op::Evict),
         ]
     }
 
     proptest::proptest! {
-        /// Deferred touches against a model that moves each touched block to
-        /// the front of a list at once (root blocks only: the order alone).
+        /// Deferred touches, and touches handed over with a run's changes,
+        /// against a model that moves each touched block to the front of a
+        /// list at once (root blocks only: the order alone).
         #[test]
         fn deferred_touches_evict_as_touches_done_at_once(
             ops in proptest::collection::vec(op(), 1..80)
@@ -1117,6 +1193,16 @@ mod tests {
                             if let Some(at) = model.iter().position(|s| s == seq) {
                                 model.remove(at);
                                 model.insert(0, *seq);
+                            }
+                        }
+                    }
+                    Op::TouchHandedOver(path, times) => {
+                        let leaf_first: Vec<u64> = path.iter().rev().copied().collect();
+                        lru.hand_over_touches(&leaf_first.repeat(times));
+                        for seq in leaf_first.repeat(times) {
+                            if let Some(at) = model.iter().position(|&s| s == seq) {
+                                model.remove(at);
+                                model.insert(0, seq);
                             }
                         }
                     }
