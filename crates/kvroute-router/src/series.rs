@@ -273,19 +273,25 @@ mod tests {
             Expiring::new(PrometheusBuilder::new().build_recorder(), test_buckets);
         metrics::with_local_recorder(&recorder, record_all);
 
-        let family = |text: &str| -> String {
-            text.lines()
+        // The family's lines, its series in either order: the exporter's
+        // order of series is its registry's hash order.
+        let family = |text: &str| -> Vec<String> {
+            let mut lines: Vec<String> = text
+                .lines()
                 .filter(|line| line.contains("h_seconds"))
-                .collect::<Vec<_>>()
-                .join("\n")
+                .map(str::to_owned)
+                .collect();
+            lines.sort();
+            lines
         };
         let expected = family(&reference_handle.render());
         assert!(
-            expected.contains("h_seconds_bucket{phase=\"a\",le=\"0.001\"} 4"),
-            "{expected}"
+            expected.contains(&"h_seconds_bucket{phase=\"a\",le=\"0.001\"} 4".to_owned()),
+            "{expected:?}"
         );
         let text = renderer.render();
         assert_eq!(family(&text), expected);
+        assert!(text.starts_with("# HELP h_seconds"), "{text}");
         assert!(text.ends_with("\n\n"), "{text}");
     }
 }
