@@ -64,7 +64,7 @@ impl Registry {
     ) -> Booking {
         let mut first_token_estimate = None;
         let mut tokens_ahead = 0;
-        if let Some(rank) = fleet.ranks.get_mut(&key) {
+        let booked = fleet.update_rank(key, &self.limits, |rank| {
             tokens_ahead = rank.prefill_tokens();
             rank.booked_requests += 1;
             rank.booked_prefill_tokens += prefill_tokens;
@@ -73,7 +73,8 @@ impl Registry {
             first_token_estimate = rank
                 .prefill_seconds_per_token
                 .map(|rate| Duration::from_secs_f64(rate * prefill_tokens as f64));
-            fleet.rekey(key, &self.limits);
+        });
+        if booked.is_some() {
             self.note_booking(fleet, key);
         }
         let ticket = fleet.workers.get_mut(&key.worker_id).map(|worker| {
@@ -103,13 +104,14 @@ impl Registry {
         blocks: u64,
         request: bool,
     ) {
-        if let Some(rank) = fleet.ranks.get_mut(&key) {
+        let released = fleet.update_rank(key, &self.limits, |rank| {
             rank.booked_prefill_tokens = rank.booked_prefill_tokens.saturating_sub(prefill_tokens);
             rank.booked_blocks = rank.booked_blocks.saturating_sub(blocks);
             if request {
                 rank.booked_requests = rank.booked_requests.saturating_sub(1);
             }
-            fleet.rekey(key, &self.limits);
+        });
+        if released.is_some() {
             self.note_booking(fleet, key);
         }
     }

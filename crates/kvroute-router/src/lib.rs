@@ -19,6 +19,7 @@ pub mod api;
 pub mod auth;
 pub mod booking;
 pub mod breaker;
+mod bucketed;
 pub mod cached_tokens;
 pub mod config;
 pub mod error;

@@ -4,7 +4,7 @@
 //! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
 //! Histograms carry no worker label, to keep the series count flat in the fleet size.
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use metrics_util::MetricKindMask;
 
 use crate::series::{Expiring, Renderer};
@@ -262,9 +262,25 @@ const TOKEN_ERROR_BUCKETS: &[f64] = &[
     16384.0,
 ];
 
+/// The bucket bounds of the histogram family `name` (a full name's before a
+/// suffix's); `None` for a family that is not a bucketed histogram.
+fn buckets(name: &str) -> Option<&'static [f64]> {
+    if name == CLUSTER_APPLY_LAG {
+        Some(APPLY_LAG_BUCKETS)
+    } else if name == CACHED_TOKENS_ERROR {
+        Some(TOKEN_ERROR_BUCKETS)
+    } else if name.ends_with("_seconds") {
+        Some(SECONDS_BUCKETS)
+    } else if name.ends_with("_ratio") {
+        Some(RATIO_BUCKETS)
+    } else {
+        None
+    }
+}
+
 /// Whether the family `name` is a histogram (exported as `_bucket`, `_sum` and `_count`).
 pub fn is_histogram(name: &str) -> bool {
-    name.ends_with("_seconds") || name.ends_with("_ratio") || name == CACHED_TOKENS_ERROR
+    buckets(name).is_some()
 }
 
 static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
@@ -284,11 +300,11 @@ pub fn forget_worker(worker_id: u64) {
 /// How often histogram samples are folded into their buckets.
 const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The exporter keeps every histogram sample until something drains it into
-/// the buckets; a render does, but a router nobody scrapes would hold every
-/// sample it ever recorded. A thread of its own drains them, as the exporter's
-/// own `install` would (that one also opens a listener, which `/metrics`
-/// already is).
+/// The exporter keeps every sample of its own histograms (those without
+/// buckets, see [`crate::series`]) until something drains it; a render does,
+/// but a router nobody scrapes would hold every sample it ever recorded. A
+/// thread of its own drains them, as the exporter's own `install` would (that
+/// one also opens a listener, which `/metrics` already is).
 fn drain_histograms_periodically(handle: metrics_exporter_prometheus::PrometheusHandle) {
     let started = std::thread::Builder::new()
         .name("kvroute-metrics-upkeep".into())
@@ -305,18 +321,6 @@ fn drain_histograms_periodically(handle: metrics_exporter_prometheus::Prometheus
 
 fn install() -> Renderer {
     let recorder = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-        .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_ratio".into()), RATIO_BUCKETS))
-        .and_then(|b| {
-            b.set_buckets_for_metric(Matcher::Full(CLUSTER_APPLY_LAG.into()), APPLY_LAG_BUCKETS)
-        })
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                Matcher::Full(CACHED_TOKENS_ERROR.into()),
-                TOKEN_ERROR_BUCKETS,
-            )
-        })
-        .expect("bucket lists are non-empty")
         // Counters and gauges not touched before a render go: series::Expiring
         // touches all but those of forgotten workers.
         .idle_timeout(
@@ -325,7 +329,7 @@ fn install() -> Renderer {
         )
         .build_recorder();
     drain_histograms_periodically(recorder.handle());
-    let (recorder, handle) = Expiring::new(recorder);
+    let (recorder, handle) = Expiring::new(recorder, buckets);
     metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");
     for &(name, help) in FAMILIES {

@@ -420,10 +420,7 @@ impl Registry {
 
     pub fn report_load(&self, key: WorkerKey, load: ReportedLoad) {
         let mut fleet = self.lock();
-        if let Some(rank) = fleet.ranks.get_mut(&key) {
-            rank.reported = load;
-            fleet.rekey(key, &self.limits);
-        }
+        fleet.update_rank(key, &self.limits, |rank| rank.reported = load);
         drop(fleet);
         self.released.notify_waiters();
     }
@@ -620,17 +617,28 @@ impl Fleet {
         load_key as f64 / LOAD_KEY_SCALE
     }
 
-    pub(crate) fn rekey(&mut self, key: WorkerKey, limits: &Limits) {
-        let Some(rank) = self.ranks.get_mut(&key) else {
-            return;
-        };
+    /// Changes the rank at `key` by `change` (one lookup for both) and re-keys
+    /// it in the load order; `None` if there is no such rank.
+    pub(crate) fn update_rank<R>(
+        &mut self,
+        key: WorkerKey,
+        limits: &Limits,
+        change: impl FnOnce(&mut Rank) -> R,
+    ) -> Option<R> {
+        let rank = self.ranks.get_mut(&key)?;
+        let changed = change(rank);
         rank.inflight_gauge.set(rank.inflight() as f64);
         rank.prefill_gauge.set(rank.prefill_tokens() as f64);
         let new_key = Self::load_key(rank, limits);
         let old_key = std::mem::replace(&mut rank.load_key, new_key);
-        if old_key == new_key {
-            return;
+        if old_key != new_key {
+            self.reorder(key, old_key, new_key);
         }
+        Some(changed)
+    }
+
+    /// Moves a rank whose load key changed within its groups' load order.
+    fn reorder(&mut self, key: WorkerKey, old_key: u64, new_key: u64) {
         let Some(worker) = self.workers.get(&key.worker_id) else {
             return;
         };

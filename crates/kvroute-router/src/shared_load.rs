@@ -105,8 +105,7 @@ impl Registry {
             return;
         }
         let released = load.requests < rank.remote.requests || load.blocks < rank.remote.blocks;
-        rank.remote = load;
-        fleet.rekey(key, &self.limits);
+        fleet.update_rank(key, &self.limits, |rank| rank.remote = load);
         drop(fleet);
         if released {
             self.released.notify_waiters();

@@ -1,4 +1,5 @@
-//! A router nobody scrapes does not keep every histogram sample it records.
+//! A router nobody scrapes does not keep every histogram sample it records:
+//! a bucketed histogram keeps none, the exporter's own (a summary) are drained.
 //!
 //! Its own test binary: it counts the process's live heap bytes, and installs
 //! the process-wide recorder.
@@ -35,16 +36,31 @@ static ALLOCATOR: Counting = Counting;
 
 const MIB: isize = 1 << 20;
 
-#[test]
-fn histogram_samples_are_drained_without_a_scrape() {
-    let _renderer = kvroute_router::metrics::handle();
-    let histogram = metrics::histogram!("kvroute_test_upkeep_seconds");
+/// Records two million samples into `histogram` (after a first one, which
+/// may set it up); returns the live heap bytes before them and how many more
+/// there are after.
+fn heap_growth(histogram: &metrics::Histogram) -> (isize, isize) {
     histogram.record(0.001);
     let before = LIVE.load(Ordering::Relaxed);
     for i in 0..2_000_000 {
         histogram.record(i as f64 * 1e-9);
     }
-    let held = LIVE.load(Ordering::Relaxed) - before;
+    (before, LIVE.load(Ordering::Relaxed) - before)
+}
+
+#[test]
+fn histogram_samples_are_drained_without_a_scrape() {
+    let _renderer = kvroute_router::metrics::handle();
+
+    let (_, held) = heap_growth(&metrics::histogram!("kvroute_test_upkeep_seconds"));
+    assert!(
+        held < MIB,
+        "a bucketed histogram holds its samples: {held} bytes"
+    );
+
+    // No buckets: a summary, whose samples the exporter queues.
+    let histogram = metrics::histogram!("kvroute_test_upkeep");
+    let (before, held) = heap_growth(&histogram);
     assert!(held > 8 * MIB, "the samples wait somewhere: {held} bytes");
     // Drained samples are freed once the recorder's epoch moves on, which
     // recording does, as a live router's would.
