@@ -539,10 +539,7 @@ fn token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
     // memory; this is the request's hottest loop), into a vector an earlier
     // request on the thread gave back if there is one.
     let end = memchr::memchr(b']', json)?;
-    let mut ids = SPARE_TOKENS
-        .with_borrow_mut(|spares| spares.pop())
-        .unwrap_or_default();
-    ids.clear();
+    let mut ids = crate::kept::take_pooled(&SPARE_TOKENS);
     ids.resize(end / 2, 0);
     let mut count = 0;
     let mut at = 1;
@@ -578,10 +575,8 @@ fn token_ids(json: &[u8]) -> Option<(Vec<u32>, usize)> {
     }
 }
 
-/// Most token-id vectors a thread keeps for later prompts (see
-/// [`keep_tokens`]): a request holds its ids until its response starts (a
-/// retry routes them again), so with requests in flight one kept vector was
-/// mostly taken when the next prompt came.
+/// Most token-id vectors a thread keeps for later prompts, in a pool (see
+/// [`crate::kept`]).
 const SPARE_TOKEN_VECTORS: usize = 32;
 
 /// Token ids of the longest vector kept (16 KiB); a longer one is let go.
@@ -595,13 +590,7 @@ thread_local! {
 /// token-id prompt on this thread to be read into: a vector made per request
 /// was an allocation and a free.
 fn keep_tokens(tokens: Vec<u32>) {
-    if tokens.capacity() <= SPARE_TOKENS_MAX {
-        SPARE_TOKENS.with_borrow_mut(|spares| {
-            if spares.len() < SPARE_TOKEN_VECTORS {
-                spares.push(tokens);
-            }
-        });
-    }
+    crate::kept::keep_pooled(&SPARE_TOKENS, tokens, SPARE_TOKENS_MAX, SPARE_TOKEN_VECTORS);
 }
 
 /// The eight bytes of `json` from `at` on, as one little-endian word.
