@@ -361,8 +361,9 @@ impl Lru {
                     }
                     linked = None;
                 }
-                Change::Remove(id) => {
-                    self.remove(id);
+                Change::Remove(_) => {
+                    self.apply_pending();
+                    at += self.remove_run(&changes[at..]) - 1;
                     linked = None;
                 }
                 Change::Touches(upto) => {
@@ -569,21 +570,93 @@ impl Lru {
         self.apply_pending();
         // Read once: each read of a node indexes the slab's chunks again.
         let node = self.nodes[id];
-        match node.older {
-            // Its insertion is still to be applied (handed over later).
+        if !self.removed_before_inserted(id, node.older) {
+            self.take_out(id, node, node.older);
+        }
+    }
+
+    /// [`Self::remove`] of the blocks `changes` starts with (its leading
+    /// [`Change::Remove`]s, at least one); returns how many. A block that
+    /// is the parent of the one removed before it and right newer than it
+    /// in the order (a chain's blocks going leaf first, as an engine evicts
+    /// them) is taken out with it as one piece: its node is read once, the
+    /// child's release counted in it, and the piece's neighbours are joined
+    /// once, which leaves what removing each in turn leaves.
+    #[inline(always)]
+    fn remove_run(&mut self, changes: &[Change]) -> usize {
+        debug_assert!(self.pending.is_empty());
+        // The piece so far: its oldest block's older neighbour, and its
+        // newest block's node and id, that block not written yet.
+        let mut piece: Option<(u32, u32, Node)> = None;
+        let mut removed = 0;
+        for change in changes {
+            let Change::Remove(id) = *change else {
+                break;
+            };
+            removed += 1;
+            if let Some((below, top, top_node)) = piece {
+                if top_node.parent == id && top_node.newer == id {
+                    // In the order (right newer than a block in it).
+                    // Its child's release, as `Self::release_child`'s.
+                    let mut node = self.nodes[id];
+                    debug_assert!(node.children & !PINNED > 0, "counts its child");
+                    if node.children & !PINNED > 0 {
+                        node.children -= 1;
+                    }
+                    self.forget(top, top_node);
+                    piece = Some((below, id, node));
+                    continue;
+                }
+                self.take_out(top, top_node, below);
+                piece = None;
+            }
+            let node = self.nodes[id];
+            if !self.removed_before_inserted(id, node.older) {
+                piece = Some((node.older, id, node));
+            }
+        }
+        if let Some((below, top, top_node)) = piece {
+            self.take_out(top, top_node, below);
+        }
+        removed
+    }
+
+    /// Handles the removal of a block at node `id` whose insertion is still
+    /// to be applied (handed over later), or which the eviction scan took
+    /// out already; returns whether it was either (`older`: the node's).
+    #[inline(always)]
+    fn removed_before_inserted(&mut self, id: u32, older: u32) -> bool {
+        match older {
             FREE => {
                 self.nodes[id].older = DOOMED;
                 self.unpin_all(id);
-                return;
+                true
             }
             EVICTED => {
                 self.free_node(id);
-                return;
+                true
             }
-            _ => {}
+            _ => false,
         }
+    }
+
+    /// Takes the block at node `id` (read as `node`) out of the order, the
+    /// blocks right newer than it up to its node's `newer` gone with it and
+    /// `below` the oldest's older neighbour, and releases its parent.
+    #[inline(always)]
+    fn take_out(&mut self, id: u32, node: Node, below: u32) {
         debug_assert!(self.holds((node.seq(), id)));
-        self.unlink_between(node.newer, node.older);
+        self.unlink_between(node.newer, below);
+        self.forget(id, node);
+        if node.parent != NIL {
+            self.release_child(node.parent);
+        }
+    }
+
+    /// Marks the block at node `id` (read as `node`, unlinked) gone: its
+    /// node is freed, or retired while it counts children.
+    #[inline(always)]
+    fn forget(&mut self, id: u32, node: Node) {
         self.len -= 1;
         if node.children & PINNED != 0 {
             self.pins.remove(u64::from(id));
@@ -596,9 +669,6 @@ impl Lru {
         }
         if children == 0 {
             self.free.push(id);
-        }
-        if node.parent != NIL {
-            self.release_child(node.parent);
         }
     }
 
@@ -1477,6 +1547,37 @@ mod tests {
         let mut again = Vec::new();
         lru.give_ids(3, &mut again);
         assert!(again.contains(&b), "{again:?}");
+    }
+
+    /// A chain's blocks removed leaf first in one hand-over, as an engine
+    /// evicts them, go as one piece while each is the parent of the one
+    /// before and right newer than it; a parent moved away since (4,
+    /// touched alone) goes alone. Each node is freed, and the blocks left
+    /// keep their order.
+    #[test]
+    fn a_chain_removed_leaf_first_in_one_hand_over_goes_as_one_piece() {
+        let mut lru = Keyed::deferred();
+        lru.store(None, &[1, 2, 3], None);
+        lru.store(None, &[4, 5], None);
+        lru.store(None, &[6], None);
+        lru.touch([4].into_iter());
+        // Newest first: 4, 6, 5, 1, 2, 3.
+        let mut nodes: Vec<u32> = [2, 3, 4, 5].map(|seq| lru.found(seq).unwrap().1).to_vec();
+        for seq in [3, 2, 5, 4] {
+            lru.remove(seq);
+        }
+        assert_eq!(
+            lru.deferred.as_ref().map(Vec::len),
+            Some(4),
+            "one hand-over"
+        );
+        assert_eq!(lru.len(), 2);
+        let mut freed = Vec::new();
+        lru.lru.give_ids(4, &mut freed);
+        freed.sort_unstable();
+        nodes.sort_unstable();
+        assert_eq!(freed, nodes);
+        assert_eq!(evict(&mut lru, 3), vec![1, 6]);
     }
 
     /// A victim whose block left the table by a removal not yet applied is
