@@ -263,6 +263,19 @@ pub(crate) struct ChainPlace {
     pub lost: bool,
 }
 
+/// Blocks marked gone and still to be unlinked (see [`Lru::forget`]): one,
+/// or a piece of neighbours in the order taken out together, each the
+/// parent of the one below it.
+#[derive(Clone, Copy)]
+struct Gone {
+    /// The newest's newer neighbour.
+    newer: u32,
+    /// The oldest's older neighbour.
+    older: u32,
+    /// The newest's parent.
+    parent: u32,
+}
+
 /// Where an eviction scan resumes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Cursor {
@@ -568,10 +581,8 @@ impl Lru {
     #[inline(always)]
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
-        // Read once: each read of a node indexes the slab's chunks again.
-        let node = self.nodes[id];
-        if !self.removed_before_inserted(id, node.older) {
-            self.take_out(id, node, node.older);
+        if let Some(gone) = self.forget(id, false) {
+            self.take_out(gone);
         }
     }
 
@@ -579,96 +590,95 @@ impl Lru {
     /// [`Change::Remove`]s, at least one); returns how many. A block that
     /// is the parent of the one removed before it and right newer than it
     /// in the order (a chain's blocks going leaf first, as an engine evicts
-    /// them) is taken out with it as one piece: its node is read once, the
-    /// child's release counted in it, and the piece's neighbours are joined
-    /// once, which leaves what removing each in turn leaves.
-    #[inline(always)]
+    /// them) is taken out with it as one piece: the child's release is
+    /// counted as its node is read, and the piece's neighbours are joined
+    /// once, which leaves what removing each in turn leaves
+    /// (MEASUREMENTS.md, "The bounded index, seventh pass").
+    #[inline(never)]
     fn remove_run(&mut self, changes: &[Change]) -> usize {
         debug_assert!(self.pending.is_empty());
-        // The piece so far: its oldest block's older neighbour, and its
-        // newest block's node and id, that block not written yet.
-        let mut piece: Option<(u32, u32, Node)> = None;
+        let mut piece: Option<Gone> = None;
         let mut removed = 0;
         for change in changes {
             let Change::Remove(id) = *change else {
                 break;
             };
             removed += 1;
-            if let Some((below, top, top_node)) = piece {
-                if top_node.parent == id && top_node.newer == id {
-                    // In the order (right newer than a block in it).
-                    // Its child's release, as `Self::release_child`'s.
-                    let mut node = self.nodes[id];
-                    debug_assert!(node.children & !PINNED > 0, "counts its child");
-                    if node.children & !PINNED > 0 {
-                        node.children -= 1;
-                    }
-                    self.forget(top, top_node);
-                    piece = Some((below, id, node));
-                    continue;
+            let extends = piece.is_some_and(|p| p.parent == id && p.newer == id);
+            let below = match piece.take() {
+                Some(p) if extends => Some(p.older),
+                Some(p) => {
+                    self.take_out(p);
+                    None
                 }
-                self.take_out(top, top_node, below);
-                piece = None;
-            }
-            let node = self.nodes[id];
-            if !self.removed_before_inserted(id, node.older) {
-                piece = Some((node.older, id, node));
-            }
+                None => None,
+            };
+            piece = self.forget(id, extends).map(|gone| Gone {
+                older: below.unwrap_or(gone.older),
+                ..gone
+            });
         }
-        if let Some((below, top, top_node)) = piece {
-            self.take_out(top, top_node, below);
+        if let Some(p) = piece {
+            self.take_out(p);
         }
         removed
     }
 
-    /// Handles the removal of a block at node `id` whose insertion is still
-    /// to be applied (handed over later), or which the eviction scan took
-    /// out already; returns whether it was either (`older`: the node's).
+    /// Marks the block at node `id` gone, its node freed or retired while it
+    /// counts children, reading and writing the node once; returns its
+    /// neighbours and parent for the caller to unlink and release. With
+    /// `child_released`, the block is in the order and its child just went:
+    /// that child's release is counted here. Else, a block whose insertion is
+    /// still to be applied (handed over later), or which the eviction scan
+    /// took out already, is handled as such, and none returned.
     #[inline(always)]
-    fn removed_before_inserted(&mut self, id: u32, older: u32) -> bool {
-        match older {
+    fn forget(&mut self, id: u32, child_released: bool) -> Option<Gone> {
+        let n = &mut self.nodes[id];
+        let node = *n;
+        match node.older {
+            _ if child_released => {}
             FREE => {
-                self.nodes[id].older = DOOMED;
+                n.older = DOOMED;
                 self.unpin_all(id);
-                true
+                return None;
             }
             EVICTED => {
                 self.free_node(id);
-                true
+                return None;
             }
-            _ => false,
+            _ => {}
         }
-    }
-
-    /// Takes the block at node `id` (read as `node`) out of the order, the
-    /// blocks right newer than it up to its node's `newer` gone with it and
-    /// `below` the oldest's older neighbour, and releases its parent.
-    #[inline(always)]
-    fn take_out(&mut self, id: u32, node: Node, below: u32) {
-        debug_assert!(self.holds((node.seq(), id)));
-        self.unlink_between(node.newer, below);
-        self.forget(id, node);
-        if node.parent != NIL {
-            self.release_child(node.parent);
+        debug_assert!(in_order(node.older));
+        let mut children = node.children;
+        // As `Self::release_child`.
+        debug_assert!(!child_released || children & !PINNED > 0);
+        if child_released && children & !PINNED > 0 {
+            children -= 1;
         }
-    }
-
-    /// Marks the block at node `id` (read as `node`, unlinked) gone: its
-    /// node is freed, or retired while it counts children.
-    #[inline(always)]
-    fn forget(&mut self, id: u32, node: Node) {
+        let kept = children & !PINNED;
+        n.children = kept;
+        n.older = if kept == 0 { FREE } else { RETIRED };
         self.len -= 1;
-        if node.children & PINNED != 0 {
+        if children & PINNED != 0 {
             self.pins.remove(u64::from(id));
         }
-        let children = node.children & !PINNED;
-        {
-            let n = &mut self.nodes[id];
-            n.children = children;
-            n.older = if children == 0 { FREE } else { RETIRED };
-        }
-        if children == 0 {
+        if kept == 0 {
             self.free.push(id);
+        }
+        Some(Gone {
+            newer: node.newer,
+            older: node.older,
+            parent: node.parent,
+        })
+    }
+
+    /// Joins the neighbours of blocks [`Self::forget`] marked gone and
+    /// releases their parent.
+    #[inline(always)]
+    fn take_out(&mut self, gone: Gone) {
+        self.unlink_between(gone.newer, gone.older);
+        if gone.parent != NIL {
+            self.release_child(gone.parent);
         }
     }
 
