@@ -1555,7 +1555,8 @@ impl KvIndex {
             let short = {
                 let mut handover = limited.handover.lock().unwrap();
                 let from = handover.ids.len().saturating_sub(want);
-                deferred.ids.extend(handover.ids.drain(from..));
+                deferred.ids.extend_from_slice(&handover.ids[from..]);
+                handover.ids.truncate(from);
                 handover.ids.is_empty()
             };
             if short && deferred.ids.len() < n {
