@@ -1661,6 +1661,9 @@ impl KvIndex {
                         // the loop reaches it), not into a vector allocated
                         // per chain.
                         state.blocks.reserve(blocks.len());
+                        // Memberships the chain adds without the limit's
+                        // lock, counted once after it, not block by block.
+                        let mut stored_added = 0;
                         let mut ahead = [BlockRef::from_key(0); PREFETCH_AHEAD];
                         let mut last = parent;
                         for (i, block) in blocks.iter().take(PREFETCH_AHEAD).enumerate() {
@@ -1703,11 +1706,11 @@ impl KvIndex {
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(limited) = limited {
-                                let counted_added = (counted * u64::from(added)) as i64;
                                 match eviction.as_deref_mut() {
                                     None => {
-                                        // Written down for the run's hand-over.
-                                        deferred.memberships += counted_added;
+                                        // Written down for the run's hand-over
+                                        // (the memberships after the chain).
+                                        stored_added += i64::from(added);
                                         let change = if created {
                                             let id = deferred.ids.pop().expect("nodes readied");
                                             entry.set_lru_node(id);
@@ -1723,6 +1726,7 @@ impl KvIndex {
                                         deferred.changes.push(change);
                                     }
                                     Some(eviction) => {
+                                        let counted_added = (counted * u64::from(added)) as i64;
                                         limited
                                             .memberships
                                             .fetch_add(counted_added, Ordering::Relaxed);
@@ -1744,6 +1748,7 @@ impl KvIndex {
                                 }
                             }
                         }
+                        deferred.memberships += counted as i64 * stored_added;
                         match eviction.as_deref_mut() {
                             Some(eviction) => {
                                 // Placed as one touch of the parent and the
