@@ -10,6 +10,13 @@
 //! watch, in a `select!` that draws a random number for its order. Here the
 //! proxied endpoints read hyper's body as it is, and a connection polls its
 //! shutdown signal only when that signal woke it.
+//!
+//! A request's service future is polled only when something it waits for woke
+//! it ([`Gated`]): hyper's server polls it at every poll of the connection, and
+//! hyper wakes the connection's task for its own parts too (taking a request
+//! body's data wakes the body's sender, the connection), whose next poll ran
+//! the whole proxied request's future (its worker connection, its timer) again
+//! for nothing, once a small request.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -42,7 +49,10 @@ pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::R
         });
         let (api, open) = (api.clone(), open.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |request| api.clone().respond(request));
+            // One request at a time on an HTTP/1 connection: its gate serves each.
+            let gate = MarkingWaker::new();
+            let service =
+                service_fn(move |request| Gated::new(api.clone().respond(request), &gate));
             // Head and body copied into one buffer and sent with one write:
             // ~400 instructions a small request less than queueing them for
             // `writev` (callgrind); a response body is copied once more
@@ -66,8 +76,8 @@ type Stop = Pin<Box<dyn Future<Output = ()> + Send>>;
 pin_project_lite::pin_project! {
     /// A connection, shut down gracefully once `stop` is ready. `stop` is
     /// polled at first and then only when it woke the task, which it does
-    /// through [`StopWaker`]: the connection's own wake-ups cost one atomic
-    /// swap each here.
+    /// through a [`MarkingWaker`]: the connection's own wake-ups cost one
+    /// atomic swap each here.
     struct Graceful<I, S>
     where
         S: hyper::service::HttpService<hyper::body::Incoming>,
@@ -75,7 +85,42 @@ pin_project_lite::pin_project! {
         #[pin]
         connection: http1::Connection<I, S>,
         stop: Option<Stop>,
-        stop_waker: Arc<StopWaker>,
+        stop_waker: Arc<MarkingWaker>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request's service future, polled at first and then only when it
+    /// woke the task, through its connection's [`MarkingWaker`] (see the
+    /// module's doc).
+    struct Gated<F> {
+        #[pin]
+        future: F,
+        gate: Arc<MarkingWaker>,
+    }
+}
+
+impl<F> Gated<F> {
+    fn new(future: F, gate: &Arc<MarkingWaker>) -> Self {
+        gate.woken.store(true, Ordering::Release);
+        Self {
+            future,
+            gate: Arc::clone(gate),
+        }
+    }
+}
+
+impl<F: Future> Future for Gated<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        this.gate.task.register(cx.waker());
+        if !this.gate.woken.swap(false, Ordering::Acquire) {
+            return Poll::Pending;
+        }
+        let waker = Waker::from(Arc::clone(this.gate));
+        this.future.poll(&mut Context::from_waker(&waker))
     }
 }
 
@@ -87,10 +132,7 @@ where
         Self {
             connection,
             stop: Some(stop),
-            stop_waker: Arc::new(StopWaker {
-                woken: AtomicBool::new(true),
-                task: AtomicWaker::new(),
-            }),
+            stop_waker: MarkingWaker::new(),
         }
     }
 }
@@ -125,15 +167,27 @@ where
     }
 }
 
-/// The waker `stop` is polled with: it marks that `stop` woke the task, then
-/// wakes the task. The task's waker is registered whenever `stop` is polled;
-/// a spawned task's waker does not change between polls.
-struct StopWaker {
+/// The waker a future polled only when it woke the task (a connection's
+/// `stop`, a request's service future) is polled with: it marks that the
+/// future woke the task, then wakes the task. The task's waker is registered
+/// whenever the future's poller is polled; a spawned task's waker does not
+/// change between polls.
+struct MarkingWaker {
     woken: AtomicBool,
     task: AtomicWaker,
 }
 
-impl Wake for StopWaker {
+impl MarkingWaker {
+    /// Marked: the future is polled at first.
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            woken: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        })
+    }
+}
+
+impl Wake for MarkingWaker {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
@@ -169,6 +223,46 @@ mod tests {
             response.extend_from_slice(&buf[..n]);
         }
         String::from_utf8(response).unwrap()
+    }
+
+    /// Counts the wakes of the task it stands for.
+    #[derive(Default)]
+    struct Task(std::sync::atomic::AtomicUsize);
+
+    impl Wake for Task {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_service_future_is_polled_again_only_once_it_woke_the_task() {
+        let (polls, kept) = (
+            std::sync::atomic::AtomicUsize::new(0),
+            std::sync::Mutex::new(None::<Waker>),
+        );
+        let future = std::future::poll_fn(|cx| {
+            polls.fetch_add(1, Ordering::Relaxed);
+            *kept.lock().unwrap() = Some(cx.waker().clone());
+            Poll::<()>::Pending
+        });
+        let gate = MarkingWaker::new();
+        let mut gated = std::pin::pin!(Gated::new(future, &gate));
+        let task = Arc::new(Task::default());
+        let waker = Waker::from(Arc::clone(&task));
+        let mut cx = Context::from_waker(&waker);
+        assert!(gated.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 1, "polled at first");
+        // The task polled again for something else (hyper's own parts).
+        assert!(gated.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 1, "not woken: not polled");
+        kept.lock().unwrap().take().unwrap().wake();
+        assert_eq!(task.0.load(Ordering::Relaxed), 1, "its wake wakes the task");
+        assert!(gated.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 2, "woken: polled");
+        // A connection's next request is polled at first, whatever came before.
+        let mut next = std::pin::pin!(Gated::new(std::future::ready(7), &gate));
+        assert_eq!(next.as_mut().poll(&mut cx), Poll::Ready(7));
     }
 
     #[tokio::test]

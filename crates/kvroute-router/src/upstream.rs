@@ -775,19 +775,17 @@ impl TrackedBody {
             _held: held,
         };
         if empty {
-            complete(&mut body.flight, sent, now, None);
+            complete(&mut body.flight, now.duration_since(sent), None);
         }
         body
     }
 }
 
-/// The worker's body ended as it meant to (by `now`): once, with its
-/// end-to-end latency.
-fn complete(flight: &mut Flight, sent: Instant, now: Instant, check: Option<&Check>) {
+/// The worker's body ended as it meant to, `latency` after it was sent:
+/// once, with that end-to-end latency.
+fn complete(flight: &mut Flight, latency: Duration, check: Option<&Check>) {
     if !flight.finished {
-        metrics::hot()
-            .e2e
-            .record(now.duration_since(sent).as_secs_f64());
+        metrics::hot().e2e.record(latency.as_secs_f64());
         if let Some(check) = check {
             check.finish();
         }
@@ -809,13 +807,14 @@ impl Body for TrackedBody {
         };
         match Pin::new(inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                // One clock read for the frame's metrics, deadline and end.
-                let mut now = None;
+                // One clock read for the frame's metrics, deadline and end,
+                // and for a first frame that is also the last, one latency.
+                let (mut now, mut ttft) = (None, None);
                 if frame.is_data() {
                     let now = *now.insert(Instant::now());
                     match *this.last_frame {
                         None => {
-                            let ttft = now.duration_since(*this.sent);
+                            let ttft = *ttft.insert(now.duration_since(*this.sent));
                             metrics::hot().ttft.record(ttft.as_secs_f64());
                             if let Some(booking) = this.flight.booking.as_mut() {
                                 // Only a stream's first frame is its first token.
@@ -842,8 +841,10 @@ impl Body for TrackedBody {
                     check.push(data);
                 }
                 if this.inner.as_ref().is_some_and(WorkerBody::is_end_stream) {
-                    let now = now.unwrap_or_else(Instant::now);
-                    complete(this.flight, *this.sent, now, this.check.as_ref());
+                    let latency = ttft.unwrap_or_else(|| {
+                        now.unwrap_or_else(Instant::now).duration_since(*this.sent)
+                    });
+                    complete(this.flight, latency, this.check.as_ref());
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -852,7 +853,7 @@ impl Body for TrackedBody {
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Ready(None) => {
-                complete(this.flight, *this.sent, Instant::now(), this.check.as_ref());
+                complete(this.flight, this.sent.elapsed(), this.check.as_ref());
                 Poll::Ready(None)
             }
             Poll::Pending => {
