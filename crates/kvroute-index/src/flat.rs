@@ -152,6 +152,20 @@ fn next_in(at: usize, len: usize) -> usize {
     if at + 1 == len { 0 } else { at + 1 }
 }
 
+/// Copies the entries of `slots` (at most [`RESIZE_CHUNK`]) to the front of
+/// `into`, in order, without a branch; returns how many.
+#[inline(always)]
+fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usize {
+    let mut taken = 0;
+    for slot in slots {
+        // `taken` is below the slots read so far, so below `RESIZE_CHUNK`:
+        // the modulo only spares a bounds check.
+        into[taken % RESIZE_CHUNK] = *slot;
+        taken += usize::from(slot.key() != EMPTY);
+    }
+    taken
+}
+
 /// The halves of a key.
 #[inline]
 fn halves(key: u64) -> [u32; 2] {
@@ -550,26 +564,35 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         // whose home is before the run (an entry the old table held out of
         // order, or one whose probe wraps) is probed for. Resizing was nearly
         // half of the 1,024-worker replay's mispredicted branches.
+        // Whole chunks are gathered by a loop of a known length, which the
+        // compiler unrolls.
         let mut gathered = [first; RESIZE_CHUNK];
-        let (mut run_start, mut run_end) = (0, 0);
+        let mut run = 0..0;
         for half in [&old[start..], &old[..start]] {
-            for chunk in half.chunks(RESIZE_CHUNK) {
-                let mut taken = 0;
-                for slot in chunk {
-                    gathered[taken] = *slot;
-                    taken += usize::from(slot.key() != EMPTY);
-                }
-                for slot in &gathered[..taken] {
-                    let home = self.home(slot.key());
-                    let at = home.max(run_end);
-                    if home >= run_start && at < slots {
-                        run_start = if home > run_end { home } else { run_start };
-                        run_end = at + 1;
-                        self.slots[at] = *slot;
-                    } else if self.place(*slot) == run_end {
-                        run_end += 1;
-                    }
-                }
+            let (chunks, rest) = half.as_chunks::<RESIZE_CHUNK>();
+            for chunk in chunks {
+                let taken = gather(chunk, &mut gathered);
+                self.place_gathered(&gathered[..taken], &mut run);
+            }
+            let taken = gather(rest, &mut gathered);
+            self.place_gathered(&gathered[..taken], &mut run);
+        }
+    }
+
+    /// Places a resize's gathered entries, in the old table's order, `run`
+    /// being the run of slots being filled (see [`Self::resize`]).
+    #[inline(always)]
+    fn place_gathered(&mut self, gathered: &[Slot<V>], run: &mut std::ops::Range<usize>) {
+        let slots = self.slots.len();
+        for slot in gathered {
+            let home = self.home(slot.key());
+            let at = home.max(run.end);
+            if home >= run.start && at < slots {
+                run.start = if home > run.end { home } else { run.start };
+                run.end = at + 1;
+                self.slots[at] = *slot;
+            } else if self.place(*slot) == run.end {
+                run.end += 1;
             }
         }
     }
