@@ -1172,6 +1172,26 @@ mod tests {
         }
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_workers_health_check_fails_at_the_health_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Arc<str> = format!("http://{}", listener.local_addr().unwrap()).into();
+        tokio::spawn(async move {
+            let _held = listener.accept().await.unwrap();
+            std::future::pending::<()>().await
+        });
+        let config = UpstreamConfig {
+            health_timeout_ms: 2000,
+            connect_timeout_ms: 3_600_000,
+            ..UpstreamConfig::default()
+        };
+        let upstream = Upstream::new(&config).unwrap();
+        let started = Instant::now();
+        let checked = tokio::time::timeout(Duration::from_secs(10), upstream.healthy(&url)).await;
+        assert_eq!(checked, Ok(false));
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
     /// POSTs `{}` with `headers` to the worker, giving up at `deadline`.
     async fn post_by(
         upstream: &Upstream,
