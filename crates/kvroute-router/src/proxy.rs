@@ -7,8 +7,6 @@
 //! predictions), and [`crate::upstream`] does the talking and the measuring.
 
 use std::cell::RefCell;
-use std::pin::Pin;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -23,7 +21,7 @@ use crate::cached_tokens::{Check, Prediction};
 use crate::error::RouterError;
 use crate::metrics;
 use crate::state::{AppState, RouteInput, Routed};
-use crate::upstream::{Failure, Held, TrackedBody, strip_hop_by_hop};
+use crate::upstream::{Deadlines, Failure, Held, TrackedBody, strip_hop_by_hop};
 
 /// Request and response header naming the worker (pins a request; tells the choice).
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -108,14 +106,17 @@ pub async fn forward(
         if tried.is_empty() {
             metrics::record_phase(metrics::Phase::Total, sent.duration_since(request.received));
         }
-        let post = std::pin::pin!(state.upstream.post(
-            &decision.base_url,
-            request.path,
-            request.headers,
-            request.body.clone(),
-        ));
         let timeout = state.upstream.first_byte_timeout();
-        let result = until_response(post, &mut booking, sent_at, timeout).await;
+        let result = state
+            .upstream
+            .post(
+                &decision.base_url,
+                request.path,
+                request.headers,
+                request.body.clone(),
+                &mut FirstByte::new(&mut booking, sent_at, timeout),
+            )
+            .await;
         let reason = match result {
             Ok(response) if !response.status().is_server_error() => {
                 let (mut parts, incoming) = response.into_parts();
@@ -216,40 +217,51 @@ fn worker_header_value(worker_id: u64) -> HeaderValue {
     })
 }
 
-/// Waits for the worker's response headers, at most `first_byte_timeout`. A
-/// non-streaming response's headers come only when generation is over, so the
-/// request's prefill booking is released at the estimated first token
-/// meanwhile (see [`crate::booking`]). One timer serves both deadlines: set
-/// for the estimate, then moved to the timeout when it fires, so a request
-/// registers one timer, not two. `post` is pinned by the caller, so that its
-/// future is stored once; it was sent at `started`.
-async fn until_response<T>(
-    mut post: Pin<&mut impl Future<Output = Result<T, Failure>>>,
-    booking: &mut Booking,
-    started: tokio::time::Instant,
-    first_byte_timeout: Duration,
-) -> Result<T, Failure> {
-    let timed_out = started + first_byte_timeout;
-    // An estimate past the timeout would never be reached.
-    let mut estimate = booking
-        .first_token_estimate()
-        .filter(|&estimate| estimate < first_byte_timeout);
-    let timer = tokio::time::sleep_until(estimate.map_or(timed_out, |e| started + e));
-    let mut timer = std::pin::pin!(timer);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(result) = post.as_mut().poll(cx) {
-            return Poll::Ready(result);
+/// The deadlines of a wait for the worker's response headers: at most
+/// `first_byte_timeout`. A non-streaming response's headers come only when
+/// generation is over, so the request's prefill booking is released at the
+/// estimated first token meanwhile (see [`crate::booking`]). One timer serves
+/// both deadlines: set for the estimate, then moved to the timeout when it
+/// fires. The timer is the worker connection's, kept from one request to the
+/// next (see [`crate::upstream`]).
+struct FirstByte<'a> {
+    booking: &'a mut Booking,
+    estimate: Option<tokio::time::Instant>,
+    timed_out: tokio::time::Instant,
+}
+
+impl<'a> FirstByte<'a> {
+    /// For a request sent at `started`.
+    fn new(
+        booking: &'a mut Booking,
+        started: tokio::time::Instant,
+        first_byte_timeout: Duration,
+    ) -> Self {
+        // An estimate past the timeout would never be reached.
+        let estimate = booking
+            .first_token_estimate()
+            .filter(|&estimate| estimate < first_byte_timeout)
+            .map(|estimate| started + estimate);
+        Self {
+            booking,
+            estimate,
+            timed_out: started + first_byte_timeout,
         }
-        while timer.as_mut().poll(cx).is_ready() {
-            if estimate.take().is_none() {
-                return Poll::Ready(Err(Failure::Timeout));
-            }
-            booking.release_prefill();
-            timer.as_mut().reset(timed_out);
+    }
+}
+
+impl Deadlines for FirstByte<'_> {
+    fn next(&self) -> tokio::time::Instant {
+        self.estimate.unwrap_or(self.timed_out)
+    }
+
+    fn passed(&mut self) -> bool {
+        if self.estimate.take().is_none() {
+            return false;
         }
-        Poll::Pending
-    })
-    .await
+        self.booking.release_prefill();
+        true
+    }
 }
 
 #[cfg(test)]
@@ -259,10 +271,11 @@ mod tests {
 
     use kvroute_index::WorkerKey;
 
-    use super::until_response;
+    use super::FirstByte;
+    use crate::booking::Booking;
     use crate::registry::tests::{limits, reg};
     use crate::registry::{Registry, Source};
-    use crate::upstream::Failure;
+    use crate::upstream::{Deadlines, Failure, within};
 
     const KEY: WorkerKey = WorkerKey {
         worker_id: 1,
@@ -287,6 +300,19 @@ mod tests {
             Some(Duration::from_millis(200))
         );
         (registry, booking)
+    }
+
+    /// Waits for `answer` as [`crate::upstream::Upstream::post`] waits for a
+    /// worker's response headers, for a request sent at `started`.
+    async fn until_response(
+        answer: impl Future<Output = Result<(), Failure>>,
+        booking: &mut Booking,
+        started: tokio::time::Instant,
+        first_byte_timeout: Duration,
+    ) -> Result<(), Failure> {
+        let mut deadlines = FirstByte::new(booking, started, first_byte_timeout);
+        let mut timer = Box::pin(tokio::time::sleep_until(deadlines.next()));
+        within(answer, &mut timer, &mut deadlines).await
     }
 
     /// A worker that answers only when generation is over, after `after`.

@@ -9,7 +9,8 @@
 //! request and per streamed chunk, and lets the server write every chunk the
 //! connection has already read in one go. Between requests a connection waits,
 //! unpolled, in its worker's idle list; it is checked when taken out (a worker
-//! that closed it is seen then) and dropped after [`IDLE_CONNECTION`].
+//! that closed it is seen then) and dropped after [`IDLE_CONNECTION`]. It also
+//! keeps the timer its requests wait for their response headers under.
 //!
 //! The worker's body is handed to the client frame by frame as it arrives, so a
 //! slow client slows the worker's stream down (backpressure) instead of the
@@ -42,6 +43,7 @@ use kvroute_index::OwnedPinnedPath;
 use rustc_hash::FxHashMap;
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Sleep;
 use tower::Service;
 
 use crate::booking::Booking;
@@ -98,6 +100,14 @@ fn states(value: &HeaderValue, length: usize) -> bool {
 /// One HTTP/1 connection to a worker; it moves only while someone polls it.
 struct Conn {
     link: Link,
+    /// The timer of its requests' waits for response headers (see
+    /// [`Deadlines`]), kept from one request to the next: a new one is put in
+    /// the runtime's timer wheel at its first poll and taken out when dropped,
+    /// both under the wheel's lock, while one set to a later deadline than
+    /// it had is only told the new one (the wheel moves it on when the old
+    /// one comes). Out of the connection while a request waits on it. Between
+    /// requests it holds the waker of the task that polled it last.
+    first_byte: Option<Pin<Box<Sleep>>>,
     /// What hyper's parts of the connection are given to wake their poller.
     waker: Waker,
     wakes: Arc<Wakes>,
@@ -157,13 +167,14 @@ impl Wake for Wakes {
 }
 
 impl Conn {
-    fn new(link: Link) -> Box<Self> {
+    fn new(link: Link, first_byte: Pin<Box<Sleep>>) -> Box<Self> {
         let wakes = Arc::new(Wakes {
             state: AtomicU8::new(0),
             task: AtomicWaker::new(),
         });
         Box::new(Conn {
             link,
+            first_byte: Some(first_byte),
             waker: Waker::from(Arc::clone(&wakes)),
             wakes,
         })
@@ -386,9 +397,8 @@ impl Upstream {
         self.first_byte_timeout
     }
 
-    /// A new connection to the worker. Boxed, as it moves from the request to
-    /// the response body and the idle list (and it is large).
-    async fn connect(&self, target: &Target) -> Result<Box<Conn>, Failure> {
+    /// A new connection to the worker.
+    async fn connect(&self, target: &Target) -> Result<Link, Failure> {
         let io = self
             .connector
             .clone()
@@ -398,17 +408,18 @@ impl Upstream {
         let (send, driver) = http1::handshake(io)
             .await
             .map_err(|e| Failure::Connect(format!("{e:?}")))?;
-        Ok(Conn::new(Link {
+        Ok(Link {
             send,
             driver,
             closed: false,
-        }))
+        })
     }
 
     /// Sends `request` on an idle connection to the worker, or a new one, and
-    /// drives the connection until the response headers arrive. A request an
-    /// idle connection could not take (the worker had closed it) goes on the
-    /// next one; one that never reached the worker fails as a connect error.
+    /// drives the connection until the response headers arrive, within
+    /// `deadlines`. A request an idle connection could not take (the worker
+    /// had closed it) goes on the next one; one that never reached the worker
+    /// fails as a connect error.
     async fn send(
         &self,
         base_url: &Arc<str>,
@@ -416,6 +427,7 @@ impl Upstream {
         path: &'static str,
         headers: Option<&HeaderMap>,
         body: Bytes,
+        deadlines: &mut impl Deadlines,
     ) -> Result<(Response<Incoming>, Box<Conn>), Failure> {
         let (target, mut idle) = self.pool.take(base_url).map_err(Failure::Connect)?;
         let length = body.len();
@@ -453,20 +465,29 @@ impl Upstream {
                     }
                     conn
                 }
-                // Boxed: rare, and its future would make every request's larger.
-                None => Box::pin(self.connect(&target)).await?,
+                None => {
+                    let mut timer = Box::pin(tokio::time::sleep_until(deadlines.next()));
+                    // Boxed: rare, and its future would make every request's larger.
+                    let connected = Box::pin(self.connect(&target));
+                    Conn::new(within(connected, &mut timer, deadlines).await?, timer)
+                }
             };
+            let mut timer = conn.first_byte.take().expect("kept while not in use");
+            timer.as_mut().reset(deadlines.next());
             let response = conn.hand(|link| link.send.try_send_request(request));
             let mut response = std::pin::pin!(response);
-            let result = poll_fn(|cx| {
+            let answered = poll_fn(|cx| {
                 conn.poll(cx, |link, cx| {
                     link.drive(cx);
-                    response.as_mut().poll(cx)
+                    response.as_mut().poll(cx).map(Ok)
                 })
-            })
-            .await;
+            });
+            let result = within(answered, &mut timer, deadlines).await?;
             match result {
-                Ok(response) => return Ok((response, conn)),
+                Ok(response) => {
+                    conn.first_byte = Some(timer);
+                    return Ok((response, conn));
+                }
                 Err(mut e) => match e.take_message() {
                     Some(unsent) if reused => {
                         request = unsent;
@@ -479,18 +500,18 @@ impl Upstream {
         }
     }
 
-    /// POSTs `body` to `base_url` + `path` and waits for the response headers,
-    /// for as long as the caller polls: it applies [`Self::first_byte_timeout`]
-    /// with the one timer it also uses for the request's first-token estimate.
+    /// POSTs `body` to `base_url` + `path` and waits for the response headers
+    /// within `deadlines`.
     pub async fn post(
         &self,
         base_url: &Arc<str>,
         path: &'static str,
         headers: &HeaderMap,
         body: Bytes,
+        deadlines: &mut impl Deadlines,
     ) -> Result<Response<WorkerBody>, Failure> {
         let (response, conn) = self
-            .send(base_url, Method::POST, path, Some(headers), body)
+            .send(base_url, Method::POST, path, Some(headers), body, deadlines)
             .await?;
         let (parts, body) = response.into_parts();
         let body = WorkerBody::new(body, conn, Arc::clone(&self.pool), Arc::clone(base_url));
@@ -499,12 +520,63 @@ impl Upstream {
 
     /// Whether the worker's `/health` answers 2xx within the health timeout.
     pub async fn healthy(&self, base_url: &Arc<str>) -> bool {
-        let sent = self.send(base_url, Method::GET, "/health", None, Bytes::new());
-        matches!(
-            tokio::time::timeout(self.health_timeout, sent).await,
-            Ok(Ok((response, _))) if response.status().is_success()
-        )
+        let mut deadline = GiveUpAt(tokio::time::Instant::now() + self.health_timeout);
+        let sent = self.send(
+            base_url,
+            Method::GET,
+            "/health",
+            None,
+            Bytes::new(),
+            &mut deadline,
+        );
+        matches!(sent.await, Ok((response, _)) if response.status().is_success())
     }
+}
+
+/// When a request stops waiting for its response headers, and what it does
+/// at a deadline on the way.
+pub trait Deadlines {
+    /// The next deadline.
+    fn next(&self) -> tokio::time::Instant;
+    /// [`Self::next`] passed: `false` gives up (a [`Failure::Timeout`]),
+    /// `true` waits on to the new [`Self::next`].
+    fn passed(&mut self) -> bool;
+}
+
+/// One deadline.
+pub struct GiveUpAt(pub tokio::time::Instant);
+
+impl Deadlines for GiveUpAt {
+    fn next(&self) -> tokio::time::Instant {
+        self.0
+    }
+
+    fn passed(&mut self) -> bool {
+        false
+    }
+}
+
+/// `work`, given up as a [`Failure::Timeout`] once `deadlines` give up, which
+/// `timer` (set for [`Deadlines::next`]) times.
+pub(crate) async fn within<T>(
+    work: impl Future<Output = Result<T, Failure>>,
+    timer: &mut Pin<Box<Sleep>>,
+    deadlines: &mut impl Deadlines,
+) -> Result<T, Failure> {
+    let mut work = std::pin::pin!(work);
+    poll_fn(|cx| {
+        if let Poll::Ready(result) = work.as_mut().poll(cx) {
+            return Poll::Ready(result);
+        }
+        while timer.as_mut().poll(cx).is_ready() {
+            if !deadlines.passed() {
+                return Poll::Ready(Err(Failure::Timeout));
+            }
+            timer.as_mut().reset(deadlines.next());
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 /// At most this many bytes of data frames that are ready together are joined
@@ -907,6 +979,7 @@ impl Body for TrackedBody {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use bytes::Bytes;
     use http::HeaderMap;
@@ -914,8 +987,9 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
     use tokio::sync::mpsc;
+    use tokio::time::Instant;
 
-    use super::Upstream;
+    use super::{Failure, GiveUpAt, Upstream};
     use crate::config::UpstreamConfig;
 
     /// A worker speaking raw HTTP/1.1: answers every request `ok`, and reports
@@ -975,6 +1049,11 @@ mod tests {
         (url, events)
     }
 
+    /// A deadline no test reaches.
+    fn an_hour() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
+
     /// A worker that reads one request, then writes each byte string the test
     /// sends it, in one write each, acknowledging each once written.
     async fn scripted_worker() -> (
@@ -1024,13 +1103,7 @@ mod tests {
         writes
             .send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nA\r\n")
             .unwrap();
-        let response = upstream
-            .post(
-                &url,
-                "/v1/completions",
-                &HeaderMap::new(),
-                Bytes::from("{}"),
-            )
+        let response = post_by(&upstream, &url, &HeaderMap::new(), an_hour())
             .await
             .unwrap();
         written.recv().await.unwrap();
@@ -1058,9 +1131,88 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn a_kept_connections_timer_times_the_next_request_to_its_own_deadline() {
+        // The first request's deadline, then the second's: later, then earlier.
+        for (first, second) in [(10, 3600), (3600, 2)] {
+            let (url, writes, mut written) = scripted_worker().await;
+            let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
+            writes
+                .send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .unwrap();
+            let first_deadline = Instant::now() + Duration::from_secs(first);
+            let response = post_by(&upstream, &url, &HeaderMap::new(), first_deadline)
+                .await
+                .unwrap();
+            written.recv().await.unwrap();
+            response.into_body().collect().await.unwrap();
+            assert_eq!(
+                upstream.pool.hosts.lock().unwrap().by_url[&*url].idle.len(),
+                1,
+                "kept, with its timer"
+            );
+            // The worker reads no more: the next request on it is never answered.
+            tokio::time::pause();
+            let started = Instant::now();
+            let answer = post_by(
+                &upstream,
+                &url,
+                &HeaderMap::new(),
+                started + Duration::from_secs(second),
+            )
+            .await;
+            assert!(matches!(answer, Err(Failure::Timeout)));
+            let waited = started.elapsed();
+            let deadline = Duration::from_secs(second);
+            assert!(
+                deadline <= waited && waited <= deadline + Duration::from_millis(1),
+                "{first} s then {second} s: timed out after {waited:?}"
+            );
+            tokio::time::resume();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_workers_health_check_fails_at_the_health_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url: Arc<str> = format!("http://{}", listener.local_addr().unwrap()).into();
+        tokio::spawn(async move {
+            let _held = listener.accept().await.unwrap();
+            std::future::pending::<()>().await
+        });
+        let config = UpstreamConfig {
+            health_timeout_ms: 2000,
+            connect_timeout_ms: 3_600_000,
+            ..UpstreamConfig::default()
+        };
+        let upstream = Upstream::new(&config).unwrap();
+        let started = Instant::now();
+        let checked = tokio::time::timeout(Duration::from_secs(10), upstream.healthy(&url)).await;
+        assert_eq!(checked, Ok(false));
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    /// POSTs `{}` with `headers` to the worker, giving up at `deadline`.
+    async fn post_by(
+        upstream: &Upstream,
+        url: &Arc<str>,
+        headers: &HeaderMap,
+        deadline: Instant,
+    ) -> Result<http::Response<super::WorkerBody>, Failure> {
+        let mut deadline = GiveUpAt(deadline);
+        upstream
+            .post(
+                url,
+                "/v1/completions",
+                headers,
+                Bytes::from("{}"),
+                &mut deadline,
+            )
+            .await
+    }
+
     async fn post(upstream: &Upstream, url: &Arc<str>) -> Bytes {
-        let response = upstream
-            .post(url, "/v1/completions", &HeaderMap::new(), Bytes::from("{}"))
+        let response = post_by(upstream, url, &HeaderMap::new(), an_hour())
             .await
             .unwrap();
         assert!(response.status().is_success());
@@ -1131,10 +1283,7 @@ mod tests {
             for value in given {
                 headers.append("content-length", value.parse().unwrap());
             }
-            let response = upstream
-                .post(&url, "/v1/completions", &headers, Bytes::from("{}"))
-                .await
-                .unwrap();
+            let response = post_by(&upstream, &url, &headers, an_hour()).await.unwrap();
             assert!(response.status().is_success());
             response.into_body().collect().await.unwrap();
             let head = loop {
@@ -1160,10 +1309,7 @@ mod tests {
         super::recycle_headers(old);
         let mut headers = HeaderMap::new();
         headers.insert("x-new", "2".parse().unwrap());
-        let response = upstream
-            .post(&url, "/v1/completions", &headers, Bytes::from("{}"))
-            .await
-            .unwrap();
+        let response = post_by(&upstream, &url, &headers, an_hour()).await.unwrap();
         response.into_body().collect().await.unwrap();
         let head = loop {
             match events.recv().await.unwrap() {
