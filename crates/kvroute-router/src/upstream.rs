@@ -544,7 +544,7 @@ pub trait Deadlines {
 }
 
 /// One deadline.
-pub struct GiveUpAt(pub tokio::time::Instant);
+pub(crate) struct GiveUpAt(pub(crate) tokio::time::Instant);
 
 impl Deadlines for GiveUpAt {
     fn next(&self) -> tokio::time::Instant {
