@@ -415,11 +415,7 @@ impl Lru {
     /// node), moved to the head if still in the order.
     pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
-        let behind = parent.filter(|&p| self.holds(p));
-        if let Some((_, id)) = behind {
-            self.unlink(id);
-            self.push_head(id);
-        }
+        let behind = parent.filter(|&p| self.move_to_head(p));
         ChainPlace {
             behind,
             lost: false,
@@ -865,17 +861,21 @@ impl Lru {
     }
 
     /// Moves a block still in the order to the head, reading its node once
-    /// (nothing to do at the head already).
+    /// (nothing to do at the head already); returns whether it was in the
+    /// order.
     #[inline]
-    fn move_to_head(&mut self, (seq, id): Touch) {
+    fn move_to_head(&mut self, (seq, id): Touch) -> bool {
         let Some(&node) = self.nodes.get(id) else {
-            return;
+            return false;
         };
-        if !in_order(node.older) || node.seq != halves(seq) || node.newer == NIL {
-            return;
+        if !in_order(node.older) || node.seq != halves(seq) {
+            return false;
         }
-        self.unlink_between(node.newer, node.older);
-        self.push_head(id);
+        if node.newer != NIL {
+            self.unlink_between(node.newer, node.older);
+            self.push_head(id);
+        }
+        true
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
