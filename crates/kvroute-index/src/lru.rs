@@ -282,14 +282,6 @@ struct Gone {
     parent: u32,
 }
 
-/// No piece under way in [`Lru::remove_run`]: `newer` is no node's id,
-/// nor [`NIL`], and `parent` names no node, so no removal extends it.
-const NO_PIECE: Gone = Gone {
-    newer: FREE,
-    older: NIL,
-    parent: NIL,
-};
-
 /// Where an eviction scan resumes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Cursor {
@@ -611,7 +603,6 @@ impl Lru {
     pub fn remove(&mut self, id: u32) {
         self.apply_pending();
         if let Some(gone) = self.forget(id, false) {
-            self.len -= 1;
             self.take_out(gone);
         }
     }
@@ -627,47 +618,36 @@ impl Lru {
     #[inline(never)]
     fn remove_run(&mut self, changes: &[Change]) -> usize {
         debug_assert!(self.pending.is_empty());
-        // The piece under way; `NO_PIECE` while there is none (a sentinel,
-        // not an `Option`: one register and a test less a removal).
-        let mut piece = NO_PIECE;
-        // Blocks that left the order, taken off its length once.
-        let mut left = 0;
-        let mut rest = changes;
-        while let [Change::Remove(id), tail @ ..] = rest {
-            rest = tail;
-            let id = *id;
-            if piece.parent == id && piece.newer == id {
-                let gone = self.forget(id, true);
-                debug_assert!(gone.is_some(), "a piece's parent is in the order");
-                if let Some(gone) = gone {
-                    piece.newer = gone.newer;
-                    piece.parent = gone.parent;
-                    left += 1;
-                }
-                continue;
-            }
-            if piece.newer != NO_PIECE.newer {
-                self.take_out(piece);
-            }
-            piece = match self.forget(id, false) {
-                Some(gone) => {
-                    left += 1;
-                    gone
-                }
-                None => NO_PIECE,
+        let mut piece: Option<Gone> = None;
+        let mut removed = 0;
+        for change in changes {
+            let Change::Remove(id) = *change else {
+                break;
             };
+            removed += 1;
+            let extends = piece.is_some_and(|p| p.parent == id && p.newer == id);
+            let below = match piece.take() {
+                Some(p) if extends => Some(p.older),
+                Some(p) => {
+                    self.take_out(p);
+                    None
+                }
+                None => None,
+            };
+            piece = self.forget(id, extends).map(|gone| Gone {
+                older: below.unwrap_or(gone.older),
+                ..gone
+            });
         }
-        if piece.newer != NO_PIECE.newer {
-            self.take_out(piece);
+        if let Some(p) = piece {
+            self.take_out(p);
         }
-        self.len -= left;
-        changes.len() - rest.len()
+        removed
     }
 
     /// Marks the block at node `id` gone, its node freed or retired while it
     /// counts children, reading and writing the node once; returns its
-    /// neighbours and parent for the caller to unlink and release (and to
-    /// take off the order's length: once a run in [`Self::remove_run`]). With
+    /// neighbours and parent for the caller to unlink and release. With
     /// `child_released`, the block is in the order and its child just went:
     /// that child's release is counted here. Else, a block whose insertion is
     /// still to be applied (handed over later), or which the eviction scan
@@ -703,6 +683,7 @@ impl Lru {
         let kept = children & !PINNED;
         n.children = kept;
         n.older = if kept == 0 { FREE } else { RETIRED };
+        self.len -= 1;
         if children & PINNED != 0 {
             self.pins.remove(u64::from(id));
         }
