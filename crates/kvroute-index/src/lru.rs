@@ -404,7 +404,12 @@ impl Lru {
     }
 
     /// Starts placing a stored chain whose parent is `parent` (its key and
-    /// node), moved to the head if still in the order.
+    /// node), moved to the head if still in the order. Out of line, as the
+    /// compiler left it before it called [`Self::move_to_head`]: inlined,
+    /// it changed the code of [`crate::index::KvIndex::apply_kind`] around
+    /// it (a dump's store calls it there), which both indexes run
+    /// (MEASUREMENTS.md, "The bounded index, ninth pass").
+    #[inline(never)]
     pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
         let behind = parent.filter(|&p| self.move_to_head(p));
