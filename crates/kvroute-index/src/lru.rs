@@ -404,14 +404,15 @@ impl Lru {
     }
 
     /// Starts placing a stored chain whose parent is `parent` (its key and
-    /// node), moved to the head if still in the order.
+    /// node), moved to the head if still in the order. Out of line, as the
+    /// compiler left it before it called [`Self::move_to_head`]: inlined,
+    /// it changed the code of [`crate::index::KvIndex::apply_kind`] around
+    /// it (a dump's store calls it there), which both indexes run
+    /// (MEASUREMENTS.md, "The bounded index, ninth pass").
+    #[inline(never)]
     pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
-        let behind = parent.filter(|&p| self.holds(p));
-        if let Some((_, id)) = behind {
-            self.unlink(id);
-            self.push_head(id);
-        }
+        let behind = parent.filter(|&p| self.move_to_head(p));
         ChainPlace {
             behind,
             lost: false,
@@ -846,17 +847,21 @@ impl Lru {
     }
 
     /// Moves a block still in the order to the head, reading its node once
-    /// (nothing to do at the head already).
+    /// (nothing to do at the head already); returns whether it was in the
+    /// order.
     #[inline]
-    fn move_to_head(&mut self, (seq, id): Touch) {
+    fn move_to_head(&mut self, (seq, id): Touch) -> bool {
         let Some(&node) = self.nodes.get(id) else {
-            return;
+            return false;
         };
-        if !in_order(node.older) || node.seq != halves(seq) || node.newer == NIL {
-            return;
+        if !in_order(node.older) || node.seq != halves(seq) {
+            return false;
         }
-        self.unlink_between(node.newer, node.older);
-        self.push_head(id);
+        if node.newer != NIL {
+            self.unlink_between(node.newer, node.older);
+            self.push_head(id);
+        }
+        true
     }
 
     /// Protects (or, with `delta` -1, releases) the blocks of a path from eviction.
