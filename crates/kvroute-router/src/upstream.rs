@@ -8,8 +8,9 @@
 //! wake-up and task switch between a connection's task and the server's, per
 //! request and per streamed chunk, and lets the server write every chunk the
 //! connection has already read in one go. Between requests a connection waits,
-//! unpolled, in its worker's idle list; it is checked when taken out (a worker
-//! that closed it is seen then) and dropped after [`IDLE_CONNECTION`]. It also
+//! unpolled, in its worker's idle list, and is dropped after [`IDLE_CONNECTION`].
+//! A worker that closed it meanwhile is seen when the next request goes on
+//! it: the request, never written, goes on another connection. It also
 //! keeps the timer its requests wait for their response headers under.
 //!
 //! The worker's body is handed to the client frame by frame as it arrives, so a
@@ -116,24 +117,41 @@ struct Conn {
 /// hyper's two halves of a connection.
 struct Link {
     send: http1::SendRequest<Full<Bytes>>,
-    driver: http1::Connection<MaybeHttpsStream<TokioIo<TcpStream>>, Full<Bytes>>,
-    /// The driver finished: the connection is closed.
-    closed: bool,
+    /// `None` once it finished: the connection is closed.
+    driver: Option<http1::Connection<MaybeHttpsStream<TokioIo<TcpStream>>, Full<Bytes>>>,
 }
 
 impl Link {
     /// Reads and writes what the connection can now; `true` once it is closed.
+    /// A finished driver is dropped at once: a request it had not written yet
+    /// (the worker closed the connection while it waited idle) goes back to
+    /// its sender unsent, where a kept driver would hold it.
     fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.closed && Pin::new(&mut self.driver).poll(cx).is_ready() {
-            self.closed = true;
+        if let Some(driver) = &mut self.driver
+            && Pin::new(driver).poll(cx).is_ready()
+        {
+            self.driver = None;
         }
-        self.closed
+        self.closed()
     }
 
-    /// Whether an idle connection can take a request now; drives it once, so
-    /// a close by the worker (or the end of the last response) is seen.
+    fn closed(&self) -> bool {
+        self.driver.is_none()
+    }
+
+    /// Whether an idle connection can take a request now. One that asked hyper
+    /// for the next request when its last response ended is not driven here:
+    /// that drive would find the connection as the request's own first drive
+    /// does, once more (~800 instructions a request, most of them an empty
+    /// poll of hyper's request queue). A close by the worker is seen there
+    /// instead, and the request comes back unsent (see [`Upstream::send`]).
     fn usable(&mut self, cx: &mut Context<'_>) -> bool {
-        !self.drive(cx) && matches!(self.send.poll_ready(cx), Poll::Ready(Ok(())))
+        match self.send.poll_ready(cx) {
+            Poll::Ready(ready) => ready.is_ok() && !self.closed(),
+            Poll::Pending => {
+                !self.drive(cx) && matches!(self.send.poll_ready(cx), Poll::Ready(Ok(())))
+            }
+        }
     }
 }
 
@@ -343,7 +361,7 @@ impl Pool {
     /// worker that left gets no more requests to do it at, and its address
     /// may never come back.
     fn put(&self, base_url: &str, conn: Box<Conn>) {
-        if conn.link.closed || conn.link.send.is_closed() {
+        if conn.link.closed() || conn.link.send.is_closed() {
             return;
         }
         let now = Instant::now();
@@ -410,8 +428,7 @@ impl Upstream {
             .map_err(|e| Failure::Connect(format!("{e:?}")))?;
         Ok(Link {
             send,
-            driver,
-            closed: false,
+            driver: Some(driver),
         })
     }
 
@@ -652,7 +669,7 @@ impl WorkerBody {
                     }
                     frame => frame,
                 });
-                if conn.link.closed {
+                if conn.link.closed() {
                     self.conn = None;
                 }
                 frame
