@@ -180,11 +180,16 @@ fn halves(key: u64) -> [u32; 2] {
 pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     /// Empty, or at least `MIN_SLOTS` long.
     slots: Vec<Slot<V>>,
-    /// Entries in `slots` (32 bits, so that `removed` fits beside it).
+    /// Entries in `slots` (32 bits, so that `removals_left` fits beside it).
     in_slots: u32,
-    /// Removals since the table was last laid out, or since it was last found
-    /// not dense enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]).
-    removed: u32,
+    /// Removals until the table has lost as many entries as it has slots
+    /// since it was last laid out, or since it was last found not dense
+    /// enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]): its length
+    /// less those removals. Counted down, so that a removal decrements and
+    /// tests it in place, where a count up was loaded, stored and compared
+    /// with the length (~5 instructions of each table's removal at 16
+    /// workers; MEASUREMENTS.md, "Tenth pass at 16 workers").
+    removals_left: u32,
     /// The table shrinks once it holds fewer entries than this (see
     /// [`Self::shrink_below`]).
     shrink_below: u32,
@@ -201,7 +206,7 @@ impl<V, const FLOOR: usize> Default for FlatMap<V, FLOOR> {
         Self {
             slots: Vec::new(),
             in_slots: 0,
-            removed: 0,
+            removals_left: 0,
             shrink_below: 0,
             most: 0,
             zero: None,
@@ -474,12 +479,12 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
-        self.removed += 1;
+        self.removals_left -= 1;
         // Two compares a removal; what they call for is worked out only
         // then (computed at every removal, the bounds were ~25 instructions
         // of each table's removal: MEASUREMENTS.md, "Ninth pass at 16
         // workers").
-        if self.in_slots < self.shrink_below || self.removed as usize >= len {
+        if self.in_slots < self.shrink_below || self.removals_left == 0 {
             self.relayout_after_removals();
         }
         removed
@@ -497,7 +502,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         } else if entries * 16 > len * CHURN_MAX_SIXTEENTHS[usize::from(FLOOR > 0)] {
             self.resize((entries * 16).div_ceil(CHURN_SIXTEENTHS[usize::from(FLOOR > 0)]));
         } else {
-            self.removed = 0;
+            self.removals_left = Self::removals_for(len);
         }
     }
 
@@ -534,6 +539,11 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
     }
 
+    /// [`Self::removals_left`] of a table of `len` slots just laid out.
+    fn removals_for(len: usize) -> u32 {
+        u32::try_from(len).unwrap_or(u32::MAX)
+    }
+
     /// Slots of a table that takes `entries` before it grows.
     fn slots_for(entries: usize) -> usize {
         (entries * 8).div_ceil(MAX_EIGHTHS).max(MIN_SLOTS)
@@ -546,7 +556,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// scattered (a table grown by a quarter is rehashed more often than a
     /// doubled one).
     fn resize(&mut self, slots: usize) {
-        self.removed = 0;
+        self.removals_left = Self::removals_for(slots);
         self.shrink_below = Self::shrink_below(slots);
         self.most = u32::try_from(slots * MAX_EIGHTHS / 8).unwrap_or(u32::MAX);
         let old = std::mem::replace(&mut self.slots, Self::empty_slots(slots));
