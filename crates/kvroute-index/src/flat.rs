@@ -128,14 +128,6 @@ impl<V> Slot<V> {
     }
 }
 
-/// How many slots on from `from` `to` is, in a table of `len` slots
-/// (cyclically).
-#[inline]
-fn distance(from: usize, to: usize, len: usize) -> usize {
-    let d = to.wrapping_sub(from);
-    if to < from { d.wrapping_add(len) } else { d }
-}
-
 /// The home slot of `key` in a table of `len` slots.
 #[inline]
 fn home_in(key: u64, len: usize) -> usize {
@@ -164,6 +156,45 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
         taken += usize::from(slot.key() != EMPTY);
     }
     taken
+}
+
+/// [`FlatMap::remove_at`]'s backward shift from slot `next` on, the hole
+/// at `hole`: moves back the slots that probed past the hole, up to the end
+/// of the cluster or of the table, whichever comes first; returns whether it
+/// met the cluster's end.
+///
+/// An entry may fill the hole iff its home is not cyclically in (hole, next]
+/// (moving it would put it before its home): one unsigned range test modulo
+/// 2^64, `home − (hole + 1) ≥ next − hole`, which is the cyclic one because
+/// homes are below the length (the part of the interval through 2^64 holds
+/// no home), whether or not the shift has wrapped. Two cyclic distances, or
+/// one and the hole's distance counted along, took ~2 instructions a shifted
+/// slot more (MEASUREMENTS.md, "Tenth pass at 16 workers"). Chosen and
+/// copied without a branch (a slot moved onto itself when it may not; a plain
+/// `if` compiled to a branch): whether a slot of a churned table may move is
+/// a coin the predictor loses often, 3.2 mispredicts an engine-map removal
+/// with the branch, 1.3 without (its exits'), and ops per CPU-second at 16
+/// workers +10–14 % (MEASUREMENTS.md, "Ingest under churn").
+#[inline(always)]
+fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize) -> bool {
+    let len = slots.len();
+    while next < len {
+        let key = slots[next].key();
+        if key == EMPTY {
+            return true;
+        }
+        let movable = home_in(key, len).wrapping_sub(*hole + 1) >= next.wrapping_sub(*hole);
+        let from = std::hint::select_unpredictable(movable, next, *hole);
+        // Indexed unchecked: the bounds checks were ~20 instructions a
+        // removal at 16 workers (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
+        // workers").
+        // SAFETY: `hole` is a slot of the table (the caller's, or an earlier
+        // `next`), and `from` is `next` or `hole`.
+        unsafe { *slots.get_unchecked_mut(*hole) = *slots.get_unchecked(from) };
+        *hole = from;
+        next += 1;
+    }
+    false
 }
 
 /// The halves of a key.
@@ -443,39 +474,14 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     #[inline]
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
-        let len = self.slots.len();
         // Moves back the slots after the hole that probed past it, to the end
-        // of the cluster. An entry may fill the hole iff it is at least as far
-        // from its home as from the hole (its home is not cyclically in
-        // (hole, next]: moving it would put it before its home). Chosen and
-        // copied without a branch (a slot moved onto itself when it may not;
-        // a plain `if` compiled to a branch): whether a slot of a churned
-        // table may move is a coin the predictor loses often, 3.2
-        // mispredicts an engine-map removal with the branch, 1.3 without (its
-        // exits'), and ops per CPU-second at 16 workers +10–14 % (MEASUREMENTS.md,
-        // "Ingest under churn").
-        // Indexed unchecked: the bounds checks were ~20 instructions a removal
-        // at 16 workers (MEASUREMENTS.md, "Sixth pass at 16 and 1,024 workers").
-        // The hole's distance back from `next` is counted along, not computed
-        // (one cyclic distance an entry, not two: ~2 instructions a shifted
-        // slot, −1.3 % of a 16-worker replay's; MEASUREMENTS.md, "Eighth pass
-        // at 16 workers").
-        let slots = self.slots.as_mut_slice();
-        let (mut hole, mut next, mut gap) = (at, next_in(at, len), 1);
-        loop {
-            // SAFETY: `at` is a slot of the table, and `next_in` keeps `next`
-            // (and so `hole`, which is `at` or an earlier `next`) below `len`.
-            let key = unsafe { slots.get_unchecked(next) }.key();
-            if key == EMPTY {
-                break;
-            }
-            let movable = distance(home_in(key, len), next, len) >= gap;
-            let from = std::hint::select_unpredictable(movable, next, hole);
-            // SAFETY: as above, `from` is `next` or `hole`.
-            unsafe { *slots.get_unchecked_mut(hole) = *slots.get_unchecked(from) };
-            hole = from;
-            gap = std::hint::select_unpredictable(movable, 0, gap) + 1;
-            next = next_in(next, len);
+        // of the cluster: up to the table's end, then from its start if the
+        // cluster goes on. Two loops, where one wrapped `next` at each slot:
+        // the loop's bound is the wrap's test (~4 instructions a shifted slot
+        // fewer; MEASUREMENTS.md, "Tenth pass at 16 workers").
+        let mut hole = at;
+        if !shift_back(self.slots.as_mut_slice(), &mut hole, at + 1) {
+            shift_back(self.slots.as_mut_slice(), &mut hole, 0);
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
