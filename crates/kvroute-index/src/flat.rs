@@ -167,9 +167,10 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
 /// (moving it would put it before its home): one unsigned range test modulo
 /// 2^64, `home − (hole + 1) ≥ next − hole`, which is the cyclic one because
 /// homes are below the length (the part of the interval through 2^64 holds
-/// no home), whether or not the shift has wrapped. Two cyclic distances, or
-/// one and the hole's distance counted along, took ~2 instructions a shifted
-/// slot more (MEASUREMENTS.md, "Tenth pass at 16 workers"). Chosen and
+/// no home), whether or not the shift has wrapped. The entry's cyclic
+/// distance from its home against the hole's, counted along, took ~1.3
+/// instructions a shifted slot more (MEASUREMENTS.md, "Tenth pass at 16
+/// workers"). Chosen and
 /// copied without a branch (a slot moved onto itself when it may not; a plain
 /// `if` compiled to a branch): whether a slot of a churned table may move is
 /// a coin the predictor loses often, 3.2 mispredicts an engine-map removal
@@ -477,7 +478,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         // Moves back the slots after the hole that probed past it, to the end
         // of the cluster: up to the table's end, then from its start if the
         // cluster goes on. Two loops, where one wrapped `next` at each slot:
-        // the loop's bound is the wrap's test (~4 instructions a shifted slot
+        // the loop's bound is the wrap's test (~2.5 instructions a shifted slot
         // fewer; MEASUREMENTS.md, "Tenth pass at 16 workers").
         let mut hole = at;
         if !shift_back(self.slots.as_mut_slice(), &mut hole, at + 1) {
