@@ -128,14 +128,6 @@ impl<V> Slot<V> {
     }
 }
 
-/// How many slots on from `from` `to` is, in a table of `len` slots
-/// (cyclically).
-#[inline]
-fn distance(from: usize, to: usize, len: usize) -> usize {
-    let d = to.wrapping_sub(from);
-    if to < from { d.wrapping_add(len) } else { d }
-}
-
 /// The home slot of `key` in a table of `len` slots.
 #[inline]
 fn home_in(key: u64, len: usize) -> usize {
@@ -166,6 +158,46 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
     taken
 }
 
+/// [`FlatMap::remove_at`]'s backward shift from slot `next` on, the hole
+/// at `hole`: moves back the slots that probed past the hole, up to the end
+/// of the cluster or of the table, whichever comes first; returns whether it
+/// met the cluster's end.
+///
+/// An entry may fill the hole iff its home is not cyclically in (hole, next]
+/// (moving it would put it before its home): one unsigned range test modulo
+/// 2^64, `home − (hole + 1) ≥ next − hole`, which is the cyclic one because
+/// homes are below the length (the part of the interval through 2^64 holds
+/// no home), whether or not the shift has wrapped. The entry's cyclic
+/// distance from its home against the hole's, counted along, took ~1.3
+/// instructions a shifted slot more (MEASUREMENTS.md, "Tenth pass at 16
+/// workers"). Chosen and
+/// copied without a branch (a slot moved onto itself when it may not; a plain
+/// `if` compiled to a branch): whether a slot of a churned table may move is
+/// a coin the predictor loses often, 3.2 mispredicts an engine-map removal
+/// with the branch, 1.3 without (its exits'), and ops per CPU-second at 16
+/// workers +10–14 % (MEASUREMENTS.md, "Ingest under churn").
+#[inline(always)]
+fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize) -> bool {
+    let len = slots.len();
+    while next < len {
+        let key = slots[next].key();
+        if key == EMPTY {
+            return true;
+        }
+        let movable = home_in(key, len).wrapping_sub(*hole + 1) >= next.wrapping_sub(*hole);
+        let from = std::hint::select_unpredictable(movable, next, *hole);
+        // Indexed unchecked: the bounds checks were ~20 instructions a
+        // removal at 16 workers (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
+        // workers").
+        // SAFETY: `hole` is a slot of the table (the caller's, or an earlier
+        // `next`), and `from` is `next` or `hole`.
+        unsafe { *slots.get_unchecked_mut(*hole) = *slots.get_unchecked(from) };
+        *hole = from;
+        next += 1;
+    }
+    false
+}
+
 /// The halves of a key.
 #[inline]
 fn halves(key: u64) -> [u32; 2] {
@@ -180,11 +212,16 @@ fn halves(key: u64) -> [u32; 2] {
 pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     /// Empty, or at least `MIN_SLOTS` long.
     slots: Vec<Slot<V>>,
-    /// Entries in `slots` (32 bits, so that `removed` fits beside it).
+    /// Entries in `slots` (32 bits, so that `removals_left` fits beside it).
     in_slots: u32,
-    /// Removals since the table was last laid out, or since it was last found
-    /// not dense enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]).
-    removed: u32,
+    /// Removals until the table has lost as many entries as it has slots
+    /// since it was last laid out, or since it was last found not dense
+    /// enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]): its length
+    /// less those removals. Counted down, so that a removal decrements and
+    /// tests it in place, where a count up was loaded, stored and compared
+    /// with the length (~5 instructions of each table's removal at 16
+    /// workers; MEASUREMENTS.md, "Tenth pass at 16 workers").
+    removals_left: u32,
     /// The table shrinks once it holds fewer entries than this (see
     /// [`Self::shrink_below`]).
     shrink_below: u32,
@@ -201,7 +238,7 @@ impl<V, const FLOOR: usize> Default for FlatMap<V, FLOOR> {
         Self {
             slots: Vec::new(),
             in_slots: 0,
-            removed: 0,
+            removals_left: 0,
             shrink_below: 0,
             most: 0,
             zero: None,
@@ -438,48 +475,23 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     #[inline]
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
-        let len = self.slots.len();
         // Moves back the slots after the hole that probed past it, to the end
-        // of the cluster. An entry may fill the hole iff it is at least as far
-        // from its home as from the hole (its home is not cyclically in
-        // (hole, next]: moving it would put it before its home). Chosen and
-        // copied without a branch (a slot moved onto itself when it may not;
-        // a plain `if` compiled to a branch): whether a slot of a churned
-        // table may move is a coin the predictor loses often, 3.2
-        // mispredicts an engine-map removal with the branch, 1.3 without (its
-        // exits'), and ops per CPU-second at 16 workers +10–14 % (MEASUREMENTS.md,
-        // "Ingest under churn").
-        // Indexed unchecked: the bounds checks were ~20 instructions a removal
-        // at 16 workers (MEASUREMENTS.md, "Sixth pass at 16 and 1,024 workers").
-        // The hole's distance back from `next` is counted along, not computed
-        // (one cyclic distance an entry, not two: ~2 instructions a shifted
-        // slot, −1.3 % of a 16-worker replay's; MEASUREMENTS.md, "Eighth pass
-        // at 16 workers").
-        let slots = self.slots.as_mut_slice();
-        let (mut hole, mut next, mut gap) = (at, next_in(at, len), 1);
-        loop {
-            // SAFETY: `at` is a slot of the table, and `next_in` keeps `next`
-            // (and so `hole`, which is `at` or an earlier `next`) below `len`.
-            let key = unsafe { slots.get_unchecked(next) }.key();
-            if key == EMPTY {
-                break;
-            }
-            let movable = distance(home_in(key, len), next, len) >= gap;
-            let from = std::hint::select_unpredictable(movable, next, hole);
-            // SAFETY: as above, `from` is `next` or `hole`.
-            unsafe { *slots.get_unchecked_mut(hole) = *slots.get_unchecked(from) };
-            hole = from;
-            gap = std::hint::select_unpredictable(movable, 0, gap) + 1;
-            next = next_in(next, len);
+        // of the cluster: up to the table's end, then from its start if the
+        // cluster goes on. Two loops, where one wrapped `next` at each slot:
+        // the loop's bound is the wrap's test (~2.5 instructions a shifted slot
+        // fewer; MEASUREMENTS.md, "Tenth pass at 16 workers").
+        let mut hole = at;
+        if !shift_back(self.slots.as_mut_slice(), &mut hole, at + 1) {
+            shift_back(self.slots.as_mut_slice(), &mut hole, 0);
         }
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
-        self.removed += 1;
+        self.removals_left -= 1;
         // Two compares a removal; what they call for is worked out only
         // then (computed at every removal, the bounds were ~25 instructions
         // of each table's removal: MEASUREMENTS.md, "Ninth pass at 16
         // workers").
-        if self.in_slots < self.shrink_below || self.removed as usize >= len {
+        if self.in_slots < self.shrink_below || self.removals_left == 0 {
             self.relayout_after_removals();
         }
         removed
@@ -497,7 +509,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         } else if entries * 16 > len * CHURN_MAX_SIXTEENTHS[usize::from(FLOOR > 0)] {
             self.resize((entries * 16).div_ceil(CHURN_SIXTEENTHS[usize::from(FLOOR > 0)]));
         } else {
-            self.removed = 0;
+            self.removals_left = Self::removals_for(len);
         }
     }
 
@@ -534,6 +546,11 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
     }
 
+    /// [`Self::removals_left`] of a table of `len` slots just laid out.
+    fn removals_for(len: usize) -> u32 {
+        u32::try_from(len).unwrap_or(u32::MAX)
+    }
+
     /// Slots of a table that takes `entries` before it grows.
     fn slots_for(entries: usize) -> usize {
         (entries * 8).div_ceil(MAX_EIGHTHS).max(MIN_SLOTS)
@@ -546,7 +563,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// scattered (a table grown by a quarter is rehashed more often than a
     /// doubled one).
     fn resize(&mut self, slots: usize) {
-        self.removed = 0;
+        self.removals_left = Self::removals_for(slots);
         self.shrink_below = Self::shrink_below(slots);
         self.most = u32::try_from(slots * MAX_EIGHTHS / 8).unwrap_or(u32::MAX);
         let old = std::mem::replace(&mut self.slots, Self::empty_slots(slots));
