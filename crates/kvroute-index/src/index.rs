@@ -399,6 +399,13 @@ const APPLY_AT: usize = 2048;
 /// removal) pass the index's `Option` and test it where it matters.
 trait Limit<'l>: Copy {
     fn limited(self) -> Option<&'l Limited>;
+
+    /// The limit's state, if its lock is held (`eviction`); else the
+    /// limit's upkeep is written down in the run's [`Deferred`].
+    fn locked<'g>(
+        self,
+        eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
+    ) -> Option<&'g mut Eviction>;
 }
 
 /// An unbounded index's [`Limit`].
@@ -410,12 +417,27 @@ impl<'l> Limit<'l> for NoLimit {
     fn limited(self) -> Option<&'l Limited> {
         None
     }
+
+    #[inline(always)]
+    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
+        None
+    }
 }
 
-impl<'l> Limit<'l> for &'l Limited {
+/// A bounded index's [`Limit`] on the event path: a run's events never hold
+/// the limit's lock, they write its upkeep down (see [`Limited::handover`]).
+#[derive(Clone, Copy)]
+struct Unlocked<'l>(&'l Limited);
+
+impl<'l> Limit<'l> for Unlocked<'l> {
     #[inline(always)]
     fn limited(self) -> Option<&'l Limited> {
-        Some(self)
+        Some(self.0)
+    }
+
+    #[inline(always)]
+    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
+        None
     }
 }
 
@@ -423,6 +445,14 @@ impl<'l> Limit<'l> for Option<&'l Limited> {
     #[inline(always)]
     fn limited(self) -> Option<&'l Limited> {
         self
+    }
+
+    #[inline(always)]
+    fn locked<'g>(
+        self,
+        eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
+    ) -> Option<&'g mut Eviction> {
+        eviction.as_deref_mut()
     }
 }
 
@@ -564,7 +594,7 @@ impl WorkerEvents<'_> {
         match self.index.eviction.as_deref() {
             None => self.apply_with(NoLimit, event),
             Some(limited) => {
-                let outcome = self.apply_with(limited, event);
+                let outcome = self.apply_with(Unlocked(limited), event);
                 // Handed over once the run passes the limit (evicting at once,
                 // as after each event before) or holds a batch of changes.
                 let deferred = &self.deferred;
@@ -1716,7 +1746,7 @@ impl KvIndex {
                                 let entry = writer.shard(p.shard()).entries.get(p.key());
                                 parent_node = entry.map(|e| (p.key(), e.lru_node()));
                             }
-                            match eviction.as_deref_mut() {
+                            match limit.locked(eviction) {
                                 Some(eviction) => {
                                     eviction.chain.extend(parent_node);
                                     place = eviction.lru.start_chain(parent_node);
@@ -1779,7 +1809,7 @@ impl KvIndex {
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(limited) = limited {
-                                match eviction.as_deref_mut() {
+                                match limit.locked(eviction) {
                                     None => {
                                         // Written down for the run's hand-over
                                         // (the memberships after the chain).
@@ -1822,7 +1852,7 @@ impl KvIndex {
                             }
                         }
                         deferred.memberships += counted as i64 * stored_added;
-                        match eviction.as_deref_mut() {
+                        match limit.locked(eviction) {
                             Some(eviction) => {
                                 // Placed as one touch of the parent and the
                                 // blocks leaves them, unless a block went on
@@ -1948,7 +1978,7 @@ impl KvIndex {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
         if let Some(limited) = limit.limited() {
             let released = i64::from(held && slot.live.load(Ordering::Relaxed));
-            match eviction.as_deref_mut() {
+            match limit.locked(eviction) {
                 Some(eviction) => {
                     limited.memberships.fetch_sub(released, Ordering::Relaxed);
                     if let Some(entry) = gone {
