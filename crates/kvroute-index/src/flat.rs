@@ -365,7 +365,13 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// Inlined, as [`Self::insert`]: a stored chain inserts each block into
     /// both tables, and the two calls were ~25 of its ~400 instructions a
     /// block at 16 workers (MEASUREMENTS.md, "Seventh pass at 16 workers").
-    #[inline]
+    /// Always inlined, as the other map operations the event path calls
+    /// (`remove`, `change_or_remove`, `remove_at`, the shard's `insert` and
+    /// `remove`): that path is compiled once for each kind of index
+    /// (`index::Limit`), and with the callers that added LLVM left them out
+    /// of line (+11 % instructions at 16 workers; MEASUREMENTS.md, "Eleventh
+    /// pass at 16 workers").
+    #[inline(always)]
     pub fn get_or_insert(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
         if key == EMPTY {
             let made = self.zero.is_none();
@@ -436,7 +442,8 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// since the removal's bounds are tested without computing them the call
     /// was ~1 % of a 16-worker replay's instructions (MEASUREMENTS.md, "Ninth
     /// pass at 16 workers").
-    #[inline]
+    /// Always inlined: see [`Self::get_or_insert`].
+    #[inline(always)]
     pub fn remove(&mut self, key: u64) -> Option<V> {
         if key == EMPTY {
             return self.zero.take();
@@ -448,7 +455,8 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// Lets `change` update the value of `key`, then drops the entry if
     /// `change` returned true; false if `key` is absent. One probe, where
     /// `get_mut` then `remove` took two (a block's last holder leaving).
-    #[inline]
+    /// Always inlined: see [`Self::get_or_insert`].
+    #[inline(always)]
     pub fn change_or_remove(&mut self, key: u64, change: impl FnOnce(&mut V) -> bool) -> bool {
         if key == EMPTY {
             let Some(value) = self.zero.as_mut() else {
@@ -472,7 +480,8 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     /// block-table shard's removal (`change_or_remove`) called it, ~2.7 % of
     /// a 16-worker replay's instructions in the call and the code around it
     /// (MEASUREMENTS.md, "Eighth pass at 16 workers").
-    #[inline]
+    /// Always inlined: see [`Self::get_or_insert`].
+    #[inline(always)]
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
         // Moves back the slots after the hole that probed past it, to the end

@@ -389,6 +389,73 @@ const SPARE_CHANGES: usize = 2 * DUMP_BATCH;
 /// microseconds at most, and the lists (two, swapped) stay small.
 const APPLY_AT: usize = 2048;
 
+/// Whether the index has a `max_blocks` limit, as the event path sees it:
+/// decided once an event ([`WorkerEvents::apply`]) and passed down, so that
+/// the functions it runs are compiled once for each kind. Read from
+/// `KvIndex::eviction` at each use, the test was ~6 loads and branches an
+/// unbounded event (the field is re-read after every store, `KvIndex`
+/// holding locks), and the bounded loop shared its registers with the
+/// unbounded one. Paths off the event path (dumps, clears, a worker's
+/// removal) pass the index's `Option` and test it where it matters.
+trait Limit<'l>: Copy {
+    fn limited(self) -> Option<&'l Limited>;
+
+    /// The limit's state, if its lock is held (`eviction`); else the
+    /// limit's upkeep is written down in the run's [`Deferred`].
+    fn locked<'g>(
+        self,
+        eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
+    ) -> Option<&'g mut Eviction>;
+}
+
+/// An unbounded index's [`Limit`].
+#[derive(Clone, Copy)]
+struct NoLimit;
+
+impl<'l> Limit<'l> for NoLimit {
+    #[inline(always)]
+    fn limited(self) -> Option<&'l Limited> {
+        None
+    }
+
+    #[inline(always)]
+    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
+        None
+    }
+}
+
+/// A bounded index's [`Limit`] on the event path: a run's events never hold
+/// the limit's lock, they write its upkeep down (see [`Limited::handover`]).
+#[derive(Clone, Copy)]
+struct Unlocked<'l>(&'l Limited);
+
+impl<'l> Limit<'l> for Unlocked<'l> {
+    #[inline(always)]
+    fn limited(self) -> Option<&'l Limited> {
+        Some(self.0)
+    }
+
+    #[inline(always)]
+    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
+        None
+    }
+}
+
+impl<'l> Limit<'l> for Option<&'l Limited> {
+    #[inline(always)]
+    fn limited(self) -> Option<&'l Limited> {
+        self
+    }
+
+    #[inline(always)]
+    fn locked<'g>(
+        self,
+        eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
+    ) -> Option<&'g mut Eviction> {
+        eviction.as_deref_mut()
+    }
+}
+
 impl Limited {
     fn lock(&self) -> MutexGuard<'_, Eviction> {
         self.waiting.fetch_add(1, Ordering::Relaxed);
@@ -520,10 +587,33 @@ impl WorkerEvents<'_> {
     /// into the caller: the 24-byte outcome returned through memory was stored
     /// in parts and read back whole by the caller's copy of it (a failed store
     /// forwarding, three quarters of the comparator's run loop at 16 workers;
-    /// MEASUREMENTS.md, "Fifth pass at 16 workers").
-    #[inline]
+    /// MEASUREMENTS.md, "Fifth pass at 16 workers"). Always: with a copy of
+    /// the event path for each kind of index in it, LLVM no longer did.
+    #[inline(always)]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
+        match self.index.eviction.as_deref() {
+            None => self.apply_with(NoLimit, event),
+            Some(limited) => {
+                let outcome = self.apply_with(Unlocked(limited), event);
+                // Handed over once the run passes the limit (evicting at once,
+                // as after each event before) or holds a batch of changes.
+                let deferred = &self.deferred;
+                if deferred.changes.len() >= DUMP_BATCH
+                    || limited.memberships.load(Ordering::Relaxed) + deferred.memberships
+                        > limited.max_memberships
+                {
+                    self.let_limit_go();
+                }
+                outcome
+            }
+        }
+    }
+
+    /// [`Self::apply`] for one kind of index.
+    #[inline(always)]
+    fn apply_with<'l>(&mut self, limit: impl Limit<'l>, event: &KvEvent) -> ApplyOutcome {
         let outcome = self.index.apply_locked(
+            limit,
             self.slot,
             &mut self.state,
             &mut self.writer,
@@ -533,17 +623,6 @@ impl WorkerEvents<'_> {
         self.under_writer += blocks_changed(&event.kind);
         if self.under_writer >= RUN_SHARD_BLOCKS {
             self.let_shard_go();
-        }
-        if let Some(limited) = self.index.eviction.as_deref() {
-            // Handed over once the run passes the limit (evicting at once, as
-            // after each event before) or holds a batch of changes.
-            let deferred = &self.deferred;
-            if deferred.changes.len() >= DUMP_BATCH
-                || limited.memberships.load(Ordering::Relaxed) + deferred.memberships
-                    > limited.max_memberships
-            {
-                self.let_limit_go();
-            }
         }
         outcome
     }
@@ -688,8 +767,9 @@ impl KvIndex {
 
     /// [`Self::apply`] under the worker's lock.
     #[inline]
-    fn apply_locked<'a>(
+    fn apply_locked<'a, 'l>(
         &'a self,
+        limit: impl Limit<'l>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         writer: &mut ShardWriter<'a>,
@@ -699,17 +779,23 @@ impl KvIndex {
         let outcome = match state.take_in_sequence(event.event_id) {
             Err(out_of_sequence) => out_of_sequence,
             Ok(()) => {
-                if let Some(limited) = self.eviction.as_deref()
+                if let Some(limited) = limit.limited()
                     && let EventKind::Stored { blocks, .. } = &event.kind
                 {
                     self.ready_ids(limited, writer, deferred, blocks.len());
                 }
-                self.sweep_dangling(slot, state, writer, self.eviction.is_some());
+                self.sweep_dangling(slot, state, writer, limit.limited().is_some());
                 let applied = match &event.kind {
-                    EventKind::Removed { block_hashes } => {
-                        self.remove_blocks(slot, state, block_hashes, &mut None, writer, deferred)
-                    }
-                    kind => self.apply_kind(slot, state, kind, &mut None, writer, deferred),
+                    EventKind::Removed { block_hashes } => self.remove_blocks(
+                        limit,
+                        slot,
+                        state,
+                        block_hashes,
+                        &mut None,
+                        writer,
+                        deferred,
+                    ),
+                    kind => self.apply_kind(limit, slot, state, kind, &mut None, writer, deferred),
                 };
                 ApplyOutcome::Applied {
                     rejected_blocks: applied.rejected_blocks,
@@ -729,7 +815,14 @@ impl KvIndex {
         {
             let mut state = slot.state.lock().unwrap();
             let mut eviction = self.lock_eviction();
-            self.clear(&slot, &mut state, &mut eviction, &mut Deferred::default());
+            let limit = self.eviction.as_deref();
+            self.clear(
+                limit,
+                &slot,
+                &mut state,
+                &mut eviction,
+                &mut Deferred::default(),
+            );
             self.retired.lock().unwrap().add(&state.counters);
         }
         self.free_idx(slot.idx);
@@ -824,6 +917,7 @@ impl KvIndex {
                     let writer = &mut ShardWriter::new(&self.table);
                     orphans += self
                         .apply_kind(
+                            self.eviction.as_deref(),
                             shadow,
                             &mut state,
                             kind,
@@ -863,6 +957,7 @@ impl KvIndex {
                 let writer = &mut ShardWriter::new(&self.table);
                 let deferred = &mut Deferred::default();
                 self.apply_kind(
+                    self.eviction.as_deref(),
                     shadow,
                     &mut state,
                     &part_event,
@@ -958,8 +1053,10 @@ impl KvIndex {
         refs.sort_unstable_by_key(|r| r.shard());
         for part in refs.chunks(pace.batch) {
             let mut eviction = self.lock_eviction();
-            let released = self.unhold_all(slot, part, &mut eviction, &mut Deferred::default());
-            self.add_held(slot, -released);
+            let limit = self.eviction.as_deref();
+            let released =
+                self.unhold_all(limit, slot, part, &mut eviction, &mut Deferred::default());
+            self.add_held(limit, slot, -released);
             drop(eviction);
             (pace.between)();
         }
@@ -1598,8 +1695,8 @@ impl KvIndex {
 
     /// [`WorkerSlot::add_held`], or with a limit its shared form.
     #[inline]
-    fn add_held(&self, slot: &WorkerSlot, delta: i64) {
-        if self.eviction.is_some() {
+    fn add_held<'l>(&self, limit: impl Limit<'l>, slot: &WorkerSlot, delta: i64) {
+        if limit.limited().is_some() {
             slot.add_held_shared(delta);
         } else {
             slot.add_held(delta);
@@ -1607,9 +1704,15 @@ impl KvIndex {
     }
 
     /// Applies one event's contents to the worker's state; returns what it
-    /// could not apply.
-    fn apply_kind(
+    /// could not apply. Kept out of line, as it was before the event path had
+    /// a copy for each kind of index: LLVM then inlined the unbounded copy
+    /// into [`WorkerEvents::apply`], which it no longer inlined into the
+    /// run's loop.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn apply_kind<'l>(
         &self,
+        limit: impl Limit<'l>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         kind: &EventKind,
@@ -1620,7 +1723,7 @@ impl KvIndex {
         let mut rejected_blocks = 0;
         let mut held_delta = 0;
         let counted = u64::from(slot.live.load(Ordering::Relaxed));
-        let limited = self.eviction.as_deref();
+        let limited = limit.limited();
         match kind {
             EventKind::Stored {
                 parent_hash,
@@ -1643,7 +1746,7 @@ impl KvIndex {
                                 let entry = writer.shard(p.shard()).entries.get(p.key());
                                 parent_node = entry.map(|e| (p.key(), e.lru_node()));
                             }
-                            match eviction.as_deref_mut() {
+                            match limit.locked(eviction) {
                                 Some(eviction) => {
                                     eviction.chain.extend(parent_node);
                                     place = eviction.lru.start_chain(parent_node);
@@ -1696,7 +1799,7 @@ impl KvIndex {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {
                                     held_delta -=
-                                        self.unhold(writer, slot, old, eviction, deferred);
+                                        self.unhold(limit, writer, slot, old, eviction, deferred);
                                 }
                                 Some(_) => {}
                             }
@@ -1706,7 +1809,7 @@ impl KvIndex {
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(limited) = limited {
-                                match eviction.as_deref_mut() {
+                                match limit.locked(eviction) {
                                     None => {
                                         // Written down for the run's hand-over
                                         // (the memberships after the chain).
@@ -1749,7 +1852,7 @@ impl KvIndex {
                             }
                         }
                         deferred.memberships += counted as i64 * stored_added;
-                        match eviction.as_deref_mut() {
+                        match limit.locked(eviction) {
                             Some(eviction) => {
                                 // Placed as one touch of the parent and the
                                 // blocks leaves them, unless a block went on
@@ -1767,14 +1870,22 @@ impl KvIndex {
                 }
             }
             EventKind::Removed { block_hashes } => {
-                return self.remove_blocks(slot, state, block_hashes, eviction, writer, deferred);
+                return self.remove_blocks(
+                    limit,
+                    slot,
+                    state,
+                    block_hashes,
+                    eviction,
+                    writer,
+                    deferred,
+                );
             }
             EventKind::Cleared => {
                 writer.release();
-                self.clear(slot, state, eviction, deferred);
+                self.clear(limit, slot, state, eviction, deferred);
             }
         }
-        self.add_held(slot, held_delta);
+        self.add_held(limit, slot, held_delta);
         Applied {
             rejected_blocks,
             unknown_removals: 0,
@@ -1787,8 +1898,10 @@ impl KvIndex {
     /// ~18 of its instructions (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
     /// workers").
     #[inline(always)]
-    fn remove_blocks(
+    #[allow(clippy::too_many_arguments)]
+    fn remove_blocks<'l>(
         &self,
+        limit: impl Limit<'l>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         block_hashes: &[u64],
@@ -1802,12 +1915,12 @@ impl KvIndex {
             match state.blocks.remove(*hash) {
                 Some(r) => {
                     state.digest.remove(*hash);
-                    held_delta -= self.unhold(writer, slot, r, eviction, deferred);
+                    held_delta -= self.unhold(limit, writer, slot, r, eviction, deferred);
                 }
                 None => unknown_removals += 1,
             }
         }
-        self.add_held(slot, held_delta);
+        self.add_held(limit, slot, held_delta);
         Applied {
             rejected_blocks: 0,
             unknown_removals,
@@ -1815,8 +1928,9 @@ impl KvIndex {
     }
 
     /// Drops every block of the worker.
-    fn clear(
+    fn clear<'l>(
         &self,
+        limit: impl Limit<'l>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
@@ -1825,16 +1939,17 @@ impl KvIndex {
         let mut refs: Vec<BlockRef> = state.blocks.iter().map(|(_, r)| r).collect();
         state.blocks = EngineMap::default();
         refs.sort_unstable_by_key(|r| r.shard());
-        let released = self.unhold_all(slot, &refs, eviction, deferred);
-        self.add_held(slot, -released);
+        let released = self.unhold_all(limit, slot, &refs, eviction, deferred);
+        self.add_held(limit, slot, -released);
         state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
         slot.trimmed.store(false, Ordering::Relaxed);
     }
 
     /// [`Self::unhold`] for each block (sorted by shard: one lock per shard).
-    fn unhold_all(
+    fn unhold_all<'l>(
         &self,
+        limit: impl Limit<'l>,
         slot: &WorkerSlot,
         refs: &[BlockRef],
         eviction: &mut Option<MutexGuard<'_, Eviction>>,
@@ -1842,7 +1957,7 @@ impl KvIndex {
     ) -> i64 {
         let mut writer = ShardWriter::new(&self.table);
         refs.iter()
-            .map(|&r| self.unhold(&mut writer, slot, r, eviction, deferred))
+            .map(|&r| self.unhold(limit, &mut writer, slot, r, eviction, deferred))
             .sum()
     }
 
@@ -1851,8 +1966,9 @@ impl KvIndex {
     /// limit, the limit's count and recency order follow under its lock
     /// (`eviction`), or else are written down in `deferred`.
     #[inline(always)]
-    fn unhold(
+    fn unhold<'l>(
         &self,
+        limit: impl Limit<'l>,
         writer: &mut ShardWriter<'_>,
         slot: &WorkerSlot,
         r: BlockRef,
@@ -1860,9 +1976,9 @@ impl KvIndex {
         deferred: &mut Deferred,
     ) -> i64 {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
-        if let Some(limited) = self.eviction.as_deref() {
+        if let Some(limited) = limit.limited() {
             let released = i64::from(held && slot.live.load(Ordering::Relaxed));
-            match eviction.as_deref_mut() {
+            match limit.locked(eviction) {
                 Some(eviction) => {
                     limited.memberships.fetch_sub(released, Ordering::Relaxed);
                     if let Some(entry) = gone {

@@ -465,7 +465,8 @@ pub(crate) struct Shard {
 impl Shard {
     /// Adds `worker` to the block, creating it. Returns whether the worker is
     /// new to the block, whether the block is new, and its entry.
-    #[inline]
+    /// Always inlined: see [`FlatMap::get_or_insert`].
+    #[inline(always)]
     pub fn insert(&mut self, seq: u64, tokens_hash: u64, worker: u32) -> (bool, bool, &mut Entry) {
         let Shard { entries, spilled } = self;
         let (entry, created) = entries.get_or_insert(seq, || Entry::new(tokens_hash));
@@ -508,7 +509,8 @@ impl Shard {
 
     /// Removes `worker` from the block, dropping the block when nobody holds it.
     /// Returns whether the worker held it, and the entry of a block now gone.
-    #[inline]
+    /// Always inlined: see [`FlatMap::get_or_insert`].
+    #[inline(always)]
     pub fn remove(&mut self, seq: u64, worker: u32) -> (bool, Option<Entry>) {
         let Shard { entries, spilled } = self;
         let (mut held, mut empty) = (false, None);
