@@ -194,8 +194,12 @@ struct WorkerSlot {
 }
 
 impl WorkerSlot {
+    /// Without a bounds check: on the event path it was a third of the
+    /// held count's update an event.
     fn held(&self) -> &AtomicU64 {
-        &self.cells[self.at].held
+        // SAFETY: `at` is the worker's place in `cells`, both given by
+        // `Cells::assign`, and neither changes.
+        unsafe { &self.cells.get_unchecked(self.at).held }
     }
 
     /// Adds `delta` to `held` with a plain load and store, not a locked
@@ -612,7 +616,7 @@ impl WorkerEvents<'_> {
     /// [`Self::apply`] for one kind of index.
     #[inline(always)]
     fn apply_with<'l>(&mut self, limit: impl Limit<'l>, event: &KvEvent) -> ApplyOutcome {
-        let outcome = self.index.apply_locked(
+        let (outcome, changed) = self.index.apply_locked(
             limit,
             self.slot,
             &mut self.state,
@@ -620,7 +624,7 @@ impl WorkerEvents<'_> {
             &mut self.deferred,
             event,
         );
-        self.under_writer += blocks_changed(&event.kind);
+        self.under_writer += changed;
         if self.under_writer >= RUN_SHARD_BLOCKS {
             self.let_shard_go();
         }
@@ -765,7 +769,9 @@ impl KvIndex {
         })
     }
 
-    /// [`Self::apply`] under the worker's lock.
+    /// [`Self::apply`] under the worker's lock; with the outcome, the
+    /// blocks the event changed ([`blocks_changed`]), taken where its kind
+    /// is matched: matched again after the event, it was ~10 instructions.
     #[inline]
     fn apply_locked<'a, 'l>(
         &'a self,
@@ -775,9 +781,9 @@ impl KvIndex {
         writer: &mut ShardWriter<'a>,
         deferred: &mut Deferred,
         event: &KvEvent,
-    ) -> ApplyOutcome {
-        let outcome = match state.take_in_sequence(event.event_id) {
-            Err(out_of_sequence) => out_of_sequence,
+    ) -> (ApplyOutcome, usize) {
+        let (outcome, changed) = match state.take_in_sequence(event.event_id) {
+            Err(out_of_sequence) => (out_of_sequence, blocks_changed(&event.kind)),
             Ok(()) => {
                 if let Some(limited) = limit.limited()
                     && let EventKind::Stored { blocks, .. } = &event.kind
@@ -785,26 +791,35 @@ impl KvIndex {
                     self.ready_ids(limited, writer, deferred, blocks.len());
                 }
                 self.sweep_dangling(slot, state, writer, limit.limited().is_some());
-                let applied = match &event.kind {
-                    EventKind::Removed { block_hashes } => self.remove_blocks(
-                        limit,
-                        slot,
-                        state,
-                        block_hashes,
-                        &mut None,
-                        writer,
-                        deferred,
+                let (applied, changed) = match &event.kind {
+                    EventKind::Removed { block_hashes } => (
+                        self.remove_blocks(
+                            limit,
+                            slot,
+                            state,
+                            block_hashes,
+                            &mut None,
+                            writer,
+                            deferred,
+                        ),
+                        block_hashes.len(),
                     ),
-                    kind => self.apply_kind(limit, slot, state, kind, &mut None, writer, deferred),
+                    kind => {
+                        let changed = blocks_changed(kind);
+                        let applied =
+                            self.apply_kind(limit, slot, state, kind, &mut None, writer, deferred);
+                        (applied, changed)
+                    }
                 };
-                ApplyOutcome::Applied {
+                let outcome = ApplyOutcome::Applied {
                     rejected_blocks: applied.rejected_blocks,
                     unknown_removals: applied.unknown_removals,
-                }
+                };
+                (outcome, changed)
             }
         };
         state.counters.count(event.kind.type_name(), outcome);
-        outcome
+        (outcome, changed)
     }
 
     /// Forgets `worker` entirely, its event sequence included.
