@@ -170,12 +170,12 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
 /// no home), whether or not the shift has wrapped. The entry's cyclic
 /// distance from its home against the hole's, counted along, took ~1.3
 /// instructions a shifted slot more (MEASUREMENTS.md, "Tenth pass at 16
-/// workers"). Chosen and
-/// copied without a branch (a slot moved onto itself when it may not; a plain
-/// `if` compiled to a branch): whether a slot of a churned table may move is
-/// a coin the predictor loses often, 3.2 mispredicts an engine-map removal
-/// with the branch, 1.3 without (its exits'), and ops per CPU-second at 16
-/// workers +10–14 % (MEASUREMENTS.md, "Ingest under churn").
+/// workers"). Chosen and copied without a branch (a slot moved onto itself
+/// when it may not; a plain `if` compiled to a branch): whether a slot of a
+/// churned table may move is a coin the predictor loses often, 3.2
+/// mispredicts an engine-map removal with the branch, 1.3 without (its
+/// exits'), and ops per CPU-second at 16 workers +10–14 % (MEASUREMENTS.md,
+/// "Ingest under churn").
 #[inline(always)]
 fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize) -> bool {
     let len = slots.len();
