@@ -405,11 +405,16 @@ trait Limit<'l>: Copy {
     fn limited(self) -> Option<&'l Limited>;
 
     /// The limit's state, if its lock is held (`eviction`); else the
-    /// limit's upkeep is written down in the run's [`Deferred`].
+    /// limit's upkeep is written down in the run's [`Deferred`]. None for
+    /// the event path's kinds, which never hold it; the index's own
+    /// `Option` (dumps, clears, a worker's removal) may.
+    #[inline(always)]
     fn locked<'g>(
         self,
-        eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
-    ) -> Option<&'g mut Eviction>;
+        _eviction: &'g mut Option<MutexGuard<'_, Eviction>>,
+    ) -> Option<&'g mut Eviction> {
+        None
+    }
 }
 
 /// An unbounded index's [`Limit`].
@@ -419,11 +424,6 @@ struct NoLimit;
 impl<'l> Limit<'l> for NoLimit {
     #[inline(always)]
     fn limited(self) -> Option<&'l Limited> {
-        None
-    }
-
-    #[inline(always)]
-    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
         None
     }
 }
@@ -437,11 +437,6 @@ impl<'l> Limit<'l> for Unlocked<'l> {
     #[inline(always)]
     fn limited(self) -> Option<&'l Limited> {
         Some(self.0)
-    }
-
-    #[inline(always)]
-    fn locked<'g>(self, _: &'g mut Option<MutexGuard<'_, Eviction>>) -> Option<&'g mut Eviction> {
-        None
     }
 }
 
