@@ -604,11 +604,13 @@ impl WorkerEvents<'_> {
             Some(limited) => {
                 let outcome = self.apply_with(Unlocked(limited), event);
                 // Handed over once the run passes the limit (evicting at once,
-                // as after each event before) or holds a batch of changes.
+                // as after each event before) or holds a batch of changes. A
+                // removal lowers the run's count: it passes no limit.
                 let deferred = &self.deferred;
                 if deferred.changes.len() >= DUMP_BATCH
-                    || limited.memberships.load(Ordering::Relaxed) + deferred.memberships
-                        > limited.max_memberships
+                    || !matches!(event.kind, EventKind::Removed { .. })
+                        && limited.memberships.load(Ordering::Relaxed) + deferred.memberships
+                            > limited.max_memberships
                 {
                     self.let_limit_go();
                 }
@@ -2264,6 +2266,47 @@ mod tests {
         let held = 2 + DUMP_BATCH;
         assert_eq!(limited.lock().lru.len(), held);
         assert_eq!(limited.memberships.load(Ordering::Relaxed), held as i64);
+    }
+
+    /// A removal lowers the run's count, so it takes no run over the limit
+    /// and hands nothing over (the test was ~5 instructions of a one-block
+    /// removal event): a run whose count other runs' hand-overs took over the
+    /// limit hands over at its next store or its end, and evicts then.
+    #[test]
+    fn a_removal_hands_nothing_over_and_the_run_evicts_at_its_end() {
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(3),
+        });
+        let limited = index.eviction.as_deref().unwrap();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        let event = |event_id, kind| KvEvent { event_id, kind };
+        let (stored, stored_rx) = mpsc::channel();
+        let (other_done, other_done_rx) = mpsc::channel::<()>();
+        thread::scope(|scope| {
+            let index = &index;
+            let run = scope.spawn(move || {
+                index.with_worker(a, |events| {
+                    events.apply(&event(1, chain(1, 2, None)));
+                    events.let_shard_go();
+                    stored.send(()).unwrap();
+                    other_done_rx.recv().unwrap();
+                    let removed = EventKind::Removed {
+                        block_hashes: vec![2],
+                    };
+                    events.apply(&event(2, removed));
+                    // 3 handed over by the other run, 1 in this one: over.
+                    assert_eq!(events.deferred.memberships, 1);
+                    assert!(!events.deferred.changes.is_empty(), "not handed over");
+                });
+            });
+            stored_rx.recv().unwrap();
+            index.apply(b, &event(1, chain(101, 3, None)));
+            assert_eq!(limited.memberships.load(Ordering::Relaxed), 3);
+            other_done.send(()).unwrap();
+            run.join().unwrap();
+        });
+        assert_eq!(index.evicted_blocks(), 1);
+        assert_counts_exact(&index, &[1]);
     }
 
     /// Two ingest threads store and remove blocks they share under a small
