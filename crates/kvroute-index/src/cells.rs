@@ -33,8 +33,13 @@ pub(crate) struct Cell {
     dp_rank: AtomicU32,
     /// Lookups report the index (see `WorkerSlot::live` in [`crate::index`]).
     live: AtomicBool,
-    /// The worker's memberships (`WorkerSlot::held`).
+    /// The memberships the worker's own writers gave and took (its events,
+    /// the dump building the slot, the release of a replaced state), one at
+    /// a time: a plain load and store (see [`Cell::blocks`]).
     pub held: AtomicU64,
+    /// The memberships the evictor took, under the eviction mutex: a count
+    /// of its own, so that `held` needs no locked add on the event path.
+    pub evicted: AtomicU64,
 }
 
 impl Cell {
@@ -44,7 +49,20 @@ impl Cell {
             dp_rank: AtomicU32::new(0),
             live: AtomicBool::new(false),
             held: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
         }
+    }
+
+    /// The blocks the worker holds: `held` less `evicted` (DESIGN.md,
+    /// invariant 3). `evicted` is read first (acquire, so that `held` is
+    /// read after it), so a pair read across an eviction counts the block as
+    /// still held rather than falling short; saturating, since within an
+    /// event in flight the evictor may take a block the event has not
+    /// counted yet.
+    #[inline]
+    pub fn blocks(&self) -> u64 {
+        let evicted = self.evicted.load(Ordering::Acquire);
+        self.held.load(Ordering::Relaxed).saturating_sub(evicted)
     }
 
     /// The worker, if lookups report this index. Read inside an epoch (see
@@ -102,14 +120,16 @@ impl Cells {
     }
 
     /// Gives index `idx` to `worker`: returns its bucket and position (for the
-    /// worker's slot to keep) with `held` at 0. The caller serialises assignments
-    /// and only assigns a free index, which holds no block.
+    /// worker's slot to keep) with its counts at 0. The caller serialises
+    /// assignments with the evictor (both hold the indices' mutex) and only
+    /// assigns a free index, which holds no block.
     pub fn assign(&self, idx: u32, worker: WorkerKey, live: bool) -> (Arc<[Cell]>, usize) {
         let (b, at) = locate(idx);
         let bucket =
             self.buckets[b].get_or_init(|| (0..64usize << b).map(|_| Cell::new()).collect());
         let cell = &bucket[at];
         cell.held.store(0, Ordering::Relaxed);
+        cell.evicted.store(0, Ordering::Relaxed);
         // Release: a lookup that reads the new key (after a removal bumped the
         // epoch, then freed the index) also sees that bump.
         cell.worker_id.store(worker.worker_id, Ordering::Release);
