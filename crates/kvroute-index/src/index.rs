@@ -824,7 +824,7 @@ impl KvIndex {
                 self.sweep_dangling(slot, state, writer, limit.limited().is_some());
                 // An upkeep for each arm: one made before the match lived in
                 // memory for `apply_kind`'s call, and the inlined removal
-                // read it there (~9 instructions an event).
+                // read it there (14–20 instructions an event).
                 let (applied, changed) = match &event.kind {
                     EventKind::Removed { block_hashes } => {
                         let upkeep = &mut Upkeep {
