@@ -464,6 +464,31 @@ impl<'l> Limit<'l> for Option<&'l Limited> {
     }
 }
 
+/// Where a change's upkeep of the `max_blocks` limit goes: with its lock
+/// held (`eviction`: a dump, a clear, a worker's removal), into the order
+/// and the count at once; else written down in `deferred` for the run's
+/// hand-over (the event path, whose `limit` never holds it). Nothing
+/// without a limit. What the event path's functions carry for the limit,
+/// apart from the worker (its slot and state) and the shard it writes.
+struct Upkeep<'u, 'g, L> {
+    limit: L,
+    eviction: &'u mut Option<MutexGuard<'g, Eviction>>,
+    deferred: &'u mut Deferred,
+}
+
+impl<'l, L: Limit<'l>> Upkeep<'_, '_, L> {
+    #[inline(always)]
+    fn limited(&self) -> Option<&'l Limited> {
+        self.limit.limited()
+    }
+
+    /// The limit's state, if its lock is held (see [`Limit::locked`]).
+    #[inline(always)]
+    fn locked(&mut self) -> Option<&mut Eviction> {
+        self.limit.locked(self.eviction)
+    }
+}
+
 impl Limited {
     fn lock(&self) -> MutexGuard<'_, Eviction> {
         self.waiting.fetch_add(1, Ordering::Relaxed);
@@ -797,23 +822,27 @@ impl KvIndex {
                     self.ready_ids(limited, writer, deferred, blocks.len());
                 }
                 self.sweep_dangling(slot, state, writer, limit.limited().is_some());
+                // An upkeep for each arm: one made before the match lived in
+                // memory for `apply_kind`'s call, and the inlined removal
+                // read it there (14–20 instructions an event).
                 let (applied, changed) = match &event.kind {
-                    EventKind::Removed { block_hashes } => (
-                        self.remove_blocks(
+                    EventKind::Removed { block_hashes } => {
+                        let upkeep = &mut Upkeep {
                             limit,
-                            slot,
-                            state,
-                            block_hashes,
-                            &mut None,
-                            writer,
+                            eviction: &mut None,
                             deferred,
-                        ),
-                        block_hashes.len(),
-                    ),
+                        };
+                        let applied = self.remove_blocks(upkeep, slot, state, block_hashes, writer);
+                        (applied, block_hashes.len())
+                    }
                     kind => {
                         let changed = blocks_changed(kind);
-                        let applied =
-                            self.apply_kind(limit, slot, state, kind, &mut None, writer, deferred);
+                        let upkeep = &mut Upkeep {
+                            limit,
+                            eviction: &mut None,
+                            deferred,
+                        };
+                        let applied = self.apply_kind(upkeep, slot, state, kind, writer);
                         (applied, changed)
                     }
                 };
@@ -836,14 +865,12 @@ impl KvIndex {
         {
             let mut state = slot.state.lock().unwrap();
             let mut eviction = self.lock_eviction();
-            let limit = self.eviction.as_deref();
-            self.clear(
-                limit,
-                &slot,
-                &mut state,
-                &mut eviction,
-                &mut Deferred::default(),
-            );
+            let upkeep = &mut Upkeep {
+                limit: self.eviction.as_deref(),
+                eviction: &mut eviction,
+                deferred: &mut Deferred::default(),
+            };
+            self.clear(upkeep, &slot, &mut state);
             self.retired.lock().unwrap().add(&state.counters);
         }
         self.free_idx(slot.idx);
@@ -936,16 +963,13 @@ impl KvIndex {
                 } if blocks.len() > pace.batch => (parent_hash, blocks),
                 _ => {
                     let writer = &mut ShardWriter::new(&self.table);
+                    let upkeep = &mut Upkeep {
+                        limit: self.eviction.as_deref(),
+                        eviction: &mut eviction,
+                        deferred: &mut Deferred::default(),
+                    };
                     orphans += self
-                        .apply_kind(
-                            self.eviction.as_deref(),
-                            shadow,
-                            &mut state,
-                            kind,
-                            &mut eviction,
-                            writer,
-                            &mut Deferred::default(),
-                        )
+                        .apply_kind(upkeep, shadow, &mut state, kind, writer)
                         .rejected_blocks;
                     writer.release();
                     batch += match kind {
@@ -976,16 +1000,12 @@ impl KvIndex {
                     blocks: part.to_vec(),
                 };
                 let writer = &mut ShardWriter::new(&self.table);
-                let deferred = &mut Deferred::default();
-                self.apply_kind(
-                    self.eviction.as_deref(),
-                    shadow,
-                    &mut state,
-                    &part_event,
-                    &mut eviction,
-                    writer,
-                    deferred,
-                );
+                let upkeep = &mut Upkeep {
+                    limit: self.eviction.as_deref(),
+                    eviction: &mut eviction,
+                    deferred: &mut Deferred::default(),
+                };
+                self.apply_kind(upkeep, shadow, &mut state, &part_event, writer);
                 writer.release();
                 if eviction.is_some() {
                     let mut path: Vec<u64> = parent.iter().map(|r| r.key()).collect();
@@ -1073,9 +1093,12 @@ impl KvIndex {
         refs.sort_unstable_by_key(|r| r.shard());
         for part in refs.chunks(pace.batch) {
             let mut eviction = self.lock_eviction();
-            let limit = self.eviction.as_deref();
-            let released =
-                self.unhold_all(limit, slot, part, &mut eviction, &mut Deferred::default());
+            let upkeep = &mut Upkeep {
+                limit: self.eviction.as_deref(),
+                eviction: &mut eviction,
+                deferred: &mut Deferred::default(),
+            };
+            let released = self.unhold_all(upkeep, slot, part);
             slot.add_held(-released);
             drop(eviction);
             (pace.between)();
@@ -1717,22 +1740,19 @@ impl KvIndex {
     /// a copy for each kind of index: LLVM then inlined the unbounded copy
     /// into [`WorkerEvents::apply`], which it no longer inlined into the
     /// run's loop.
-    #[allow(clippy::too_many_arguments)]
     #[inline(never)]
     fn apply_kind<'l>(
         &self,
-        limit: impl Limit<'l>,
+        upkeep: &mut Upkeep<'_, '_, impl Limit<'l>>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         kind: &EventKind,
-        eviction: &mut Option<MutexGuard<'_, Eviction>>,
         writer: &mut ShardWriter<'_>,
-        deferred: &mut Deferred,
     ) -> Applied {
         let mut rejected_blocks = 0;
         let mut held_delta = 0;
         let counted = u64::from(slot.live.load(Ordering::Relaxed));
-        let limited = limit.limited();
+        let limited = upkeep.limited();
         match kind {
             EventKind::Stored {
                 parent_hash,
@@ -1755,12 +1775,12 @@ impl KvIndex {
                                 let entry = writer.shard(p.shard()).entries.get(p.key());
                                 parent_node = entry.map(|e| (p.key(), e.lru_node()));
                             }
-                            match limit.locked(eviction) {
+                            match upkeep.locked() {
                                 Some(eviction) => {
                                     eviction.chain.extend(parent_node);
                                     place = eviction.lru.start_chain(parent_node);
                                 }
-                                None => deferred.changes.push(Change::Start(parent_node)),
+                                None => upkeep.deferred.changes.push(Change::Start(parent_node)),
                             }
                         }
                         // New chains are mostly new blocks, a cache miss each in
@@ -1807,8 +1827,7 @@ impl KvIndex {
                             match state.blocks.insert(block.block_hash, r) {
                                 None => state.digest.insert(block.block_hash),
                                 Some(old) if old.key() != seq => {
-                                    held_delta -=
-                                        self.unhold(limit, writer, slot, old, eviction, deferred);
+                                    held_delta -= self.unhold(upkeep, writer, slot, old);
                                 }
                                 Some(_) => {}
                             }
@@ -1818,8 +1837,9 @@ impl KvIndex {
                                     .insert(seq, block.tokens_hash, slot.idx);
                             held_delta += i64::from(added);
                             if let Some(limited) = limited {
-                                match limit.locked(eviction) {
+                                match upkeep.locked() {
                                     None => {
+                                        let deferred = &mut *upkeep.deferred;
                                         // Written down for the run's hand-over
                                         // (the memberships after the chain).
                                         stored_added += i64::from(added);
@@ -1860,8 +1880,8 @@ impl KvIndex {
                                 }
                             }
                         }
-                        deferred.memberships += counted as i64 * stored_added;
-                        match limit.locked(eviction) {
+                        upkeep.deferred.memberships += counted as i64 * stored_added;
+                        match upkeep.locked() {
                             Some(eviction) => {
                                 // Placed as one touch of the parent and the
                                 // blocks leaves them, unless a block went on
@@ -1872,26 +1892,18 @@ impl KvIndex {
                                 }
                                 chain.clear();
                             }
-                            None if limited.is_some() => deferred.changes.push(Change::End),
+                            None if limited.is_some() => upkeep.deferred.changes.push(Change::End),
                             None => {}
                         }
                     }
                 }
             }
             EventKind::Removed { block_hashes } => {
-                return self.remove_blocks(
-                    limit,
-                    slot,
-                    state,
-                    block_hashes,
-                    eviction,
-                    writer,
-                    deferred,
-                );
+                return self.remove_blocks(upkeep, slot, state, block_hashes, writer);
             }
             EventKind::Cleared => {
                 writer.release();
-                self.clear(limit, slot, state, eviction, deferred);
+                self.clear(upkeep, slot, state);
             }
         }
         slot.add_held(held_delta);
@@ -1907,16 +1919,13 @@ impl KvIndex {
     /// ~18 of its instructions (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
     /// workers").
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
     fn remove_blocks<'l>(
         &self,
-        limit: impl Limit<'l>,
+        upkeep: &mut Upkeep<'_, '_, impl Limit<'l>>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
         block_hashes: &[u64],
-        eviction: &mut Option<MutexGuard<'_, Eviction>>,
         writer: &mut ShardWriter<'_>,
-        deferred: &mut Deferred,
     ) -> Applied {
         let mut unknown_removals = 0;
         let mut held_delta = 0;
@@ -1924,7 +1933,7 @@ impl KvIndex {
             match state.blocks.remove(*hash) {
                 Some(r) => {
                     state.digest.remove(*hash);
-                    held_delta -= self.unhold(limit, writer, slot, r, eviction, deferred);
+                    held_delta -= self.unhold(upkeep, writer, slot, r);
                 }
                 None => unknown_removals += 1,
             }
@@ -1939,16 +1948,14 @@ impl KvIndex {
     /// Drops every block of the worker.
     fn clear<'l>(
         &self,
-        limit: impl Limit<'l>,
+        upkeep: &mut Upkeep<'_, '_, impl Limit<'l>>,
         slot: &WorkerSlot,
         state: &mut WorkerState,
-        eviction: &mut Option<MutexGuard<'_, Eviction>>,
-        deferred: &mut Deferred,
     ) {
         let mut refs: Vec<BlockRef> = state.blocks.iter().map(|(_, r)| r).collect();
         state.blocks = EngineMap::default();
         refs.sort_unstable_by_key(|r| r.shard());
-        let released = self.unhold_all(limit, slot, &refs, eviction, deferred);
+        let released = self.unhold_all(upkeep, slot, &refs);
         slot.add_held(-released);
         state.digest = BlockSetDigest::default();
         slot.dangling.store(0, Ordering::Relaxed);
@@ -1958,36 +1965,31 @@ impl KvIndex {
     /// [`Self::unhold`] for each block (sorted by shard: one lock per shard).
     fn unhold_all<'l>(
         &self,
-        limit: impl Limit<'l>,
+        upkeep: &mut Upkeep<'_, '_, impl Limit<'l>>,
         slot: &WorkerSlot,
         refs: &[BlockRef],
-        eviction: &mut Option<MutexGuard<'_, Eviction>>,
-        deferred: &mut Deferred,
     ) -> i64 {
         let mut writer = ShardWriter::new(&self.table);
         refs.iter()
-            .map(|&r| self.unhold(limit, &mut writer, slot, r, eviction, deferred))
+            .map(|&r| self.unhold(upkeep, &mut writer, slot, r))
             .sum()
     }
 
     /// Takes the worker's membership of one block away; returns 1 if the worker
     /// held it (for the caller to subtract from `held`), else 0. With a
-    /// limit, the limit's count and recency order follow under its lock
-    /// (`eviction`), or else are written down in `deferred`.
+    /// limit, the limit's count and recency order follow (see [`Upkeep`]).
     #[inline(always)]
     fn unhold<'l>(
         &self,
-        limit: impl Limit<'l>,
+        upkeep: &mut Upkeep<'_, '_, impl Limit<'l>>,
         writer: &mut ShardWriter<'_>,
         slot: &WorkerSlot,
         r: BlockRef,
-        eviction: &mut Option<MutexGuard<'_, Eviction>>,
-        deferred: &mut Deferred,
     ) -> i64 {
         let (held, gone) = writer.shard(r.shard()).remove(r.key(), slot.idx);
-        if let Some(limited) = limit.limited() {
+        if let Some(limited) = upkeep.limited() {
             let released = i64::from(held && slot.live.load(Ordering::Relaxed));
-            match limit.locked(eviction) {
+            match upkeep.locked() {
                 Some(eviction) => {
                     limited.memberships.fetch_sub(released, Ordering::Relaxed);
                     if let Some(entry) = gone {
@@ -1995,6 +1997,7 @@ impl KvIndex {
                     }
                 }
                 None => {
+                    let deferred = &mut *upkeep.deferred;
                     deferred.memberships -= released;
                     if let Some(entry) = gone {
                         deferred.changes.push(Change::Remove(entry.lru_node()));
