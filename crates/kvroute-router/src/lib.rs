@@ -24,6 +24,7 @@ pub mod cached_tokens;
 pub mod config;
 pub mod error;
 pub mod faults;
+pub mod groups;
 pub mod http_serve;
 pub mod ingest;
 mod kept;

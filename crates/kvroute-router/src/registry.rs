@@ -8,7 +8,9 @@
 //!
 //! Invariants kept under the one lock:
 //! - a rank is in the groups of its worker's names iff the worker is routable
-//!   (connected or static, and not draining), with its current load key;
+//!   (connected or static, and not draining), with its current load key, and
+//!   then holds those groups' numbers ([`crate::groups`]); a rank its worker's
+//!   registration no longer lists is in no group;
 //! - a rank's load key is a pure function of its booked and reported load, and
 //!   is updated (removed and reinserted) whenever either changes.
 //!
@@ -31,6 +33,7 @@ use serde::Serialize;
 
 use crate::breaker::Breaker;
 use crate::config::{Config, Policy};
+use crate::groups::{Group, GroupId, Groups};
 use crate::metrics;
 use crate::shared_load::RankLoad;
 
@@ -134,6 +137,9 @@ pub struct Rank {
     pub reported: ReportedLoad,
     /// The rank's position in its groups' load order.
     pub load_key: u64,
+    /// Its worker's names' groups while the worker is routable, none while it
+    /// is not: the groups whose load order holds the rank.
+    groups: Vec<GroupId>,
     /// Recent time to first token per prefilled token, from its streams
     /// (see [`crate::booking`]); `None` until one is measured.
     pub prefill_seconds_per_token: Option<f64>,
@@ -163,17 +169,6 @@ impl Rank {
     }
 }
 
-/// The routable ranks serving one model or adapter name.
-#[derive(Default)]
-pub struct Group {
-    /// (load key, rank), cheapest first.
-    pub by_load: BTreeSet<(u64, WorkerKey)>,
-    /// Sorted, for round robin and random picks.
-    pub members: Vec<WorkerKey>,
-    /// Round-robin position.
-    pub next: std::sync::atomic::AtomicUsize,
-}
-
 /// What a name is served as, over all registered workers in any state.
 #[derive(Default, Clone, Copy)]
 struct NameUse {
@@ -186,7 +181,7 @@ struct NameUse {
 pub struct Fleet {
     pub workers: FxHashMap<u64, Worker>,
     pub ranks: FxHashMap<WorkerKey, Rank>,
-    pub groups: FxHashMap<String, Group>,
+    pub groups: Groups,
     names: FxHashMap<String, NameUse>,
     /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
     pub(crate) tripped: BTreeSet<u64>,
@@ -285,7 +280,7 @@ impl Registry {
             fleet: Mutex::new(Fleet {
                 workers: FxHashMap::default(),
                 ranks: FxHashMap::default(),
-                groups: FxHashMap::default(),
+                groups: Groups::default(),
                 names: FxHashMap::default(),
                 tripped: BTreeSet::new(),
                 changed_bookings: None,
@@ -456,7 +451,7 @@ impl Registry {
             .groups
             .iter()
             .filter(|(_, g)| !g.members.is_empty())
-            .map(|(n, _)| n.clone())
+            .map(|(n, _)| n.to_owned())
             .collect();
         names.sort();
         names
@@ -467,7 +462,10 @@ impl Registry {
     }
 
     pub fn any_routable(&self) -> bool {
-        self.lock().groups.values().any(|g| !g.members.is_empty())
+        self.lock()
+            .groups
+            .iter()
+            .any(|(_, g)| !g.members.is_empty())
     }
 
     pub fn worker_info(&self, worker_id: Option<u64>) -> Vec<WorkerInfo> {
@@ -540,6 +538,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         remote: RankLoad::default(),
         reported: ReportedLoad::default(),
         load_key: 0,
+        groups: Vec::new(),
         prefill_seconds_per_token: None,
         queued_seconds_per_token: None,
         inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
@@ -632,25 +631,13 @@ impl Fleet {
         let new_key = Self::load_key(rank, limits);
         let old_key = std::mem::replace(&mut rank.load_key, new_key);
         if old_key != new_key {
-            self.reorder(key, old_key, new_key);
-        }
-        Some(changed)
-    }
-
-    /// Moves a rank whose load key changed within its groups' load order.
-    fn reorder(&mut self, key: WorkerKey, old_key: u64, new_key: u64) {
-        let Some(worker) = self.workers.get(&key.worker_id) else {
-            return;
-        };
-        if !worker.routable() {
-            return;
-        }
-        for name in worker.models.iter().chain(&worker.lora_names) {
-            if let Some(group) = self.groups.get_mut(name) {
-                group.by_load.remove(&(old_key, key));
-                group.by_load.insert((new_key, key));
+            for &id in &rank.groups {
+                let by_load = &mut self.groups[id].by_load;
+                by_load.remove(&(old_key, key));
+                by_load.insert((new_key, key));
             }
         }
+        Some(changed)
     }
 
     /// Puts the worker's ranks into its groups if routable, takes them out if not.
@@ -659,14 +646,19 @@ impl Fleet {
             return;
         };
         let routable = worker.routable();
-        for name in worker.models.iter().chain(&worker.lora_names) {
-            let group = self.groups.entry(name.clone()).or_default();
-            for &dp_rank in &worker.dp_ranks {
-                let key = WorkerKey::new(worker_id, dp_rank);
-                let Some(rank) = self.ranks.get_mut(&key) else {
-                    continue;
-                };
-                rank.load_key = Self::load_key(rank, limits);
+        let ids: Vec<GroupId> = worker
+            .names()
+            .map(|name| self.groups.id_or_insert(name))
+            .collect();
+        for &dp_rank in &worker.dp_ranks {
+            let key = WorkerKey::new(worker_id, dp_rank);
+            let Some(rank) = self.ranks.get_mut(&key) else {
+                continue;
+            };
+            rank.load_key = Self::load_key(rank, limits);
+            rank.groups = if routable { ids.clone() } else { Vec::new() };
+            for &id in &ids {
+                let group = &mut self.groups[id];
                 group.by_load.retain(|&(_, k)| k != key);
                 let pos = group.members.binary_search(&key);
                 match (routable, pos) {
@@ -689,8 +681,15 @@ impl Fleet {
             return;
         };
         self.tripped.remove(&worker_id);
+        // Kept ranks leave their groups too: a registration again puts back those it lists.
+        for &dp_rank in &worker.dp_ranks {
+            if let Some(rank) = self.ranks.get_mut(&WorkerKey::new(worker_id, dp_rank)) {
+                rank.groups.clear();
+            }
+        }
         for name in worker.names() {
-            if let Some(group) = self.groups.get_mut(name) {
+            if let Some(id) = self.groups.id(name) {
+                let group = &mut self.groups[id];
                 group.by_load.retain(|&(_, k)| k.worker_id != worker_id);
                 group.members.retain(|k| k.worker_id != worker_id);
                 if group.members.is_empty() {
@@ -755,7 +754,7 @@ pub(crate) mod tests {
     /// load order under its current key.
     fn check_invariant(registry: &Registry) {
         let fleet = registry.lock();
-        for (name, group) in &fleet.groups {
+        for (name, group) in fleet.groups.iter() {
             assert_eq!(group.members.len(), group.by_load.len(), "{name}");
             for &(load_key, key) in &group.by_load {
                 assert_eq!(fleet.ranks[&key].load_key, load_key);
@@ -774,7 +773,15 @@ pub(crate) mod tests {
         check_invariant(&registry);
         {
             let fleet = registry.lock();
-            let last = fleet.groups["m"].by_load.iter().last().unwrap().1;
+            let last = fleet
+                .groups
+                .get("m")
+                .unwrap()
+                .by_load
+                .iter()
+                .last()
+                .unwrap()
+                .1;
             assert_eq!(last, WorkerKey::new(1, 0));
         }
         booking.release_prefill();
@@ -782,6 +789,31 @@ pub(crate) mod tests {
         drop(booking);
         check_invariant(&registry);
         assert_eq!(registry.lock().ranks[&WorkerKey::new(1, 0)].load_key, 0);
+    }
+
+    /// A rank a registration no longer lists keeps its load (its requests are
+    /// still in flight) but not its place: their release must not put it back in
+    /// the load order, where the scheduler could pick it.
+    #[test]
+    fn a_rank_a_registration_drops_stays_out_of_the_load_order() {
+        let registry = Arc::new(Registry::new(limits()));
+        let mut two_ranks = reg(1, &["m"]);
+        two_ranks.dp_ranks = vec![0, 1];
+        registry.register(two_ranks, Source::Stream).unwrap();
+        let booking = registry.book(WorkerKey::new(1, 1), 64, 4);
+        registry.register(reg(1, &["m"]), Source::Stream).unwrap();
+        drop(booking);
+        check_invariant(&registry);
+        let fleet = registry.lock();
+        let ranks: Vec<WorkerKey> = fleet
+            .groups
+            .get("m")
+            .unwrap()
+            .by_load
+            .iter()
+            .map(|&(_, k)| k)
+            .collect();
+        assert_eq!(ranks, vec![WorkerKey::new(1, 0)]);
     }
 
     #[test]
@@ -794,7 +826,7 @@ pub(crate) mod tests {
         assert_eq!(registry.name_kind("adapter"), Some(NameKind::Lora));
         assert!(registry.disconnect(1, g1));
         check_invariant(&registry);
-        assert_eq!(registry.lock().groups["m"].members.len(), 1);
+        assert_eq!(registry.lock().groups.get("m").unwrap().members.len(), 1);
         // A reconnect takes over; the old stream's purge must not remove it.
         let g2 = registry.register(reg(1, &["m"]), Source::Stream).unwrap();
         assert!(registry.purge(1, g1).is_none());

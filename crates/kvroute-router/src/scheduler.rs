@@ -616,7 +616,7 @@ fn first_usable(
         .find(|&k| usable(k))
 }
 
-impl crate::registry::Group {
+impl crate::groups::Group {
     /// The round-robin position for the next request. Interior mutability keeps
     /// `choose` on a shared borrow of the fleet.
     fn next_round_robin(&self) -> usize {

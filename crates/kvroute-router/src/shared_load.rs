@@ -168,7 +168,15 @@ mod tests {
         let fleet = registry.lock();
         assert_eq!(fleet.ranks[&two].inflight(), 3);
         assert_eq!(fleet.ranks[&two].active_blocks(), 40);
-        let cheapest = fleet.groups["m"].by_load.iter().next().unwrap().1;
+        let cheapest = fleet
+            .groups
+            .get("m")
+            .unwrap()
+            .by_load
+            .iter()
+            .next()
+            .unwrap()
+            .1;
         assert_eq!(cheapest, one);
         // Remote load is not this replica's own: it is never sent back.
         drop(fleet);
