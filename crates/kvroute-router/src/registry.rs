@@ -751,14 +751,22 @@ pub(crate) mod tests {
     }
 
     /// The invariant: group members are exactly the routable ranks, each in the
-    /// load order under its current key.
+    /// load order under its current key, and a rank holds the numbers of
+    /// exactly the groups it is a member of.
     fn check_invariant(registry: &Registry) {
         let fleet = registry.lock();
         for (name, group) in fleet.groups.iter() {
             assert_eq!(group.members.len(), group.by_load.len(), "{name}");
+            let id = fleet.groups.id(name).unwrap();
             for &(load_key, key) in &group.by_load {
                 assert_eq!(fleet.ranks[&key].load_key, load_key);
                 assert!(fleet.workers[&key.worker_id].routable());
+                assert!(fleet.ranks[&key].groups.contains(&id), "{name} {key:?}");
+            }
+        }
+        for (key, rank) in &fleet.ranks {
+            for &id in &rank.groups {
+                assert!(fleet.groups[id].members.contains(key), "{key:?}");
             }
         }
     }
