@@ -526,6 +526,14 @@ async fn error_bodies_are_openai_style() {
     http.post(&url, &completion("nope", &[1, 2, 3]))
         .await
         .assert_error(404, "model_not_found");
+    // Their other methods: a 405 naming the one allowed, with a JSON body.
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let reply = http
+            .call("GET", &format!("{}{path}", router.http), &[], "")
+            .await;
+        reply.assert_error(405, "invalid_request");
+        assert_eq!(reply.headers["allow"], "POST");
+    }
 
     // The only worker is busy with a held request: the next one waits, then 503.
     workers[0].set_mode(Mode::Hold);

@@ -85,7 +85,7 @@ impl Api {
     }
 }
 
-/// Everything but the proxied endpoints' POSTs (their other methods get 405 here).
+/// Everything but the proxied endpoints' POSTs (their other methods get a 405 here).
 fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
     let admin = Router::new()
         .route("/workers", get(list_workers))
@@ -96,29 +96,13 @@ fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
             Arc::clone(&state),
             require_admin,
         ));
-    let routed = Router::new()
-        .route(
-            "/v1/completions",
-            post({
-                let inflight = inflight.clone();
-                move |State(state), request| {
-                    proxy(state, inflight.clone(), request, Endpoint::Completions)
-                }
-            }),
-        )
-        .route(
-            "/v1/chat/completions",
-            post({
-                let inflight = inflight.clone();
-                move |State(state), request| proxy(state, inflight.clone(), request, Endpoint::Chat)
-            }),
-        )
+    Router::new()
+        .route("/v1/completions", axum::routing::any(post_only))
+        .route("/v1/chat/completions", axum::routing::any(post_only))
         .route(
             "/v1/route",
             post(move |State(state), request| dry_run(state, inflight.clone(), request)),
-        );
-    Router::new()
-        .merge(routed)
+        )
         .route("/v1/models", get(models))
         .route(
             "/healthz",
@@ -131,6 +115,17 @@ fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
             RouterError::BadRequest("no such endpoint".into()).with_status(StatusCode::NOT_FOUND)
         })
         .with_state(state)
+}
+
+/// The proxied endpoints' other methods: their POSTs never reach this router
+/// ([`Api::respond`] takes them first), the rest get a JSON 405.
+async fn post_only() -> Response {
+    let mut response = RouterError::BadRequest("this endpoint takes POST only".into())
+        .with_status(StatusCode::METHOD_NOT_ALLOWED);
+    response
+        .headers_mut()
+        .insert(header::ALLOW, header::HeaderValue::from_static("POST"));
+    response
 }
 
 impl RouterError {
