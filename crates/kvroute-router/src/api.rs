@@ -765,10 +765,10 @@ fn parse_body<'a>(
 }
 
 /// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
-async fn proxy<B: ClientBody>(
+async fn proxy(
     state: Arc<AppState>,
     inflight: Inflight,
-    request: axum::http::Request<B>,
+    request: axum::http::Request<Incoming>,
     endpoint: Endpoint,
 ) -> Response {
     let forwarded = async {
