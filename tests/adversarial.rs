@@ -1,0 +1,15 @@
+//! The adversarial suite: each attack a hostile client or worker could make on
+//! the router, reproduced against real `kvroute serve` (and `kvroute sim`)
+//! processes over loopback, with a real gRPC client where the attack comes
+//! over the wire. Each test names the attack it reproduces and asserts the
+//! router's defence; docs/operator/security.md holds the threat model.
+//! One module per front the attacker comes through.
+
+mod common;
+
+mod fairness;
+mod ingest;
+mod peers;
+mod tokenizer;
+mod trust;
+mod upstream;

@@ -1,0 +1,4 @@
+//! Attacks through fairness: see tests/adversarial.rs.
+
+#[allow(unused_imports)]
+use crate::common::*;

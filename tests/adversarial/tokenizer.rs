@@ -1,0 +1,4 @@
+//! Attacks through tokenizer: see tests/adversarial.rs.
+
+#[allow(unused_imports)]
+use crate::common::*;
