@@ -17,6 +17,25 @@ fn has_row(doc: &str, name: &str) -> bool {
     doc.lines().any(|line| line.trim_start().starts_with(&row))
 }
 
+/// `text` with its commented-out examples (`# [[workers]]`, `# id = 1`)
+/// uncommented, so that optional keys shown only as examples count too.
+fn with_examples(text: &str) -> String {
+    let example = |line: &str| {
+        let Some(rest) = line.strip_prefix("# ") else {
+            return false;
+        };
+        let table = rest.starts_with('[') && rest.ends_with(']');
+        let key = rest.split_once(" = ").is_some_and(|(key, _)| {
+            !key.is_empty() && key.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        });
+        table || key
+    };
+    text.lines()
+        .map(|line| if example(line) { &line[2..] } else { line })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Every key of `table` as its dotted path (`ingest.grace_period_ms`), keys of
 /// sub-tables and of arrays of tables included.
 fn key_paths(table: &toml::Table, prefix: &str, paths: &mut Vec<String>) {
@@ -80,9 +99,9 @@ fn assert_documented(names: &[String], source: &str, doc_path: &str, row_shape: 
 
 #[test]
 fn every_config_key_is_documented() {
-    let config: toml::Table = read("config/router.toml")
+    let config: toml::Table = with_examples(&read("config/router.toml"))
         .parse()
-        .expect("config/router.toml is valid TOML");
+        .expect("config/router.toml, its examples uncommented, is valid TOML");
     let mut keys = Vec::new();
     key_paths(&config, "", &mut keys);
     assert_documented(
@@ -119,4 +138,15 @@ fn nested_keys_are_named_by_their_path() {
     key_paths(&config, "", &mut keys);
     keys.sort();
     assert_eq!(keys, ["a", "t.b", "w.c"]);
+}
+
+#[test]
+fn commented_examples_count_as_keys() {
+    let text =
+        "[auth]\nworker_token = \"\"\n# Prose = not a key.\n# [[auth.bound]]\n# token = \"...\"\n";
+    let config: toml::Table = with_examples(text).parse().unwrap();
+    let mut keys = Vec::new();
+    key_paths(&config, "", &mut keys);
+    keys.sort();
+    assert_eq!(keys, ["auth.bound.token", "auth.worker_token"]);
 }
