@@ -158,14 +158,15 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// Bytes freed that glibc's allocator keeps for reuse instead of giving back
-/// to the system, and the size from which it maps a block of its own: fixed
+/// Bytes freed that glibc's allocator keeps for reuse instead of giving back to
+/// the system, and the size from which it maps a block of its own: fixed
 /// (glibc's maximum for the latter), so that every index's replays reuse the
 /// memory of the rounds before them alike. glibc moves both thresholds as
-/// blocks are freed, so whether a replay faulted in its memory afresh
-/// depended on what the harness had freed before it: owning each thread's
-/// input made every kvroute replay at 7,000 workers fault in ~1,600 pages a
-/// thread, not only the first (MEASUREMENTS.md, "Fifth pass at 16 workers").
+/// blocks are freed, so whether a replay faulted in its memory afresh depended
+/// on what the harness had freed before it: owning each thread's input made
+/// every kvroute replay at 7,000 workers fault in ~1,600 pages a thread, not
+/// only the first (docs/measurements/index-vs-dynamo.md, "Layout choices":
+/// "Fifth pass at 16 workers").
 const MALLOC_KEEPS: libc::c_int = 32 << 20;
 
 fn main() {
@@ -444,13 +445,13 @@ fn cpu_clock(clock: libc::clockid_t) -> Duration {
 
 /// One operation in an indexer's own types, converted before the clock starts,
 /// each replay thread's in its order and owned by it (allocated one thread's
-/// after the other's), for every index alike. Run in place (`&mut`), so that
-/// a replay neither copies each operation out of its vector nor frees the
-/// vector inside the timed span: both were charged to the index (at 16
-/// workers, about a tenth of kvroute's replay CPU). kvroute's events were
-/// references into the timeline, two threads' and the lookups' interleaved
-/// and one indirection deeper than Dynamo's converted events (MEASUREMENTS.md,
-/// "Fifth pass at 16 workers").
+/// after the other's), for every index alike. Run in place (`&mut`), so that a
+/// replay neither copies each operation out of its vector nor frees the vector
+/// inside the timed span: both were charged to the index (at 16 workers, about
+/// a tenth of kvroute's replay CPU). kvroute's events were references into the
+/// timeline, two threads' and the lookups' interleaved and one indirection
+/// deeper than Dynamo's converted events (docs/measurements/index-vs-dynamo.md,
+/// "Layout choices": "Fifth pass at 16 workers").
 enum Op {
     Event(WorkerKey, KvEvent),
     /// A run of one worker's events with no lookup between them, as the
@@ -481,14 +482,14 @@ impl Op {
     }
 
     /// Starts bringing the operation's input into the cache, one level of
-    /// indirection at a time: `level` 0 a run's events, 1 the block hashes
-    /// (or a lookup's hashes). A router applies an event it has just decoded
-    /// from its stream, and hashes a request it has just read, so its input
-    /// is in the cache; the timeline's, made long before the clock started
-    /// (tens of MB), is not. Reading it cold was a tenth of kvroute's replay
-    /// at 16 workers (MEASUREMENTS.md, "Ingest under churn"). Each replay thread
-    /// fetches the input of the next two operations while it runs one, for
-    /// every index alike.
+    /// indirection at a time: `level` 0 a run's events, 1 the block hashes (or a
+    /// lookup's hashes). A router applies an event it has just decoded from its
+    /// stream, and hashes a request it has just read, so its input is in the
+    /// cache; the timeline's, made long before the clock started (tens of MB),
+    /// is not. Reading it cold was a tenth of kvroute's replay at 16 workers
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest under
+    /// churn"). Each replay thread fetches the input of the next two operations
+    /// while it runs one, for every index alike.
     fn prefetch(&self, level: u8) {
         match (self, level) {
             (Op::Events(_, events), 0) => prefetch_slice(events),

@@ -13,11 +13,11 @@
 //! 44–87 %, 63 % on average: a third of every table's memory was empty).
 //!
 //! It replaced `HashMap` for two reasons. A walk can prefetch the slots of the blocks ahead of the one it
-//! probes: a path's chain keys are computed without the table, and a routing
-//! decision over 256 matched blocks of a million otherwise waited for one cache
-//! miss after another (MEASUREMENTS.md, "The walk's cache misses"). And without
-//! hashbrown's control byte a 16-byte engine-map slot costs 16 bytes, not 17,
-//! per membership (and a block-table slot 20).
+//! probes: a path's chain keys are computed without the table, and a routing decision over 256 matched
+//! blocks of a million otherwise waited for one cache miss after another
+//! (docs/measurements/index-vs-dynamo.md, "Layout choices": "The walk's cache misses"). And without
+//! hashbrown's control byte a 16-byte engine-map slot costs 16 bytes, not 17, per membership (and a
+//! block-table slot 20).
 
 /// Marks an empty slot; the entry of key 0 is kept beside the slots.
 const EMPTY: u64 = 0;
@@ -33,14 +33,14 @@ const MIN_GROWTH: usize = 8;
 /// saved 11 % but cost 4 B, over the 48 B goal).
 const DOUBLED_BELOW: usize = 64;
 /// A table with a floor (a block-table shard) shorter than this many floors
-/// grows at least twofold, to a length of the same chain of quarter growths
-/// (see [`next_length`]), so that the lengths it ends at past them are the
-/// ones it would have reached a quarter at a time: end-state memory is the
-/// same, and the entries are moved far fewer times on the way (at 1,024
-/// workers a shard grows from empty to 3,615 slots in 9 resizes, not 21,
-/// moving each entry 2.1 times, not 4.4; MEASUREMENTS.md, "Ingest under churn").
-/// The price is density while a shard is short (up to 2.5× its need below
-/// ~2,000 entries, a few MB over all 64 shards).
+/// grows at least twofold, to a length of the same chain of quarter growths (see
+/// [`next_length`]), so that the lengths it ends at past them are the ones it
+/// would have reached a quarter at a time: end-state memory is the same, and the
+/// entries are moved far fewer times on the way (at 1,024 workers a shard grows
+/// from empty to 3,615 slots in 9 resizes, not 21, moving each entry 2.1 times,
+/// not 4.4; docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest
+/// under churn"). The price is density while a shard is short (up to 2.5× its
+/// need below ~2,000 entries, a few MB over all 64 shards).
 const JUMPED_BELOW_FLOORS: usize = 4;
 /// Most slots in use, in eighths of the table.
 const MAX_EIGHTHS: usize = 7;
@@ -52,29 +52,29 @@ const MAX_EIGHTHS: usize = 7;
 /// shifts back the rest of one, about 17 slots at 7/8 full, 6 at 5/8 and 3 at
 /// 1/2. Tables that only grow (a fleet filling up) stay dense: their cost is
 /// growth, not probing, and their bytes are what the memory goals count.
-/// Indexed by whether the table has a floor: a block-table shard 3/4 → 5/8
-/// (5/8 → 1/2 for both kinds gave the 16-worker replay ~7 % more ops per
-/// CPU-second for ~11 % more heap per membership in its churned state), a
-/// worker's engine map 1/2 → 7/16 (its 512 blocks in 719 slots, 0.71 full,
-/// were not laid out again at 3/4; at 5/8 → 9/16 the replay gained ~8 % for
-/// ~6 % more heap in its churned state, MEASUREMENTS.md, "Fifth pass at 16
-/// workers"; 1/2 → 7/16 took a further 4.7 % of a replay thread's
-/// instructions, the removals' shifts and the inserts' probes shorter, for
-/// ~9 % more heap at the end of the replay, "Ninth pass at 16 workers").
-/// Sparser still is not faster: a table laid out 3/8 or 5/16 full is near
-/// the shrink bound (a quarter of what it may hold), and a pool dipping
-/// below it shrank and regrew.
+/// Indexed by whether the table has a floor: a block-table shard 3/4 → 5/8 (5/8
+/// → 1/2 for both kinds gave the 16-worker replay ~7 % more ops per CPU-second
+/// for ~11 % more heap per membership in its churned state), a worker's engine
+/// map 1/2 → 7/16 (its 512 blocks in 719 slots, 0.71 full, were not laid out
+/// again at 3/4; at 5/8 → 9/16 the replay gained ~8 % for ~6 % more heap in its
+/// churned state, docs/measurements/index-vs-dynamo.md, "Layout choices":
+/// "Fifth pass at 16 workers"; 1/2 → 7/16 took a further 4.7 % of a replay
+/// thread's instructions, the removals' shifts and the inserts' probes shorter,
+/// for ~9 % more heap at the end of the replay, "Ninth pass at 16 workers").
+/// Sparser still is not faster: a table laid out 3/8 or 5/16 full is near the
+/// shrink bound (a quarter of what it may hold), and a pool dipping below it
+/// shrank and regrew.
 const CHURN_MAX_SIXTEENTHS: [usize; 2] = [8, 12];
 /// How full a churning table is laid out, in sixteenths, indexed like
 /// [`CHURN_MAX_SIXTEENTHS`].
 const CHURN_SIXTEENTHS: [usize; 2] = [7, 10];
-/// A table with a floor (a block-table shard) shrinks once under this
-/// fraction of what it may hold, a table without one under a quarter. At 16
-/// workers a shard's share of the blocks swings between ~70 and ~300 entries
-/// as conversations come and go, and under a quarter the shards went round
-/// 256 → 782 → 389 → 256 slots a few times a round (~750 resizes in a replay
-/// of 257k operations). Under a sixth: ~3 % more ops per CPU-second for ~6 %
-/// more heap in the churned state; under an eighth ~5 % for ~11 % (MEASUREMENTS.md,
+/// A table with a floor (a block-table shard) shrinks once under this fraction of
+/// what it may hold, a table without one under a quarter. At 16 workers a shard's
+/// share of the blocks swings between ~70 and ~300 entries as conversations come
+/// and go, and under a quarter the shards went round 256 → 782 → 389 → 256 slots a
+/// few times a round (~750 resizes in a replay of 257k operations). Under a sixth:
+/// ~3 % more ops per CPU-second for ~6 % more heap in the churned state; under an
+/// eighth ~5 % for ~11 % (docs/measurements/index-vs-dynamo.md, "Layout choices":
 /// "Ingest under churn", fifth pass).
 const FLOORED_SHRINK_UNDER: usize = 6;
 /// Old slots a resize gathers the entries of before placing them.
@@ -166,16 +166,17 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
 /// An entry may fill the hole iff its home is not cyclically in (hole, next]
 /// (moving it would put it before its home): one unsigned range test modulo
 /// 2^64, `home − (hole + 1) ≥ next − hole`, which is the cyclic one because
-/// homes are below the length (the part of the interval through 2^64 holds
-/// no home), whether or not the shift has wrapped. The entry's cyclic
-/// distance from its home against the hole's, counted along, took ~1.3
-/// instructions a shifted slot more (MEASUREMENTS.md, "Tenth pass at 16
-/// workers"). Chosen and copied without a branch (a slot moved onto itself
-/// when it may not; a plain `if` compiled to a branch): whether a slot of a
-/// churned table may move is a coin the predictor loses often, 3.2
-/// mispredicts an engine-map removal with the branch, 1.3 without (its
-/// exits'), and ops per CPU-second at 16 workers +10–14 % (MEASUREMENTS.md,
-/// "Ingest under churn").
+/// homes are below the length (the part of the interval through 2^64 holds no
+/// home), whether or not the shift has wrapped. The entry's cyclic distance
+/// from its home against the hole's, counted along, took ~1.3 instructions a
+/// shifted slot more (docs/measurements/index-vs-dynamo.md, "Layout choices":
+/// "Tenth pass at 16 workers"). Chosen and copied without a branch (a slot
+/// moved onto itself when it may not; a plain `if` compiled to a branch):
+/// whether a slot of a churned table may move is a coin the predictor loses
+/// often, 3.2 mispredicts an engine-map removal with the branch, 1.3 without
+/// (its exits'), and ops per CPU-second at 16 workers +10–14 %
+/// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest under
+/// churn").
 #[inline(always)]
 fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize) -> bool {
     let len = slots.len();
@@ -186,9 +187,9 @@ fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize)
         }
         let movable = home_in(key, len).wrapping_sub(*hole + 1) >= next.wrapping_sub(*hole);
         let from = std::hint::select_unpredictable(movable, next, *hole);
-        // Indexed unchecked: the bounds checks were ~20 instructions a
-        // removal at 16 workers (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
-        // workers").
+        // Indexed unchecked: the bounds checks were ~20 instructions a removal
+        // at 16 workers (docs/measurements/index-vs-dynamo.md, "Layout
+        // choices": "Sixth pass at 16 and 1,024 workers").
         // SAFETY: `hole` is a slot of the table (the caller's, or an earlier
         // `next`), and `from` is `next` or `hole`.
         unsafe { *slots.get_unchecked_mut(*hole) = *slots.get_unchecked(from) };
@@ -214,21 +215,23 @@ pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     slots: Vec<Slot<V>>,
     /// Entries in `slots` (32 bits, so that `removals_left` fits beside it).
     in_slots: u32,
-    /// Removals until the table has lost as many entries as it has slots
-    /// since it was last laid out, or since it was last found not dense
-    /// enough to be laid out again (see [`CHURN_MAX_SIXTEENTHS`]): its length
-    /// less those removals. Counted down, so that a removal decrements and
-    /// tests it in place, where a count up was loaded, stored and compared
-    /// with the length (~5 instructions of each table's removal at 16
-    /// workers; MEASUREMENTS.md, "Tenth pass at 16 workers").
+    /// Removals until the table has lost as many entries as it has slots since
+    /// it was last laid out, or since it was last found not dense enough to be
+    /// laid out again (see [`CHURN_MAX_SIXTEENTHS`]): its length less those
+    /// removals. Counted down, so that a removal decrements and tests it in
+    /// place, where a count up was loaded, stored and compared with the length
+    /// (~5 instructions of each table's removal at 16 workers;
+    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Tenth pass at
+    /// 16 workers").
     removals_left: u32,
     /// The table shrinks once it holds fewer entries than this (see
     /// [`Self::shrink_below`]).
     shrink_below: u32,
-    /// The most entries the table holds before it grows ([`MAX_EIGHTHS`] of
-    /// its slots), kept from its last layout: an insert compares, where it
-    /// computed the bound (~3 instructions of each of a stored block's two
-    /// inserts; MEASUREMENTS.md, "Ninth pass at 16 workers").
+    /// The most entries the table holds before it grows ([`MAX_EIGHTHS`] of its
+    /// slots), kept from its last layout: an insert compares, where it computed
+    /// the bound (~3 instructions of each of a stored block's two inserts;
+    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Ninth pass at
+    /// 16 workers").
     most: u32,
     zero: Option<V>,
 }
@@ -302,12 +305,13 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         self.prefetch_lines(key, 2);
     }
 
-    /// Starts bringing [`INSERT_LINES`] cache lines from `key`'s home slot
-    /// into the cache, for an insert of a key that is likely new: it probes to
-    /// the end of its home's cluster, about 11 slots at 78 % full (linear
-    /// probing: (1 + 1/(1 − load)²) / 2), three to four lines of 16- or
-    /// 20-byte slots, where the home slot's line alone left the rest to miss
-    /// one after another (MEASUREMENTS.md, "Ingest at 1,024 workers").
+    /// Starts bringing [`INSERT_LINES`] cache lines from `key`'s home slot into
+    /// the cache, for an insert of a key that is likely new: it probes to the
+    /// end of its home's cluster, about 11 slots at 78 % full (linear probing:
+    /// (1 + 1/(1 − load)²) / 2), three to four lines of 16- or 20-byte slots,
+    /// where the home slot's line alone left the rest to miss one after another
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest at
+    /// 1,024 workers").
     #[inline]
     pub fn prefetch_insert(&self, key: u64) {
         self.prefetch_lines(key, INSERT_LINES);
@@ -363,14 +367,15 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
 
     /// The value of `key`, made by `make` if absent; and whether it was made.
     /// Inlined, as [`Self::insert`]: a stored chain inserts each block into
-    /// both tables, and the two calls were ~25 of its ~400 instructions a
-    /// block at 16 workers (MEASUREMENTS.md, "Seventh pass at 16 workers").
-    /// Always inlined, as the other map operations the event path calls
-    /// (`remove`, `change_or_remove`, `remove_at`, the shard's `insert` and
-    /// `remove`): that path is compiled once for each kind of index
-    /// (`index::Limit`), and with the callers that added LLVM left them out
-    /// of line (+11 % instructions at 16 workers; MEASUREMENTS.md, "Eleventh
-    /// pass at 16 workers").
+    /// both tables, and the two calls were ~25 of its ~400 instructions a block
+    /// at 16 workers (docs/measurements/index-vs-dynamo.md, "Layout choices":
+    /// "Seventh pass at 16 workers"). Always inlined, as the other map
+    /// operations the event path calls (`remove`, `change_or_remove`,
+    /// `remove_at`, the shard's `insert` and `remove`): that path is compiled
+    /// once for each kind of index (`index::Limit`), and with the callers that
+    /// added LLVM left them out of line (+11 % instructions at 16 workers;
+    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Eleventh pass
+    /// at 16 workers").
     #[inline(always)]
     pub fn get_or_insert(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
         if key == EMPTY {
@@ -440,9 +445,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
 
     /// Inlined: a worker's removal event called it for its engine map, and
     /// since the removal's bounds are tested without computing them the call
-    /// was ~1 % of a 16-worker replay's instructions (MEASUREMENTS.md, "Ninth
-    /// pass at 16 workers").
-    /// Always inlined: see [`Self::get_or_insert`].
+    /// was ~1 % of a 16-worker replay's instructions
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ninth pass at
+    /// 16 workers"). Always inlined: see [`Self::get_or_insert`].
     #[inline(always)]
     pub fn remove(&mut self, key: u64) -> Option<V> {
         if key == EMPTY {
@@ -477,10 +482,10 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     }
 
     /// Removes the entry in slot `at`; returns its value. Inlined: a
-    /// block-table shard's removal (`change_or_remove`) called it, ~2.7 % of
-    /// a 16-worker replay's instructions in the call and the code around it
-    /// (MEASUREMENTS.md, "Eighth pass at 16 workers").
-    /// Always inlined: see [`Self::get_or_insert`].
+    /// block-table shard's removal (`change_or_remove`) called it, ~2.7 % of a
+    /// 16-worker replay's instructions in the call and the code around it
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Eighth pass at
+    /// 16 workers"). Always inlined: see [`Self::get_or_insert`].
     #[inline(always)]
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
@@ -488,7 +493,8 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         // of the cluster: up to the table's end, then from its start if the
         // cluster goes on. Two loops, where one wrapped `next` at each slot:
         // the loop's bound is the wrap's test (~2.5 instructions a shifted slot
-        // fewer; MEASUREMENTS.md, "Tenth pass at 16 workers").
+        // fewer; docs/measurements/index-vs-dynamo.md, "Layout choices": "Tenth
+        // pass at 16 workers").
         let mut hole = at;
         if !shift_back(self.slots.as_mut_slice(), &mut hole, at + 1) {
             shift_back(self.slots.as_mut_slice(), &mut hole, 0);
@@ -496,10 +502,10 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
         self.removals_left -= 1;
-        // Two compares a removal; what they call for is worked out only
-        // then (computed at every removal, the bounds were ~25 instructions
-        // of each table's removal: MEASUREMENTS.md, "Ninth pass at 16
-        // workers").
+        // Two compares a removal; what they call for is worked out only then
+        // (computed at every removal, the bounds were ~25 instructions of each
+        // table's removal: docs/measurements/index-vs-dynamo.md, "Layout
+        // choices": "Ninth pass at 16 workers").
         if self.in_slots < self.shrink_below || self.removals_left == 0 {
             self.relayout_after_removals();
         }

@@ -213,9 +213,9 @@ impl WorkerSlot {
     /// and one an event in a bounded index): writers of `held` are serialised,
     /// the worker's own event writer (holding its mutex) or the dump building
     /// or releasing a slot no event reaches. The evictor counts apart
-    /// ([`Self::count_evicted`]). Inlined: left to itself, LLVM made it a
-    /// call in both kinds' event paths (MEASUREMENTS.md, "The bounded index,
-    /// eleventh pass").
+    /// ([`Self::count_evicted`]). Inlined: left to itself, LLVM made it a call
+    /// in both kinds' event paths (docs/measurements/index-vs-dynamo.md,
+    /// "Layout choices": "The bounded index, eleventh pass").
     #[inline(always)]
     fn add_held(&self, delta: i64) {
         if delta != 0 {
@@ -280,10 +280,11 @@ type EngineMap = FlatMap<BlockRef>;
 
 /// What [`KvIndex::apply_kind`] could not apply, the counts of
 /// [`ApplyOutcome::Applied`]: two words, returned in registers. The outcome
-/// itself (24 bytes) went back through memory, stored in two halves and
-/// read back whole by the counters at once, a load that waited for both
-/// stores (a failed store forwarding, a third of `WorkerEvents::apply`'s
-/// samples at 16 workers; MEASUREMENTS.md, "Ingest under churn").
+/// itself (24 bytes) went back through memory, stored in two halves and read
+/// back whole by the counters at once, a load that waited for both stores (a
+/// failed store forwarding, a third of `WorkerEvents::apply`'s samples at 16
+/// workers; docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest
+/// under churn").
 struct Applied {
     rejected_blocks: u64,
     unknown_removals: u64,
@@ -620,8 +621,9 @@ impl WorkerEvents<'_> {
     /// into the caller: the 24-byte outcome returned through memory was stored
     /// in parts and read back whole by the caller's copy of it (a failed store
     /// forwarding, three quarters of the comparator's run loop at 16 workers;
-    /// MEASUREMENTS.md, "Fifth pass at 16 workers"). Always: with a copy of
-    /// the event path for each kind of index in it, LLVM no longer did.
+    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Fifth pass at 16
+    /// workers"). Always: with a copy of the event path for each kind of index
+    /// in it, LLVM no longer did.
     #[inline(always)]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
         match self.index.eviction.as_deref() {
@@ -770,16 +772,16 @@ impl KvIndex {
         self.with_worker(worker, |events| events.skip(event_id))
     }
 
-    /// Runs `f` with `worker` found and locked, for a run of its events (as
-    /// one message of its stream brings them) applied through
-    /// [`WorkerEvents`]: each the same as [`Self::apply`] or [`Self::skip`],
-    /// but the worker is looked up and locked once for the run, not once an
-    /// event. At 16 workers nearly every event is a one-block removal, and the
-    /// lookup and the lock were a tenth of one (MEASUREMENTS.md, "Ingest under
-    /// churn"). Lookups still see each event whole or not at all; the
-    /// worker's other callers (a dump, a digest, its removal) wait for the
-    /// whole run. `f` must not call into this index (it would wait for
-    /// itself); it may lock a worker of another index (the other tier).
+    /// Runs `f` with `worker` found and locked, for a run of its events (as one
+    /// message of its stream brings them) applied through [`WorkerEvents`]:
+    /// each the same as [`Self::apply`] or [`Self::skip`], but the worker is
+    /// looked up and locked once for the run, not once an event. At 16 workers
+    /// nearly every event is a one-block removal, and the lookup and the lock
+    /// were a tenth of one (docs/measurements/index-vs-dynamo.md, "Layout
+    /// choices": "Ingest under churn"). Lookups still see each event whole or
+    /// not at all; the worker's other callers (a dump, a digest, its removal)
+    /// wait for the whole run. `f` must not call into this index (it would wait
+    /// for itself); it may lock a worker of another index (the other tier).
     pub fn with_worker<R>(
         &self,
         worker: WorkerKey,
@@ -1916,8 +1918,8 @@ impl KvIndex {
     /// A `Removed` event's blocks taken from the worker. Inlined into the
     /// event's apply, apart from the rest of [`Self::apply_kind`]: at 16
     /// workers nearly every event is a one-block removal, and the calls were
-    /// ~18 of its instructions (MEASUREMENTS.md, "Sixth pass at 16 and 1,024
-    /// workers").
+    /// ~18 of its instructions (docs/measurements/index-vs-dynamo.md, "Layout
+    /// choices": "Sixth pass at 16 and 1,024 workers").
     #[inline(always)]
     fn remove_blocks<'l>(
         &self,

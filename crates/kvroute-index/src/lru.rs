@@ -207,9 +207,9 @@ impl std::ops::Index<u32> for Slab {
     type Output = Node;
 
     /// Checked against `len`, not against the chunks' vector's length as
-    /// indexing it would: 1.8M fewer of a bounded replay's 276M
-    /// instructions at 16 workers (MEASUREMENTS.md, "The bounded index,
-    /// fifth pass"). A plain assert: with a message, 8.5M more.
+    /// indexing it would: 1.8M fewer of a bounded replay's 276M instructions at
+    /// 16 workers (docs/measurements/index-vs-dynamo.md, "Layout choices": "The
+    /// bounded index, fifth pass"). A plain assert: with a message, 8.5M more.
     #[inline]
     fn index(&self, id: u32) -> &Node {
         assert!(id < self.len);
@@ -245,10 +245,10 @@ pub(crate) struct Lru {
     /// leaf first.
     pending: VecDeque<Touch>,
     /// Nodes given out ([`Self::give_ids`]) whose insertion is still to be
-    /// applied and that carry a mark for it: doomed (their block's removal
-    /// came first) or pinned. While there are none, a run of inserts need
-    /// not read its nodes before writing them (MEASUREMENTS.md, "The
-    /// bounded index, seventh pass").
+    /// applied and that carry a mark for it: doomed (their block's removal came
+    /// first) or pinned. While there are none, a run of inserts need not read
+    /// its nodes before writing them (docs/measurements/index-vs-dynamo.md,
+    /// "Layout choices": "The bounded index, seventh pass").
     marked_pending: u32,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
@@ -405,10 +405,11 @@ impl Lru {
 
     /// Starts placing a stored chain whose parent is `parent` (its key and
     /// node), moved to the head if still in the order. Out of line, as the
-    /// compiler left it before it called [`Self::move_to_head`]: inlined,
-    /// it changed the code of [`crate::index::KvIndex::apply_kind`] around
-    /// it (a dump's store calls it there), which both indexes run
-    /// (MEASUREMENTS.md, "The bounded index, ninth pass").
+    /// compiler left it before it called [`Self::move_to_head`]: inlined, it
+    /// changed the code of [`crate::index::KvIndex::apply_kind`] around it (a
+    /// dump's store calls it there), which both indexes run
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "The bounded
+    /// index, ninth pass").
     #[inline(never)]
     pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
@@ -431,13 +432,13 @@ impl Lru {
         }
     }
 
-    /// Adds a new block, a chain's next at `place` (a fresh place: the
-    /// newest), under `parent` (its key and node) if that is still in the
-    /// order; returns its node, for the block's entry. Out of line: only a
-    /// caller holding the order's lock (a dump's build) inserts at once, and
-    /// inlined into the event path's code it cost the unbounded index's
-    /// replay ~1M instructions (MEASUREMENTS.md, "The bounded index, fifth
-    /// pass").
+    /// Adds a new block, a chain's next at `place` (a fresh place: the newest),
+    /// under `parent` (its key and node) if that is still in the order; returns
+    /// its node, for the block's entry. Out of line: only a caller holding the
+    /// order's lock (a dump's build) inserts at once, and inlined into the
+    /// event path's code it cost the unbounded index's replay ~1M instructions
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "The bounded
+    /// index, fifth pass").
     #[inline(never)]
     pub fn insert(
         &mut self,
@@ -498,16 +499,16 @@ impl Lru {
         true
     }
 
-    /// [`Self::insert_at`] of the new blocks `changes` starts with (its
-    /// leading [`Change::Insert`]s, up to a doomed node): a chain's next
-    /// blocks, below node `prev`, the chain's block before them, just linked
-    /// (so it is in the order, and the first one's parent and place).
-    /// Returns how many, and the last one's key and node; none if the first
-    /// node is doomed. Each node is read once and written once, whole (its
-    /// neighbours are the blocks before and after it in the run), and
-    /// `prev`'s older neighbour is given the last as its newer once: one
-    /// block at a time read and wrote the block before and that neighbour
-    /// for each (MEASUREMENTS.md, "The bounded index, sixth pass").
+    /// [`Self::insert_at`] of the new blocks `changes` starts with (its leading
+    /// [`Change::Insert`]s, up to a doomed node): a chain's next blocks, below
+    /// node `prev`, the chain's block before them, just linked (so it is in the
+    /// order, and the first one's parent and place). Returns how many, and the
+    /// last one's key and node; none if the first node is doomed. Each node is
+    /// read once and written once, whole (its neighbours are the blocks before
+    /// and after it in the run), and `prev`'s older neighbour is given the last
+    /// as its newer once: one block at a time read and wrote the block before
+    /// and that neighbour for each (docs/measurements/index-vs-dynamo.md,
+    /// "Layout choices": "The bounded index, sixth pass").
     #[inline(always)]
     fn insert_run_below(&mut self, prev: u32, changes: &[Change]) -> Option<(usize, Touch)> {
         debug_assert!(self.pending.is_empty());
@@ -613,13 +614,13 @@ impl Lru {
     }
 
     /// [`Self::remove`] of the blocks `changes` starts with (its leading
-    /// [`Change::Remove`]s, at least one); returns how many. A block that
-    /// is the parent of the one removed before it and right newer than it
-    /// in the order (a chain's blocks going leaf first, as an engine evicts
-    /// them) is taken out with it as one piece: the child's release is
-    /// counted as its node is read, and the piece's neighbours are joined
-    /// once, which leaves what removing each in turn leaves
-    /// (MEASUREMENTS.md, "The bounded index, seventh pass").
+    /// [`Change::Remove`]s, at least one); returns how many. A block that is
+    /// the parent of the one removed before it and right newer than it in the
+    /// order (a chain's blocks going leaf first, as an engine evicts them) is
+    /// taken out with it as one piece: the child's release is counted as its
+    /// node is read, and the piece's neighbours are joined once, which leaves
+    /// what removing each in turn leaves (docs/measurements/index-vs-dynamo.md,
+    /// "Layout choices": "The bounded index, seventh pass").
     #[inline(never)]
     fn remove_run(&mut self, changes: &[Change]) -> usize {
         debug_assert!(self.pending.is_empty());
@@ -799,10 +800,10 @@ impl Lru {
 
     /// Moves lookups' touches (each path leaf first) to the head, as
     /// [`Self::move_to_head`] of each in turn would, and a run of them whose
-    /// blocks lie in the order already as that leaves them (each right
-    /// newer than the one before: a path touched or stored before) as one
-    /// piece, reading each of its nodes once (MEASUREMENTS.md, "The bounded
-    /// index, sixth pass").
+    /// blocks lie in the order already as that leaves them (each right newer
+    /// than the one before: a path touched or stored before) as one piece,
+    /// reading each of its nodes once (docs/measurements/index-vs-dynamo.md,
+    /// "Layout choices": "The bounded index, sixth pass").
     fn touch_in_order(&mut self, touches: &[Touch]) {
         let mut at = 0;
         while let Some(&oldest) = touches.get(at) {

@@ -23,13 +23,13 @@ use crate::flat::{FlatMap, Zeroable};
 /// Shards of the block table; a power of two.
 pub(crate) const SHARDS: usize = 64;
 
-/// Slots a shard's table keeps once it grew past them (8 KB): see
-/// [`FlatMap`]. At 16 workers a shard's share of the blocks swings between
-/// ~70 and ~300 entries, and with 256 slots the shards went round 256 → 320
-/// → 400 → 256 several times a replay, their resizes ~6 % of its
-/// instructions; 400 keeps them at 400: ~6 % more ops per CPU-second for
-/// 9 B more heap a membership in the churned state (89 → 98 B; 512 slots:
-/// as fast, 111 B), and nothing in a memory pass (MEASUREMENTS.md, "Sixth
+/// Slots a shard's table keeps once it grew past them (8 KB): see [`FlatMap`].
+/// At 16 workers a shard's share of the blocks swings between ~70 and ~300
+/// entries, and with 256 slots the shards went round 256 → 320 → 400 → 256
+/// several times a replay, their resizes ~6 % of its instructions; 400 keeps
+/// them at 400: ~6 % more ops per CPU-second for 9 B more heap a membership in
+/// the churned state (89 → 98 B; 512 slots: as fast, 111 B), and nothing in a
+/// memory pass (docs/measurements/index-vs-dynamo.md, "Layout choices": "Sixth
 /// pass at 16 and 1,024 workers").
 const SHARD_FLOOR: usize = 400;
 
