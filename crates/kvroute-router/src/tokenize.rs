@@ -276,7 +276,7 @@ impl RouterTokenizer {
             return Ok(Agreement::Agrees(fingerprint.to_string()));
         }
         let message = format!(
-            "worker {worker_id} tokenizes with {spec} (fingerprint {fingerprint}), which is not \
+            "worker {worker_id} tokenizes with {spec:?} (fingerprint {fingerprint:?}), which is not \
              one of the router's tokenizers: text prompts would never match its cache. Give the \
              router the worker's tokenizer, or set allow_tokenizer_mismatch = true in the \
              router's config"
