@@ -5,7 +5,6 @@
 mod common;
 
 use common::*;
-use kvroute_proto::TokenizerInfo;
 use serde_json::{Value, json};
 
 /// What the sim reports as cached of a completion's prompt.
@@ -17,8 +16,9 @@ fn cached_tokens(reply: &Reply) -> u64 {
 }
 
 #[tokio::test]
-async fn default_serve_and_default_sim_route_text_prompts_by_prefix() {
-    let router = RouterProcess::start("");
+async fn a_router_with_the_sims_tokenizer_routes_text_prompts_by_prefix() {
+    // The default sim's tokenizer.
+    let router = RouterProcess::start("tokenizer = \"tiktoken:cl100k_base\"\n");
     let _sim = SimFleet::start(Some(&router.grpc), 2);
     wait_registered(&router, 2).await;
     let http = Http::default();
@@ -31,8 +31,8 @@ async fn default_serve_and_default_sim_route_text_prompts_by_prefix() {
     assert_eq!(first.status, 200, "{}", first.text());
     let worker = first.worker();
 
-    // The router tokenizes the text (with the tokenizer the sims declared)
-    // and finds the shared prefix where the first request left it.
+    // The router tokenizes the text (with the tokenizer the sims declared
+    // too) and finds the shared prefix where the first request left it.
     let route = http
         .post(
             &format!("{}/v1/route", router.http),
@@ -58,7 +58,7 @@ async fn default_serve_and_default_sim_route_text_prompts_by_prefix() {
 #[tokio::test]
 async fn text_that_cannot_be_tokenized_is_counted_and_explained() {
     let router = RouterProcess::start("");
-    // A worker that declares no tokenizer: the router has none to adopt.
+    // A router without tokenizer: text has no tokens, whatever the workers declare.
     let _worker = GrpcWorker::connect(
         &router.grpc,
         None,
@@ -99,70 +99,32 @@ async fn text_that_cannot_be_tokenized_is_counted_and_explained() {
     );
 }
 
-/// The declaration a worker with tokenizer `spec` sends.
-fn declared(spec: &str) -> TokenizerInfo {
-    let tokenizer = kvroute_tokenize::Tokenizer::load(&spec.parse().unwrap()).unwrap();
-    TokenizerInfo {
-        spec: spec.to_string(),
-        fingerprint: tokenizer.fingerprint().to_string(),
-    }
-}
-
-async fn connect_declaring(
-    router: &RouterProcess,
-    id: u64,
-    tokenizer: TokenizerInfo,
-) -> Result<GrpcWorker, tonic::Status> {
-    let mut register = register(id, "http://127.0.0.1:9", &["m"], BLOCK_SIZE as u32);
-    register.tokenizer = Some(tokenizer);
-    GrpcWorker::connect(&router.grpc, None, register).await
-}
-
 #[tokio::test]
 async fn a_worker_with_another_tokenizer_is_refused_unless_allowed() {
     let router = RouterProcess::start("tokenizer = \"tiktoken:cl100k_base\"\n");
-    let refused = connect_declaring(&router, 1, declared("tiktoken:o200k_base"))
+    let refused = connect_declaring(&router, 1, Some(declared("tiktoken:o200k_base")))
         .await
         .err()
         .expect("a worker with another tokenizer is refused");
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    for needle in ["o200k_base", "cl100k_base", "allow_tokenizer_mismatch"] {
+    for needle in ["o200k_base", "allow_tokenizer_mismatch"] {
         assert!(refused.message().contains(needle), "{}", refused.message());
     }
-    connect_declaring(&router, 2, declared("tiktoken:cl100k_base"))
+    // The router's own tokenizer is not told: nothing to copy.
+    let ours = declared("tiktoken:cl100k_base");
+    for secret in ["cl100k_base", ours.fingerprint.as_str()] {
+        assert!(!refused.message().contains(secret), "{}", refused.message());
+    }
+    connect_declaring(&router, 2, Some(declared("tiktoken:cl100k_base")))
         .await
         .expect("the same tokenizer is accepted");
 
     let lenient = RouterProcess::start(
         "tokenizer = \"tiktoken:cl100k_base\"\nallow_tokenizer_mismatch = true\n",
     );
-    connect_declaring(&lenient, 1, declared("tiktoken:o200k_base"))
+    connect_declaring(&lenient, 1, Some(declared("tiktoken:o200k_base")))
         .await
         .expect("allowed by the configuration");
-}
-
-#[tokio::test]
-async fn a_router_without_tokenizer_adopts_the_workers_and_refuses_a_dissenter() {
-    let router = RouterProcess::start("");
-    let _first = connect_declaring(&router, 1, declared("tiktoken:o200k_base"))
-        .await
-        .unwrap();
-    let refused = connect_declaring(&router, 2, declared("tiktoken:cl100k_base"))
-        .await
-        .err()
-        .expect("a worker disagreeing with the adopted tokenizer is refused");
-    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    let text = "The adopted tokenizer turns this into tokens.";
-    let route = Http::default()
-        .post(
-            &format!("{}/v1/route", router.http),
-            &json!({"model": "m", "prompt": text}),
-        )
-        .await
-        .json();
-    let o200k = kvroute_tokenize::Tokenizer::load(&"tiktoken:o200k_base".parse().unwrap()).unwrap();
-    assert!(route["untokenized"].is_null(), "{route}");
-    assert_eq!(route["prompt_tokens"], o200k.encode(text).unwrap().len());
 }
 
 #[tokio::test]
@@ -241,7 +203,9 @@ fn overlaps(route: &Value) -> std::collections::HashMap<u64, u64> {
 
 #[tokio::test]
 async fn an_image_matches_only_the_worker_that_cached_it() {
-    let router = RouterProcess::start("[scheduler]\npredicted_bridge_ms = 0\n");
+    let router = RouterProcess::start(
+        "tokenizer = \"tiktoken:cl100k_base\"\n[scheduler]\npredicted_bridge_ms = 0\n",
+    );
     let sim = SimFleet::start(Some(&router.grpc), 2);
     wait_registered(&router, 2).await;
     let system = "You describe pictures carefully and briefly. ".repeat(20);

@@ -10,9 +10,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_router::config::{LogFormat, Policy};
+use kvroute_router::config::{LogFormat, Policy, TokenizerSpecs};
 use kvroute_router::{Config, server};
-use kvroute_tokenize::TokenizerSpec;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -31,10 +30,10 @@ pub struct ServeArgs {
     /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, approx.
     #[arg(long)]
     policy: Option<Policy>,
-    /// How text becomes tokens: tiktoken:ENCODING, hf:PATH or none (adopt the
-    /// tokenizer the workers declare); must be the workers'.
+    /// How text becomes tokens: tiktoken:ENCODING, hf:PATH or none (text is
+    /// routed on load alone); must be the workers'. A list: in the config file.
     #[arg(long, value_name = "SPEC")]
-    tokenizer: Option<TokenizerSpec>,
+    tokenizer: Option<TokenizerSpecs>,
     /// How long a disconnected worker's index entries are kept, in milliseconds.
     #[arg(long)]
     grace_period_ms: Option<u64>,

@@ -669,6 +669,30 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
     }
 }
 
+/// The declaration a worker tokenizing with `spec` sends, fingerprint and all.
+pub fn declared(spec: &str) -> kvroute_proto::TokenizerInfo {
+    let tokenizer = kvroute_tokenize::Tokenizer::load(&spec.parse().unwrap()).unwrap();
+    kvroute_proto::TokenizerInfo {
+        spec: spec.to_string(),
+        fingerprint: tokenizer.fingerprint().to_string(),
+    }
+}
+
+/// Registers worker `id` serving "m" at an address nothing listens on,
+/// declaring `tokenizer`; a refusal comes back as the error, and a
+/// registration that gets no answer fails the test.
+pub async fn connect_declaring(
+    router: &RouterProcess,
+    id: u64,
+    tokenizer: Option<kvroute_proto::TokenizerInfo>,
+) -> Result<GrpcWorker, tonic::Status> {
+    let mut register = register(id, "http://127.0.0.1:9", &["m"], BLOCK_SIZE as u32);
+    register.tokenizer = tokenizer;
+    tokio::time::timeout(DEADLINE, GrpcWorker::connect(&router.grpc, None, register))
+        .await
+        .unwrap_or_else(|_| panic!("worker {id}'s registration got no answer"))
+}
+
 impl GrpcWorker {
     /// Opens the stream and registers; the router's refusal comes back as the error.
     pub async fn connect(

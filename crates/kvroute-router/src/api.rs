@@ -199,7 +199,7 @@ struct Parsed<'a> {
     /// vLLM's extra keys of the request's blocks (`cache_salt`, images).
     extra: ExtraKeys,
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
-    untokenized: Option<String>,
+    untokenized: Option<&'static str>,
     pin: Option<u64>,
 }
 
@@ -656,26 +656,40 @@ async fn parse<'a>(
     let (mut parsed, source) = parse_body(state, headers, body, endpoint)?;
     // Token ids take no tokenizing: no clock reads for them.
     let started = (!matches!(source, PromptSource::Tokens(_))).then(Instant::now);
-    let tokenized = match source {
-        PromptSource::Tokens(tokens) => Some((tokens, Vec::new())),
-        PromptSource::Text(text) => {
+    let tokenizer = match source {
+        PromptSource::Tokens(_) => None,
+        _ => state.tokenizer.for_name(&state.registry, &parsed.model),
+    };
+    let tokenized = match (source, tokenizer) {
+        (PromptSource::Tokens(tokens), _) => Some((tokens, Vec::new())),
+        (_, None) => None,
+        (PromptSource::Text(text), Some(tokenizer)) => Some(
             state
                 .tokenizer
-                .run(move |t| Ok((t.encode(&text)?, Vec::new())))
-                .await?
-        }
-        PromptSource::Chat {
-            messages,
-            add_generation_prompt,
-        } => {
-            state
-                .tokenizer
-                .run(move |t| {
-                    let messages: Vec<Value> = serde_json::from_slice(&messages)
-                        .map_err(|e| RouterError::BadRequest(format!("invalid `messages`: {e}")))?;
-                    t.encode_chat(&messages, add_generation_prompt)
-                })
-                .await?
+                .run(tokenizer, move |t| Ok((t.encode(&text)?, Vec::new())))
+                .await?,
+        ),
+        (
+            PromptSource::Chat {
+                messages,
+                add_generation_prompt,
+            },
+            Some(tokenizer),
+        ) => {
+            let limits = state.config.limits.clone();
+            Some(
+                state
+                    .tokenizer
+                    .run(tokenizer, move |t| {
+                        let messages: Vec<Value> =
+                            serde_json::from_slice(&messages).map_err(|e| {
+                                RouterError::BadRequest(format!("invalid `messages`: {e}"))
+                            })?;
+                        crate::tokenize::check_chat_size(&messages, &limits)?;
+                        t.encode_chat(&messages, add_generation_prompt)
+                    })
+                    .await?,
+            )
         }
     };
     let took = started.map_or(std::time::Duration::ZERO, |started| started.elapsed());

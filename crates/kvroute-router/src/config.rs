@@ -48,10 +48,12 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     pub ingest: IngestConfig,
     pub upstream: UpstreamConfig,
-    /// How text prompts and chat messages become tokens: `tiktoken:ENCODING`,
-    /// `hf:PATH` or `none` (adopt the tokenizer the workers declare).
-    pub tokenizer: TokenizerSpec,
-    /// Accept workers that declare another tokenizer than the router's.
+    /// How text prompts and chat messages become tokens: one spec
+    /// (`tiktoken:ENCODING`, `hf:PATH`) or a list of them, each worker using
+    /// the one with the fingerprint it declares; `none`: text is routed on
+    /// load alone.
+    pub tokenizer: TokenizerSpecs,
+    /// Accept workers that declare a tokenizer none of the router's has.
     pub allow_tokenizer_mismatch: bool,
     /// Token ids of recent prompt text kept, in tokens (4 bytes each; 0: none).
     pub tokenizer_cache_tokens: u64,
@@ -312,6 +314,10 @@ pub struct LimitsConfig {
     pub max_predicted_blocks_per_request: usize,
     /// Proxied and dry-run requests handled at once; beyond it 503 with Retry-After.
     pub max_inflight_requests: usize,
+    /// Content parts of a chat request's messages, all messages together.
+    pub max_chat_parts: usize,
+    /// Image parts of a chat request.
+    pub max_chat_images: usize,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -405,6 +411,77 @@ impl Default for ClusterConfig {
     }
 }
 
+/// The tokenizers the router may use, in the configured order: in the file
+/// one spec as a string (`"tiktoken:cl100k_base"`), several as a list, or
+/// `"none"` (no tokenizer, the empty list).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenizerSpecs(pub Vec<TokenizerSpec>);
+
+impl TokenizerSpecs {
+    fn new(specs: Vec<TokenizerSpec>) -> Result<Self, String> {
+        if specs.len() > 1 && specs.contains(&TokenizerSpec::None) {
+            return Err("\"none\" cannot be listed with other tokenizers".into());
+        }
+        Ok(Self(
+            specs
+                .into_iter()
+                .filter(|s| *s != TokenizerSpec::None)
+                .collect(),
+        ))
+    }
+}
+
+impl std::str::FromStr for TokenizerSpecs {
+    type Err = kvroute_tokenize::TokenizeError;
+
+    /// One spec, as `--tokenizer` and `KVROUTE_TOKENIZER` take it.
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let spec: TokenizerSpec = spec.parse()?;
+        Ok(Self::new(vec![spec]).expect("one spec is a valid list"))
+    }
+}
+
+impl std::fmt::Display for TokenizerSpecs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        let specs: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        f.write_str(&specs.join(", "))
+    }
+}
+
+impl Serialize for TokenizerSpecs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [] => serializer.serialize_str("none"),
+            [one] => one.serialize(serializer),
+            many => many.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TokenizerSpecs {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "a tokenizer spec or a list of them")]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        let specs = match OneOrMany::deserialize(deserializer)? {
+            OneOrMany::One(spec) => vec![spec],
+            OneOrMany::Many(specs) => specs,
+        };
+        let specs = specs
+            .iter()
+            .map(|spec| spec.parse())
+            .collect::<Result<_, _>>()
+            .map_err(serde::de::Error::custom)?;
+        Self::new(specs).map_err(serde::de::Error::custom)
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -434,7 +511,7 @@ impl Default for Config {
             scheduler: SchedulerConfig::default(),
             ingest: IngestConfig::default(),
             upstream: UpstreamConfig::default(),
-            tokenizer: TokenizerSpec::None,
+            tokenizer: TokenizerSpecs::default(),
             allow_tokenizer_mismatch: false,
             tokenizer_cache_tokens: kvroute_tokenize::DEFAULT_CACHE_TOKENS,
             tokenize_threads: 0,
@@ -525,6 +602,8 @@ impl Default for LimitsConfig {
             max_grpc_message_bytes: 16 << 20,
             max_predicted_blocks_per_request: 16_384,
             max_inflight_requests: 8192,
+            max_chat_parts: 4096,
+            max_chat_images: 256,
         }
     }
 }
@@ -679,6 +758,8 @@ impl Config {
             ("max_events_per_batch", l.max_events_per_batch),
             ("max_grpc_message_bytes", l.max_grpc_message_bytes),
             ("max_inflight_requests", l.max_inflight_requests),
+            ("max_chat_parts", l.max_chat_parts),
+            ("max_chat_images", l.max_chat_images),
             (
                 "max_predicted_blocks_per_request",
                 l.max_predicted_blocks_per_request,
@@ -1076,6 +1157,45 @@ mod tests {
         let err = Config::load(None, env(&[("KVROUTE_SCHEDULER__POLICY", "best")])).unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");
         let err = Config::load(None, env(&[("KVROUTE_TOKENIZER", "tiktoken:gpt2")])).unwrap_err();
+        assert!(err.to_string().contains("gpt2"), "{err}");
+    }
+
+    #[test]
+    fn the_tokenizer_is_one_spec_a_list_of_them_or_none() {
+        let load = |text: &str| {
+            let file = std::env::temp_dir().join(format!(
+                "kvroute-tokenizers-{}-{}.toml",
+                std::process::id(),
+                text.len()
+            ));
+            std::fs::write(&file, text).unwrap();
+            let config = Config::load(Some(&file), Vec::new());
+            std::fs::remove_file(&file).unwrap();
+            config
+        };
+        let one = load("tokenizer = \"tiktoken:cl100k_base\"\n").unwrap();
+        assert_eq!(one.tokenizer.0, ["tiktoken:cl100k_base".parse().unwrap()]);
+        let list = "tokenizer = [\"tiktoken:cl100k_base\", \"hf:/models/llama\"]\n";
+        let two = load(list).unwrap();
+        assert_eq!(two.tokenizer.0.len(), 2);
+        assert_eq!(
+            two.tokenizer.to_string(),
+            "tiktoken:cl100k_base, hf:/models/llama"
+        );
+        assert!(
+            load("tokenizer = \"none\"\n")
+                .unwrap()
+                .tokenizer
+                .0
+                .is_empty()
+        );
+        assert!(load("tokenizer = []\n").unwrap().tokenizer.0.is_empty());
+        let err = load("tokenizer = [\"none\", \"tiktoken:o200k_base\"]\n").unwrap_err();
+        assert!(
+            err.to_string().contains("\"none\" cannot be listed"),
+            "{err}"
+        );
+        let err = load("tokenizer = [\"tiktoken:gpt2\"]\n").unwrap_err();
         assert!(err.to_string().contains("gpt2"), "{err}");
     }
 

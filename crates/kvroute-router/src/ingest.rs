@@ -223,7 +223,6 @@ impl KvRouter for Ingest {
         };
         grant.permits(register.worker_id)?;
         let state = Arc::clone(&self.state);
-        check_tokenizer(&state, &register).await?;
         let instance_id = register.instance_id;
         let (registration, generation) = register_worker(&state, register)?;
         let worker_id = registration.worker_id;
@@ -356,26 +355,18 @@ impl KvRouter for Ingest {
     }
 }
 
-/// Refuses a worker that declares another tokenizer than the router's (text
-/// prompts would never match its cache); a router without one adopts it.
-async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(), Status> {
+/// Refuses a worker that declares a tokenizer none of the router's has (text
+/// prompts would never match its cache); the fingerprint it shares with one of
+/// them, for its registration. Compares strings only: nothing is loaded.
+fn check_tokenizer(state: &AppState, register: &Register) -> Result<String, Status> {
     let worker_id = register.worker_id;
     let (spec, fingerprint) = register
         .tokenizer
         .as_ref()
-        .map(|t| (t.spec.clone(), t.fingerprint.clone()))
-        .unwrap_or_default();
-    let checking = Arc::clone(state);
-    // Adopting loads a tokenizer: not on the async threads.
-    let agreement = tokio::task::spawn_blocking(move || {
-        checking
-            .tokenizer
-            .check_worker(worker_id, &spec, &fingerprint)
-    })
-    .await
-    .map_err(|e| Status::internal(format!("tokenizer check failed: {e}")))?;
-    match agreement {
-        Ok(Agreement::Undeclared) if state.tokenizer.get().is_some() => {
+        .map_or(("", ""), |t| (t.spec.as_str(), t.fingerprint.as_str()));
+    match state.tokenizer.check_worker(worker_id, spec, fingerprint) {
+        Ok(Agreement::Agrees(fingerprint)) => return Ok(fingerprint),
+        Ok(Agreement::Undeclared) if !state.tokenizer.configured().is_empty() => {
             tracing::warn!(
                 worker = worker_id,
                 "the worker declares no tokenizer: cannot check that it tokenizes like the router"
@@ -390,11 +381,12 @@ async fn check_tokenizer(state: &Arc<AppState>, register: &Register) -> Result<(
             return Err(Status::failed_precondition(message));
         }
     }
-    Ok(())
+    Ok(String::new())
 }
 
 fn register_worker(state: &AppState, register: Register) -> Result<(Registration, u64), Status> {
     limits::check_registration(&state.config.limits, &register)?;
+    let tokenizer = check_tokenizer(state, &register)?;
     if state
         .config
         .workers
@@ -425,6 +417,7 @@ fn register_worker(state: &AppState, register: Register) -> Result<(Registration
         lora_names: register.lora_names,
         base_url: register.base_url,
         total_kv_blocks: register.total_kv_blocks,
+        tokenizer,
     };
     let generation = state
         .registry

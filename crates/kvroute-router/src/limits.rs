@@ -26,6 +26,8 @@ pub const EVENT_QUEUE_BYTES: &str = "event_queue_bytes";
 pub const DUMP_BLOCKS: &str = "dump_blocks";
 pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
 pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
+pub const CHAT_PARTS: &str = "chat_parts";
+pub const CHAT_IMAGES: &str = "chat_images";
 
 pub const ALL: &[&str] = &[
     DP_RANKS,
@@ -41,6 +43,8 @@ pub const ALL: &[&str] = &[
     DUMP_BLOCKS,
     PREDICTED_BLOCKS,
     INFLIGHT_REQUESTS,
+    CHAT_PARTS,
+    CHAT_IMAGES,
 ];
 
 /// Counts one refusal (or truncation) by `limit`.
@@ -85,13 +89,17 @@ pub fn check_registration(limits: &LimitsConfig, register: &Register) -> Result<
         }
     }
     let names = register.models.iter().chain(&register.lora_names);
-    for name in names.chain(std::iter::once(&register.base_url)) {
+    let tokenizer = register
+        .tokenizer
+        .iter()
+        .flat_map(|t| [&t.spec, &t.fingerprint]);
+    for name in names.chain(tokenizer).chain([&register.base_url]) {
         if name.len() > limits.max_name_bytes {
             let shown: String = name.chars().take(40).collect();
             return Err(refuse(
                 NAME_BYTES,
                 Status::invalid_argument(format!(
-                    "a name or base_url of {} bytes ({shown:?}…) is longer than {} (limits.max_name_bytes)",
+                    "a name, base_url or tokenizer of {} bytes ({shown:?}…) is longer than {} (limits.max_name_bytes)",
                     name.len(),
                     limits.max_name_bytes
                 )),

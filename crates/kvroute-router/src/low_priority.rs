@@ -55,15 +55,22 @@ impl LowPriorityPool {
     }
 
     /// Runs `work` on one of the threads once it is free. `Err` carries the
-    /// panic message if `work` panicked. Work whose caller went away still
-    /// runs to its end, so the threads stay the bound on work in progress.
+    /// panic message if `work` panicked. `work` is told whether its caller
+    /// still waits ([`Caller`]); dropping the returned future is how a caller
+    /// goes away.
     pub async fn run<T: Send + 'static>(
         &self,
-        work: impl FnOnce() -> T + Send + 'static,
+        work: impl FnOnce(&Caller) -> T + Send + 'static,
     ) -> Result<T, String> {
         let (done, result) = tokio::sync::oneshot::channel();
         let job: Job = Box::new(move || {
-            let _ = done.send(std::panic::catch_unwind(AssertUnwindSafe(work)));
+            let outcome = {
+                let caller = Caller {
+                    gone: &|| done.is_closed(),
+                };
+                std::panic::catch_unwind(AssertUnwindSafe(|| work(&caller)))
+            };
+            let _ = done.send(outcome);
         });
         self.jobs
             .send(job)
@@ -77,6 +84,19 @@ impl LowPriorityPool {
                 .unwrap_or_else(|| "panicked".into())),
             Err(_) => Err("the pool's thread stopped".into()),
         }
+    }
+}
+
+/// Tells a job whether the caller of [`LowPriorityPool::run`] still waits for
+/// its result.
+pub struct Caller<'a> {
+    gone: &'a dyn Fn() -> bool,
+}
+
+impl Caller<'_> {
+    /// The caller's future was dropped: nobody will see the result.
+    pub fn gone(&self) -> bool {
+        (self.gone)()
     }
 }
 
@@ -112,7 +132,10 @@ mod tests {
     async fn work_runs_below_the_callers_priority() {
         let pool = LowPriorityPool::new("test", 1).unwrap();
         let ours = this_threads_policy();
-        assert_eq!(pool.run(this_threads_policy).await, Ok(libc::SCHED_IDLE));
+        assert_eq!(
+            pool.run(|_| this_threads_policy()).await,
+            Ok(libc::SCHED_IDLE)
+        );
         assert_eq!(
             this_threads_policy(),
             ours,
@@ -127,11 +150,11 @@ mod tests {
         let pool = LowPriorityPool::new("test", 2).unwrap();
         let (a_started, a_seen) = mpsc::channel();
         let (b_started, b_seen) = mpsc::channel();
-        let a = pool.run(move || {
+        let a = pool.run(move |_| {
             a_started.send(()).unwrap();
             b_seen.recv().unwrap()
         });
-        let b = pool.run(move || {
+        let b = pool.run(move |_| {
             b_started.send(()).unwrap();
             a_seen.recv().unwrap()
         });
@@ -148,8 +171,8 @@ mod tests {
     #[tokio::test]
     async fn a_panic_is_returned_and_the_thread_goes_on() {
         let pool = LowPriorityPool::new("test", 1).unwrap();
-        let err = pool.run(|| -> u32 { panic!("boom") }).await.unwrap_err();
+        let err = pool.run(|_| -> u32 { panic!("boom") }).await.unwrap_err();
         assert_eq!(err, "boom");
-        assert_eq!(pool.run(|| 7).await, Ok(7));
+        assert_eq!(pool.run(|_| 7).await, Ok(7));
     }
 }

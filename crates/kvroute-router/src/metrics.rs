@@ -65,6 +65,7 @@ pub const CLUSTER_APPLY_LAG: &str = "kvroute_cluster_apply_lag_seconds";
 pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
+pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -244,6 +245,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Prompt tokens taken from the tokenizer's cache instead of tokenized",
     ),
     (TOKENIZED_TOKENS, "Prompt tokens tokenized (cache misses)"),
+    (
+        TOKENIZE_ABANDONED,
+        "Requests not tokenized because their client went away while they waited for a tokenizing thread",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[

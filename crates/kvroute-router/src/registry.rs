@@ -47,6 +47,10 @@ pub struct Registration {
     pub lora_names: Vec<String>,
     pub base_url: String,
     pub total_kv_blocks: u64,
+    /// The fingerprint of the router's tokenizer the worker declared it
+    /// tokenizes with; empty if it declared none the router has.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tokenizer: String,
 }
 
 impl Registration {
@@ -61,6 +65,7 @@ impl Registration {
             lora_names: Vec::new(),
             base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
             total_kv_blocks: 1024,
+            tokenizer: String::new(),
         }
     }
 }
@@ -97,6 +102,8 @@ pub struct Worker {
     pub lora_names: Vec<String>,
     pub dp_ranks: Vec<u32>,
     pub total_kv_blocks: u64,
+    /// [`Registration::tokenizer`].
+    pub tokenizer: String,
     pub source: Source,
     pub connection: Connection,
     pub draining: bool,
@@ -170,10 +177,13 @@ impl Rank {
 }
 
 /// What a name is served as, over all registered workers in any state.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone)]
 struct NameUse {
     models: usize,
     loras: usize,
+    /// The tokenizer fingerprints its workers declared, each with how many
+    /// declared it.
+    tokenizers: Vec<(String, usize)>,
 }
 
 /// Fx-hashed maps: the request path looks ranks, workers and names up several
@@ -328,6 +338,7 @@ impl Registry {
             lora_names: reg.lora_names,
             dp_ranks,
             total_kv_blocks: reg.total_kv_blocks,
+            tokenizer: reg.tokenizer,
             source,
             connection: Connection::Connected,
             draining: false,
@@ -350,6 +361,16 @@ impl Registry {
                 usage.models += 1;
             } else {
                 usage.loras += 1;
+            }
+            if !worker.tokenizer.is_empty() {
+                match usage
+                    .tokenizers
+                    .iter_mut()
+                    .find(|(f, _)| *f == worker.tokenizer)
+                {
+                    Some((_, count)) => *count += 1,
+                    None => usage.tokenizers.push((worker.tokenizer.clone(), 1)),
+                }
             }
         }
         fleet.workers.insert(worker.id, worker);
@@ -442,6 +463,26 @@ impl Registry {
         } else {
             NameKind::Lora
         })
+    }
+
+    /// Which of `fingerprints` the most registered workers serving `name`
+    /// declared, as an index into it: the first of those tied, and 0 when
+    /// none of them declared any.
+    pub fn most_declared_tokenizer(&self, name: &str, fingerprints: &[&str]) -> usize {
+        let fleet = self.lock();
+        let Some(usage) = fleet.names.get(name) else {
+            return 0;
+        };
+        let declared = |fingerprint: &str| {
+            usage
+                .tokenizers
+                .iter()
+                .find(|(f, _)| f == fingerprint)
+                .map_or(0, |&(_, count)| count)
+        };
+        (0..fingerprints.len())
+            .max_by_key(|&i| (declared(fingerprints[i]), std::cmp::Reverse(i)))
+            .unwrap_or(0)
     }
 
     /// Names served by routable workers, sorted.
@@ -702,6 +743,16 @@ impl Fleet {
                 } else {
                     usage.loras -= 1;
                 }
+                if let Some(at) = usage
+                    .tokenizers
+                    .iter()
+                    .position(|(f, _)| *f == worker.tokenizer)
+                {
+                    usage.tokenizers[at].1 -= 1;
+                    if usage.tokenizers[at].1 == 0 {
+                        usage.tokenizers.swap_remove(at);
+                    }
+                }
                 if usage.models + usage.loras == 0 {
                     self.names.remove(name);
                 }
@@ -747,7 +798,46 @@ pub(crate) mod tests {
             lora_names: vec!["adapter".into()],
             base_url: format!("http://127.0.0.1:{}", 9000 + id),
             total_kv_blocks: 100,
+            tokenizer: String::new(),
         }
+    }
+
+    /// A hostile first worker does not pick the tokenizer of a name: the one
+    /// most of its workers declared does, and leaving takes its vote away.
+    #[test]
+    fn a_names_tokenizer_is_the_one_most_of_its_workers_declared() {
+        let registry = Registry::new(Limits::from_config(&Config::default()));
+        let declaring = |id, fingerprint: &str| Registration {
+            tokenizer: fingerprint.into(),
+            ..reg(id, &["m"])
+        };
+        let fingerprints = ["aa", "bb"];
+        assert_eq!(registry.most_declared_tokenizer("m", &fingerprints), 0);
+        registry
+            .register(declaring(1, "bb"), Source::Stream)
+            .unwrap();
+        assert_eq!(registry.most_declared_tokenizer("m", &fingerprints), 1);
+        registry
+            .register(declaring(2, "aa"), Source::Stream)
+            .unwrap();
+        assert_eq!(
+            registry.most_declared_tokenizer("m", &fingerprints),
+            0,
+            "a tie goes to the first configured"
+        );
+        registry
+            .register(declaring(3, "aa"), Source::Stream)
+            .unwrap();
+        registry.register(declaring(4, ""), Source::Stream).unwrap();
+        assert_eq!(registry.most_declared_tokenizer("m", &fingerprints), 0);
+        assert_eq!(
+            registry.most_declared_tokenizer("adapter", &fingerprints),
+            0
+        );
+        registry.remove(2).unwrap();
+        registry.remove(3).unwrap();
+        assert_eq!(registry.most_declared_tokenizer("m", &fingerprints), 1);
+        assert_eq!(registry.most_declared_tokenizer("other", &fingerprints), 0);
     }
 
     /// The invariant: group members are exactly the routable ranks, each in the

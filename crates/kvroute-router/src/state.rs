@@ -94,10 +94,10 @@ pub fn keep_hashes(hashes: Vec<u64>) {
 }
 
 impl AppState {
-    /// Loads the configured tokenizer (an error if it does not load).
+    /// Loads the configured tokenizers (an error if one does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
         let tokenizer = RouterTokenizer::new(
-            &config.tokenizer,
+            &config.tokenizer.0,
             config.tokenizer_cache_tokens,
             config.tokenize_threads,
             config.allow_tokenizer_mismatch,
@@ -126,6 +126,7 @@ impl AppState {
                         lora_names: w.lora_names.clone(),
                         base_url: w.base_url.clone(),
                         total_kv_blocks: 0,
+                        tokenizer: String::new(),
                     },
                     Source::Static,
                 )
@@ -456,11 +457,7 @@ impl AppState {
         for (state, count) in self.registry.state_counts() {
             ::metrics::gauge!(metrics::WORKERS, "state" => state).set(count as f64);
         }
-        let cache = self
-            .tokenizer
-            .get()
-            .map(|t| t.cache_stats())
-            .unwrap_or_default();
+        let cache = self.tokenizer.cache_stats();
         ::metrics::gauge!(metrics::TOKENIZER_CACHE_TOKENS).set(cache.cached_tokens as f64);
         ::metrics::counter!(metrics::TOKENIZER_CACHE_HITS).absolute(cache.hit_tokens);
         ::metrics::counter!(metrics::TOKENIZED_TOKENS).absolute(cache.tokenized_tokens);

@@ -141,15 +141,33 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_chat_marked(messages, add_generation_prompt, None)
+    }
+
+    /// [`Self::encode_chat`]; with `images`, see [`encode_marked`].
+    fn encode_chat_marked(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        images: Option<&mut Vec<usize>>,
+    ) -> Result<Vec<u32>, TokenizeError> {
         match &self.backend {
             Backend::Tiktoken(tiktoken) => {
-                tiktoken.encode_chat(messages, add_generation_prompt, &self.cache)
+                tiktoken.encode_chat(messages, add_generation_prompt, &self.cache, images)
             }
             Backend::HuggingFace(hf) => {
                 let text = hf
                     .chat_template()?
                     .render(messages, add_generation_prompt)?;
-                hf.encode_chat_text(&text, &self.cache)
+                let encode = |text: &str| hf.encode_chat_text(text, &self.cache);
+                match images {
+                    None => encode(&text),
+                    Some(offsets) => {
+                        let mut ids = Vec::with_capacity(text.len() / 4 + 16);
+                        encode_marked(&text, encode, &mut ids, offsets)?;
+                        Ok(ids)
+                    }
+                }
             }
         }
     }
@@ -157,12 +175,19 @@ impl Tokenizer {
     /// Token ids of a chat's `messages` (as the request's JSON array), and its
     /// images as the extra keys of the blocks holding them: each keyed by the
     /// [`multimodal_identifier_hash`] of the part's `uuid`, else of its URL.
-    /// Each image's span starts where the prompt's tokens
-    /// first differ from those of the same chat without that image and the
-    /// ones after it; the router and the simulated engine both place images
-    /// this way, so the blocks before an image are shared by every request
-    /// with that prefix, and the blocks from it on only by requests with the
-    /// same image.
+    ///
+    /// An image part is the text [`IMAGE_PLACEHOLDER`], and the text is cut at
+    /// each placeholder, each part and each placeholder tokenized on its own,
+    /// as an engine's image placeholder tokens (special tokens) cut it; an
+    /// image's span starts at its placeholder's first token. So the blocks
+    /// before an image are shared by every request with that prefix, and the
+    /// blocks from it on only by requests with the same image. The router and
+    /// the simulated engine both place images this way. Tokenizing is one pass
+    /// over the rendered chat, however many images it holds: each image's
+    /// place is found by rendering it as a mark ([`prompt::IMAGE_MARK`]). If a
+    /// message already holds that mark, or the template does not write each
+    /// image's mark once, the chat is tokenized whole and every image keys
+    /// all of its blocks (no prefix is shared, none is matched wrongly).
     pub fn encode_chat_with_images(
         &self,
         messages: &[serde_json::Value],
@@ -171,32 +196,40 @@ impl Tokenizer {
         let invalid = |message: String| TokenizeError::InvalidPrompt {
             message: format!("invalid `messages`: {message}"),
         };
-        let full: Vec<ChatMessage> =
+        let chat: Vec<ChatMessage> =
             serde_json::from_value(serde_json::Value::Array(messages.to_vec()))
                 .map_err(|e| invalid(e.to_string()))?;
-        let tokens = self.encode_chat(&full, add_generation_prompt)?;
-        let mut spans = Vec::new();
-        for (kept, identifier) in prompt::image_identifiers(messages).into_iter().enumerate() {
-            let mut budget = kept;
-            let mut without = full.clone();
-            for (message, raw) in without.iter_mut().zip(messages) {
-                let content = raw.get("content").unwrap_or(&serde_json::Value::Null);
-                message.content =
-                    prompt::content_from_value(content, &mut budget).map_err(invalid)?;
-            }
-            let other = self.encode_chat(&without, add_generation_prompt)?;
-            let offset = tokens
-                .iter()
-                .zip(&other)
-                .take_while(|(a, b)| a == b)
-                .count();
-            spans.push(MultimodalItem {
-                offset,
-                length: 1,
-                hash: multimodal_identifier_hash(&identifier),
-            });
+        let identifiers = prompt::image_identifiers(messages);
+        if identifiers.is_empty() {
+            return Ok((self.encode_chat(&chat, add_generation_prompt)?, Vec::new()));
         }
-        Ok((tokens, spans))
+        let item = |identifier: &String, offset| MultimodalItem {
+            offset,
+            length: 1,
+            hash: multimodal_identifier_hash(identifier),
+        };
+        let markable = !chat
+            .iter()
+            .any(|m| m.role.contains(prompt::IMAGE_MARK) || m.content.contains(prompt::IMAGE_MARK));
+        if markable {
+            let mut marked = chat.clone();
+            let mark = prompt::IMAGE_MARK.to_string();
+            for (message, raw) in marked.iter_mut().zip(messages) {
+                if let Some(content) = raw.get("content").filter(|c| c.is_array()) {
+                    message.content =
+                        prompt::content_from_value(content, &mark).map_err(invalid)?;
+                }
+            }
+            let mut offsets = Vec::with_capacity(identifiers.len());
+            let tokens =
+                self.encode_chat_marked(&marked, add_generation_prompt, Some(&mut offsets))?;
+            if offsets.len() == identifiers.len() {
+                let spans = identifiers.iter().zip(offsets).map(|(i, o)| item(i, o));
+                return Ok((tokens, spans.collect()));
+            }
+        }
+        let tokens = self.encode_chat(&chat, add_generation_prompt)?;
+        Ok((tokens, identifiers.iter().map(|i| item(i, 0)).collect()))
     }
 
     /// The prompt text the model's chat template makes of `messages`;
@@ -213,4 +246,30 @@ impl Tokenizer {
             Backend::HuggingFace(hf) => hf.chat_template()?.render(messages, add_generation_prompt),
         }
     }
+}
+
+/// Appends the ids of `text`, in which each image is written as
+/// [`prompt::IMAGE_MARK`]: the text between marks `encode`d part by part, each
+/// mark as an [`IMAGE_PLACEHOLDER`] of its own, whose first id's position is
+/// pushed to `offsets`. One pass over `text`.
+fn encode_marked(
+    text: &str,
+    encode: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+    ids: &mut Vec<u32>,
+    offsets: &mut Vec<usize>,
+) -> Result<(), TokenizeError> {
+    let mut placeholder = None;
+    for (index, part) in text.split(prompt::IMAGE_MARK).enumerate() {
+        if index > 0 {
+            offsets.push(ids.len());
+            if placeholder.is_none() {
+                placeholder = Some(encode(IMAGE_PLACEHOLDER)?);
+            }
+            ids.extend_from_slice(placeholder.as_deref().unwrap_or_default());
+        }
+        if !part.is_empty() {
+            ids.extend(encode(part)?);
+        }
+    }
+    Ok(())
 }

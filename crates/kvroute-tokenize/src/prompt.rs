@@ -41,13 +41,17 @@ pub const IMAGE_PLACEHOLDER: &str = "<image>";
 
 fn content_text<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
     let value = Value::deserialize(deserializer)?;
-    let mut every_image = usize::MAX;
-    content_from_value(&value, &mut every_image).map_err(serde::de::Error::custom)
+    content_from_value(&value, IMAGE_PLACEHOLDER).map_err(serde::de::Error::custom)
 }
 
-/// The text of a message's content, keeping the first `images` image parts
-/// (and counting them off); later image parts are left out.
-pub(crate) fn content_from_value(value: &Value, images: &mut usize) -> Result<String, String> {
+/// What an image part is written as while a chat with images is rendered:
+/// a Unicode noncharacter, which no template writes, so that each image's
+/// place can be found in the rendered text (see
+/// [`crate::Tokenizer::encode_chat_with_images`]).
+pub(crate) const IMAGE_MARK: char = '\u{FDD0}';
+
+/// The text of a message's content, each image part written as `image`.
+pub(crate) fn content_from_value(value: &Value, image: &str) -> Result<String, String> {
     match value {
         Value::Null => Ok(String::new()),
         Value::String(text) => Ok(text.clone()),
@@ -58,10 +62,7 @@ pub(crate) fn content_from_value(value: &Value, images: &mut usize) -> Result<St
                     format!("content part {index} is not an object with a string \"type\"")
                 })?;
                 if kind == "image_url" {
-                    if *images > 0 {
-                        *images -= 1;
-                        texts.push(IMAGE_PLACEHOLDER);
-                    }
+                    texts.push(image);
                     continue;
                 }
                 if kind != "text" {

@@ -169,16 +169,30 @@ impl TiktokenTokenizer {
         text
     }
 
+    /// The ids of `messages` in ChatML. With `images`, the messages' image
+    /// parts are written as [`IMAGE_MARK`](crate::prompt::IMAGE_MARK), and
+    /// where each one's placeholder lands is pushed there
+    /// ([`crate::encode_marked`]).
     pub(crate) fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         cache: &TokenCache,
+        mut images: Option<&mut Vec<usize>>,
     ) -> Result<Vec<u32>, TokenizeError> {
         let mut ids = Vec::new();
         for message in messages {
             ids.push(self.im_start);
-            ids.extend(self.encode_cached(&message_segment(message), cache)?);
+            let segment = message_segment(message);
+            match images.as_deref_mut() {
+                None => ids.extend(self.encode_cached(&segment, cache)?),
+                Some(offsets) => crate::encode_marked(
+                    &segment,
+                    |text| self.encode_cached(text, cache),
+                    &mut ids,
+                    offsets,
+                )?,
+            }
             ids.push(self.im_end);
             ids.extend_from_slice(&self.newline);
         }

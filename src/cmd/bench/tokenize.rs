@@ -262,7 +262,11 @@ fn route_prompts(
     tokenize: &mut Histogram<u64>,
     tokens: &mut usize,
 ) -> anyhow::Result<ThreadUsage> {
-    let tokenizer = state.tokenizer.get().context("no tokenizer configured")?;
+    let tokenizer = state
+        .tokenizer
+        .configured()
+        .first()
+        .context("no tokenizer configured")?;
     let before = ThreadUsage::now()?;
     for prompt in prompts {
         let started = std::time::Instant::now();
@@ -285,7 +289,7 @@ pub(super) fn throughput(
     let mut sides = Vec::new();
     for &(spec, label) in tokenizers {
         let mut config = quiet_config();
-        config.tokenizer = spec.clone();
+        config.tokenizer = kvroute_router::config::TokenizerSpecs(vec![spec.clone()]);
         let state = AppState::new(config, None)?;
         register_workers(&state, 64)?;
         let mut ignored = Histogram::<u64>::new(3)?;

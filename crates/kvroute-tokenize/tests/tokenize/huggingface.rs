@@ -181,6 +181,41 @@ fn llama3_chat_renders_and_encodes_exactly() {
     assert_eq!(tokenizer.encode_chat(&messages, true).unwrap(), expected);
 }
 
+/// Each image's span starts at its placeholder, tokenized apart from the
+/// text around it, in one pass over the rendered chat; a chat that already
+/// holds the mark images are rendered as keys every block by its images.
+#[test]
+fn images_start_at_their_placeholder_in_the_rendered_chat() {
+    let tokenizer = load(&llama3_dir("images")).unwrap();
+    let image = |name: &str| json!({"type": "image_url", "image_url": {"url": name}});
+    let messages = [json!({"role": "user", "content": [
+        {"type": "text", "text": "hi"}, image("a"), {"type": "text", "text": "and"}, image("b")
+    ]})];
+    let (tokens, images) = tokenizer.encode_chat_with_images(&messages, false).unwrap();
+    let mut expected = vec![BEGIN_OF_TEXT, START_HEADER];
+    expected.extend(bytes("user"));
+    expected.extend([END_HEADER, 10, 10]);
+    expected.extend(bytes("hi\n"));
+    let first = expected.len();
+    expected.extend(bytes("<image>\nand\n"));
+    let second = expected.len();
+    expected.extend(bytes("<image>"));
+    expected.push(EOT);
+    assert_eq!(tokens, expected);
+    let offsets: Vec<usize> = images.iter().map(|i| i.offset).collect();
+    assert_eq!(offsets, [first, second]);
+    assert_eq!(
+        images[0].hash,
+        kvroute_index::multimodal_identifier_hash("a")
+    );
+
+    let marked = [json!({"role": "user", "content": [
+        {"type": "text", "text": "hi \u{FDD0}"}, image("a")
+    ]})];
+    let (_, images) = tokenizer.encode_chat_with_images(&marked, false).unwrap();
+    assert_eq!(images.iter().map(|i| i.offset).collect::<Vec<_>>(), [0]);
+}
+
 #[test]
 fn a_tokenizer_json_path_finds_its_config_beside_it() {
     let dir = llama3_dir("file_spec");

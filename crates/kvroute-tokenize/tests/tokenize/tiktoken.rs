@@ -228,3 +228,31 @@ fn images_key_the_blocks_from_where_their_placeholder_lands() {
         kvroute_index::multimodal_identifier_hash("cat-1")
     );
 }
+
+/// Each image used to tokenize the whole chat once more: thousands of image
+/// parts took seconds. Now the chat is tokenized once, whatever the number of
+/// images (counted by the tokens the uncached tokenizer produced).
+#[test]
+fn a_chat_with_many_images_is_tokenized_once() {
+    let tokenizer =
+        Tokenizer::load_with_cache(&"tiktoken:cl100k_base".parse().unwrap(), 0).unwrap();
+    let parts: Vec<serde_json::Value> = (0..2_000)
+        .flat_map(|i| {
+            [
+                serde_json::json!({"type": "text", "text": format!("Picture {i} shows")}),
+                serde_json::json!({"type": "image_url", "image_url": {"url": format!("https://x/{i}.png")}}),
+            ]
+        })
+        .collect();
+    let messages = [serde_json::json!({"role": "user", "content": parts})];
+    let (tokens, images) = tokenizer.encode_chat_with_images(&messages, true).unwrap();
+    assert_eq!(images.len(), 2_000);
+    let offsets: Vec<usize> = images.iter().map(|i| i.offset).collect();
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]), "{offsets:?}");
+    let tokenized = tokenizer.cache_stats().tokenized_tokens;
+    assert!(
+        tokenized <= 2 * tokens.len() as u64,
+        "{tokenized} tokens tokenized for a chat of {}",
+        tokens.len()
+    );
+}
