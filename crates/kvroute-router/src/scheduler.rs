@@ -31,7 +31,9 @@
 //! as its prefill queue grows, so that a busy holder pulls less.
 //!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
-//! router's own bookings blended (max) with what the rank reports.
+//! router's own bookings blended (max) with what the rank reports. A rank
+//! demoted for claims its responses contradict ([`crate::claims`]) has no
+//! overlap of any kind: it is costed on its load alone.
 //!
 //! Storage-tier credit: blocks past that (device) prefix that the rank holds in
 //! its offload tier (host memory, disk; kvroute-index's `tiers`) can be loaded
@@ -127,6 +129,9 @@ pub struct Decision {
     /// Whether the chosen worker publishes KV events (see [`crate::state::AppState::record_prediction`]).
     pub publishes_events: bool,
     pub overlap_blocks: u32,
+    /// The chosen rank's event-fed overlap: what its worker claims to hold,
+    /// judged against its response ([`crate::claims`]).
+    pub claimed_blocks: u32,
     pub request_blocks: u64,
     /// Prompt tokens the chosen rank must prefill.
     pub new_prefill_tokens: u64,
@@ -245,6 +250,7 @@ impl Scheduler {
                     && query.pin.is_none_or(|pin| pin == key.worker_id)
                     && !query.exclude.contains(&key.worker_id)
                     && fleet.available(key, limits, now)
+                    && fleet.ranks.get(&key).is_some_and(|r| !r.claims.demoted())
             })
             .map(|(_, &(event, predicted, _, _))| event.max(predicted))
             .max()
@@ -319,7 +325,11 @@ impl Scheduler {
         let request_blocks = (query.prompt_tokens as u64).div_ceil(block_size);
         let score = |key: WorkerKey| {
             let rank = fleet.ranks.get(&key)?;
-            let (event, predicted, offload, _) = overlaps.get(&key).copied().unwrap_or_default();
+            let (event, predicted, offload, _) = if rank.claims.demoted() {
+                Default::default()
+            } else {
+                overlaps.get(&key).copied().unwrap_or_default()
+            };
             let overlap = event.max(predicted).min(request_blocks as u32);
             let reach = offload.min(request_blocks as u32).max(overlap);
             let scored = scored_overlap(overlap, reach, self.offload_weight);
@@ -435,6 +445,7 @@ impl Scheduler {
             base_url: Arc::clone(&chosen.base_url),
             publishes_events: chosen.source == crate::registry::Source::Stream,
             overlap_blocks: score.overlap_blocks,
+            claimed_blocks: score.event_overlap_blocks.min(score.overlap_blocks),
             request_blocks,
             new_prefill_tokens: query.prompt_tokens as u64
                 - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size),
