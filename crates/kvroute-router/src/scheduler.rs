@@ -92,7 +92,8 @@ pub struct RouteQuery<'a> {
 pub struct Score {
     pub worker_id: u64,
     pub dp_rank: u32,
-    /// Device-tier overlap: max(event-fed, predicted).
+    /// Device-tier overlap: max(event-fed, predicted). Every overlap of a
+    /// demoted rank ([`crate::claims`]) is 0.
     pub overlap_blocks: u32,
     pub event_overlap_blocks: u32,
     pub predicted_overlap_blocks: u32,
@@ -802,6 +803,59 @@ mod tests {
         let routed = state.route_now("m", input, None, &[]).unwrap().unwrap();
         assert_eq!(routed.decision.scores.len(), 2);
         routed.decision.worker.worker_id
+    }
+
+    #[test]
+    fn a_demoted_ranks_overlap_counts_neither_in_its_cost_nor_in_the_queue_order() {
+        use kvroute_index::{EventKind, KvEvent, StoredBlock};
+        let mut config = Config::default();
+        config.trust.claim_window = 2;
+        config.trust.max_failed_claims = 2;
+        let state = two_stream_workers(config);
+        let tokens: Vec<u32> = (0..64).collect();
+        let locals =
+            kvroute_index::BlockHasher::new(state.config.block_size as usize).local_hashes(&tokens);
+        let key = WorkerKey::new(1, 0);
+        let stored = KvEvent {
+            event_id: 1,
+            kind: EventKind::Stored {
+                parent_hash: None,
+                blocks: locals
+                    .iter()
+                    .map(|&local| StoredBlock {
+                        block_hash: local,
+                        tokens_hash: local,
+                    })
+                    .collect(),
+            },
+        };
+        state.index.apply(key, &stored);
+        state
+            .predicted
+            .record(key, &locals, std::time::Instant::now());
+        let query = RouteQuery {
+            name: "m",
+            prompt_tokens: tokens.len(),
+            local_hashes: &locals,
+            pin: None,
+            exclude: &[],
+        };
+        let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
+        assert_eq!((chosen.worker, chosen.claimed_blocks), (key, 4));
+        assert_eq!(state.scheduler.overlap_now(&query), 4);
+        // Two responses of a 4-block claim that report nothing cached.
+        for _ in 0..2 {
+            state.registry.judge_claim(key, 64, 0);
+        }
+        let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
+        let demoted = chosen.scores.iter().find(|s| s.worker_id == 1).unwrap();
+        assert_eq!(
+            (demoted.overlap_blocks, demoted.scored_overlap_blocks),
+            (0, 0.0)
+        );
+        assert_eq!(state.scheduler.overlap_now(&query), 0);
+        state.registry.restore_claims(key);
+        assert_eq!(state.scheduler.overlap_now(&query), 4);
     }
 
     #[test]
