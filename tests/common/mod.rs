@@ -467,6 +467,9 @@ pub struct WorkerState {
     release: Notify,
     released: Mutex<bool>,
     pub last_body: Mutex<Option<Value>>,
+    /// What plain completions report as `usage.prompt_tokens_details.cached_tokens`;
+    /// `None`: no usage at all.
+    cached_tokens: Mutex<Option<u64>>,
 }
 
 /// A small OpenAI-compatible worker: answers completions with a body naming
@@ -488,6 +491,7 @@ impl TestWorker {
             release: Notify::new(),
             released: Mutex::new(false),
             last_body: Mutex::new(None),
+            cached_tokens: Mutex::new(None),
         });
         let app = Router::new()
             .route("/v1/completions", post(complete))
@@ -508,6 +512,12 @@ impl TestWorker {
     pub fn set_mode(&self, mode: Mode) {
         *self.state.mode.lock().unwrap() = mode;
         *self.state.released.lock().unwrap() = false;
+    }
+
+    /// Plain completions report `cached` as their cached prompt tokens from
+    /// now on (`None`: no usage).
+    pub fn report_cached_tokens(&self, cached: Option<u64>) {
+        *self.state.cached_tokens.lock().unwrap() = cached;
     }
 
     /// Lets every held request (and later ones) finish.
@@ -626,13 +636,22 @@ async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Respons
             .unwrap();
     }
     drop(guard);
-    axum::Json(json!({
+    let mut answer = json!({
         "id": "cmpl-test",
         "object": "text_completion",
         "worker": state.id,
         "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
-    }))
-    .into_response()
+    });
+    if let Some(cached) = *state.cached_tokens.lock().unwrap() {
+        let prompt_tokens = request["prompt"].as_array().map_or(0, Vec::len);
+        answer["usage"] = json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 1,
+            "total_tokens": prompt_tokens + 1,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        });
+    }
+    axum::Json(answer).into_response()
 }
 
 async fn health(State(state): State<Arc<WorkerState>>) -> StatusCode {

@@ -831,6 +831,24 @@ async fn dry_run(
             retry_after_s: 1,
         })?;
     let d = routed.decision;
+    let mut answer = json!({
+        "worker_id": d.worker.worker_id,
+        "dp_rank": d.worker.dp_rank,
+        "policy": state.config.scheduler.policy.as_str(),
+        "prompt_tokens": routed.prompt_tokens,
+        "request_blocks": d.request_blocks,
+        "untokenized": parsed.untokenized,
+    });
+    // Worker addresses are the fleet's layout: for operators, not every client.
+    if state.credentials.may_see_workers(&headers) {
+        answer["base_url"] = json!(&*d.base_url);
+    }
+    // Overlaps confirm, block by block, prompts the caches hold (any tenant's):
+    // a client without the right gets the decision alone, which each proxied
+    // response names anyway (`x-kvroute-worker`).
+    if !state.credentials.may_see_overlaps(&headers) {
+        return Ok(axum::Json(answer));
+    }
     let offload_overlap = d
         .scores
         .iter()
@@ -841,23 +859,11 @@ async fn dry_run(
     } else {
         0.0
     };
-    let mut answer = json!({
-        "worker_id": d.worker.worker_id,
-        "dp_rank": d.worker.dp_rank,
-        "policy": state.config.scheduler.policy.as_str(),
-        "prompt_tokens": routed.prompt_tokens,
-        "request_blocks": d.request_blocks,
-        "overlap_blocks": d.overlap_blocks,
-        // How deep the chosen rank's GPU and offload tiers cover the prompt.
-        "offload_overlap_blocks": offload_overlap,
-        "predicted_hit_ratio": ratio,
-        "untokenized": parsed.untokenized,
-        "scores": d.scores,
-    });
-    // Worker addresses are the fleet's layout: for operators, not every client.
-    if state.credentials.may_see_workers(&headers) {
-        answer["base_url"] = json!(&*d.base_url);
-    }
+    answer["overlap_blocks"] = json!(d.overlap_blocks);
+    // How deep the chosen rank's GPU and offload tiers cover the prompt.
+    answer["offload_overlap_blocks"] = json!(offload_overlap);
+    answer["predicted_hit_ratio"] = json!(ratio);
+    answer["scores"] = json!(d.scores);
     Ok(axum::Json(answer))
 }
 

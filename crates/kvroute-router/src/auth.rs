@@ -1,8 +1,8 @@
 //! Who may do what. Workers stream KV events (the gRPC `Stream`) with a worker
 //! token, optionally bound to the worker ids it may register; operators use the
 //! admin endpoints (`/workers...`), the `Route` RPC (it writes predictions) and
-//! the routing details (pinning with `x-kvroute-worker`, worker URLs in
-//! `/v1/route`) with the admin token. Separate credentials, so that a leaked
+//! the routing details (pinning with `x-kvroute-worker`, worker URLs and prefix
+//! overlaps in `/v1/route`) with the admin token. Separate credentials, so that a leaked
 //! worker token cannot drain the fleet, and a gateway cannot pose as a worker.
 //!
 //! A role without a configured token is open. That is only allowed on loopback,
@@ -25,6 +25,7 @@ pub struct Credentials {
     workers: Vec<(Secret, Option<Vec<u64>>)>,
     admin: Secret,
     clients_may_pin: bool,
+    clients_see_overlaps: bool,
 }
 
 /// What a worker token allows a stream to register.
@@ -59,6 +60,7 @@ impl Credentials {
             workers,
             admin: config.admin_token().clone(),
             clients_may_pin: config.auth.clients_may_pin,
+            clients_see_overlaps: config.auth.clients_see_overlaps,
         }
     }
 
@@ -99,6 +101,12 @@ impl Credentials {
     /// Whether an HTTP request may pin a worker and see worker URLs.
     pub fn may_see_workers(&self, headers: &HeaderMap) -> bool {
         self.clients_may_pin || self.admin_http(headers)
+    }
+
+    /// Whether an HTTP request may see prefix overlaps in `/v1/route`: they
+    /// tell block by block what the caches hold, other tenants' prompts included.
+    pub fn may_see_overlaps(&self, headers: &HeaderMap) -> bool {
+        self.clients_see_overlaps || self.admin_http(headers)
     }
 
     fn is_admin(&self, header: Option<&[u8]>) -> bool {

@@ -144,6 +144,12 @@ impl Booking {
         }
     }
 
+    /// Judges the claim of `claimed` tokens the request was routed on against
+    /// the `reported` cached tokens of its response ([`crate::claims`]).
+    pub fn judge_claim(&self, claimed: u64, reported: u64) {
+        self.registry.judge_claim(self.key, claimed, reported);
+    }
+
     /// When the first token is expected, from the rank's recent streams; see the module doc.
     pub fn first_token_estimate(&self) -> Option<Duration> {
         self.first_token_estimate

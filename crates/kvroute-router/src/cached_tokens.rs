@@ -6,7 +6,9 @@
 //! `--enable-cache-report`, the simulated engine always (in a stream, in the
 //! final usage chunk when `stream_options.include_usage` is set). When a
 //! response carries it, the difference from the router's prediction is the
-//! plainest measure of whether the router's picture of the caches is right.
+//! plainest measure of whether the router's picture of the caches is right,
+//! and the evidence against a worker whose events claim more than it holds
+//! ([`crate::claims`]).
 //!
 //! The usage sits at the end of a response, so the proxy keeps only the last
 //! few frames it forwards (reference-counted, not copied) and scans their last
@@ -19,6 +21,7 @@ use std::sync::{LazyLock, Mutex};
 use bytes::Bytes;
 use memchr::memmem;
 
+use crate::booking::Booking;
 use crate::metrics;
 
 /// Bytes at the end of a response searched for the usage.
@@ -46,10 +49,14 @@ impl Check {
         self.tail.push(frame);
     }
 
-    /// The response ended: records the worker's count if the response had one.
-    pub fn finish(&self) {
+    /// The response ended: records the worker's count if the response had
+    /// one, and judges with it the claim `booking`'s rank was routed on.
+    pub fn finish(&self, booking: Option<&Booking>) {
         if let Some(actual) = self.tail.cached_tokens() {
             self.prediction.record(actual);
+            if let Some(booking) = booking {
+                booking.judge_claim(self.prediction.claimed_tokens, actual);
+            }
         }
     }
 }
@@ -122,6 +129,8 @@ fn cached_tokens_in(text: &[u8]) -> Option<u64> {
 pub struct Prediction {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// The part of `cached_tokens` the worker's own events claimed.
+    pub claimed_tokens: u64,
 }
 
 impl Prediction {

@@ -48,6 +48,7 @@ pub struct Config {
     pub scheduler: SchedulerConfig,
     pub ingest: IngestConfig,
     pub upstream: UpstreamConfig,
+    pub trust: TrustConfig,
     /// How text prompts and chat messages become tokens: one spec
     /// (`tiktoken:ENCODING`, `hf:PATH`) or a list of them, each worker using
     /// the one with the fingerprint it declares; `none`: text is routed on
@@ -79,12 +80,16 @@ pub struct AuthConfig {
     /// Worker tokens each good only for the worker ids listed with it.
     pub bound_worker_tokens: Vec<BoundWorkerToken>,
     /// Bearer token for the admin endpoints (`/workers...`), the `Route` RPC,
-    /// pinning (`x-kvroute-worker`) and the worker URLs in `/v1/route`.
+    /// pinning (`x-kvroute-worker`) and the worker URLs and prefix overlaps in
+    /// `/v1/route`.
     pub admin_token: Secret,
     /// Allows serving without tokens on a non-loopback address.
     pub insecure: bool,
     /// Lets clients without the admin token pin requests and see worker URLs.
     pub clients_may_pin: bool,
+    /// Lets clients without the admin token see the prefix overlaps in
+    /// `/v1/route`'s answer: an exact oracle of what the caches hold.
+    pub clients_see_overlaps: bool,
 }
 
 /// A worker token that may register only `worker_ids`.
@@ -343,6 +348,30 @@ pub struct UpstreamConfig {
     pub ca_file: String,
 }
 
+/// When a worker's KV events stop counting in routing: its responses keep
+/// reporting fewer cached tokens than its events claimed (see `crate::claims`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrustConfig {
+    /// The last this many checked claims of a rank are judged (1 to 64).
+    pub claim_window: u32,
+    /// A rank is demoted once this many of them failed (1 to `claim_window`).
+    pub max_failed_claims: u32,
+    /// A claim fails when the worker reports fewer cached tokens than this
+    /// share of the tokens its events claimed, less one block (in (0, 1]).
+    pub min_cached_share: f64,
+}
+
+impl Default for TrustConfig {
+    fn default() -> Self {
+        Self {
+            claim_window: 32,
+            max_failed_claims: 16,
+            min_cached_share: 0.5,
+        }
+    }
+}
+
 /// TLS on both listeners; empty paths: plain TCP.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -511,6 +540,7 @@ impl Default for Config {
             scheduler: SchedulerConfig::default(),
             ingest: IngestConfig::default(),
             upstream: UpstreamConfig::default(),
+            trust: TrustConfig::default(),
             tokenizer: TokenizerSpecs::default(),
             allow_tokenizer_mismatch: false,
             tokenizer_cache_tokens: kvroute_tokenize::DEFAULT_CACHE_TOKENS,
@@ -830,6 +860,25 @@ impl Config {
         }
         if self.upstream.breaker_failures == 0 {
             return fail("upstream.breaker_failures must be at least 1".into());
+        }
+        let t = &self.trust;
+        if !(1..=64).contains(&t.claim_window) {
+            return fail(format!(
+                "trust.claim_window must be in 1..=64, got {}",
+                t.claim_window
+            ));
+        }
+        if !(1..=t.claim_window).contains(&t.max_failed_claims) {
+            return fail(format!(
+                "trust.max_failed_claims must be in 1..=trust.claim_window ({}), got {}",
+                t.claim_window, t.max_failed_claims
+            ));
+        }
+        if !(t.min_cached_share > 0.0 && t.min_cached_share <= 1.0) {
+            return fail(format!(
+                "trust.min_cached_share must be in (0, 1], got {}",
+                t.min_cached_share
+            ));
         }
         let tls = &self.tls;
         if tls.cert_file.is_empty() != tls.key_file.is_empty() {
@@ -1211,6 +1260,32 @@ mod tests {
         assert_eq!(config.cluster.nats_url, "nats://nats:4222");
         assert_eq!(config.cluster.replica_id, "");
         assert_eq!(config.cluster.snapshot_interval_s, 300);
+    }
+
+    #[test]
+    fn claim_thresholds_are_checked() {
+        let trust = |window: &str, failed: &str, share: &str| {
+            Config::load(
+                None,
+                env(&[
+                    ("KVROUTE_TRUST__CLAIM_WINDOW", window),
+                    ("KVROUTE_TRUST__MAX_FAILED_CLAIMS", failed),
+                    ("KVROUTE_TRUST__MIN_CACHED_SHARE", share),
+                ]),
+            )
+        };
+        assert_eq!(trust("4", "3", "1.0").unwrap().trust.max_failed_claims, 3);
+        for (bad, expected) in [
+            (("0", "1", "0.5"), "claim_window"),
+            (("65", "1", "0.5"), "claim_window"),
+            (("4", "0", "0.5"), "max_failed_claims"),
+            (("4", "5", "0.5"), "max_failed_claims"),
+            (("4", "2", "0.0"), "min_cached_share"),
+            (("4", "2", "nan"), "min_cached_share"),
+        ] {
+            let err = trust(bad.0, bad.1, bad.2).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad:?}: {err}");
+        }
     }
 
     #[test]

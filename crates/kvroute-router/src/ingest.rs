@@ -822,6 +822,8 @@ impl Stream {
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         dumps.applied.insert(rank);
         self.pending.lock().unwrap().remove(&rank);
+        // The rank holds exactly what the worker says now: its claims start afresh.
+        self.state.registry.restore_claims(key);
         let label = worker_label(key);
         ::metrics::counter!(metrics::DUMPS, "worker" => label.clone()).increment(1);
         if orphans > 0 {

@@ -8,7 +8,9 @@
 //! whose cached prefix and load make it cheapest, and the [`proxy`] books the load and forwards the request
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
-//! the digests workers send ([`faults`] corrupts it on purpose, for tests); [`server`] starts the listeners,
+//! the digests workers send ([`faults`] corrupts it on purpose, for tests), and
+//! [`claims`] stops crediting a worker whose responses keep contradicting its
+//! events; [`server`] starts the listeners,
 //! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections). With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
@@ -21,6 +23,7 @@ pub mod booking;
 pub mod breaker;
 mod bucketed;
 pub mod cached_tokens;
+pub mod claims;
 pub mod config;
 pub mod error;
 pub mod faults;

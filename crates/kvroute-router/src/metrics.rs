@@ -30,6 +30,8 @@ pub const PREDICTED_CACHED_TOKENS: &str = "kvroute_predicted_cached_tokens_total
 pub const ACTUAL_CACHED_TOKENS: &str = "kvroute_actual_cached_tokens_total";
 pub const CACHED_TOKENS_ERROR: &str = "kvroute_cached_tokens_error_tokens";
 pub const CACHED_TOKENS_GAP: &str = "kvroute_cached_tokens_gap";
+pub const CLAIMS_FAILED: &str = "kvroute_worker_claims_failed_total";
+pub const DEMOTED: &str = "kvroute_worker_demoted";
 pub const TTFT: &str = "kvroute_upstream_ttft_seconds";
 pub const INTER_TOKEN: &str = "kvroute_upstream_inter_token_seconds";
 pub const E2E: &str = "kvroute_upstream_e2e_seconds";
@@ -132,6 +134,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         CACHED_TOKENS_GAP,
         "Rolling mean (about 100 requests) of |predicted - actual| cached tokens over prompt tokens: 0 exact, 1 always wrong",
+    ),
+    (
+        CLAIMS_FAILED,
+        "Responses that reported far fewer cached tokens than the worker's KV events claimed, by worker (rank)",
+    ),
+    (
+        DEMOTED,
+        "1 while a worker rank's claims kept failing and its overlaps do not count in routing (until it sends a full dump), else 0",
     ),
     (
         TTFT,

@@ -97,6 +97,9 @@ pub async fn forward(
         let hot = metrics::hot();
         hot.routed_prompt_tokens.increment(prompt_tokens);
         let predicted_cached_tokens = prompt_tokens.saturating_sub(decision.new_prefill_tokens);
+        let claimed_tokens = (u64::from(decision.claimed_blocks)
+            * u64::from(state.config.block_size))
+        .min(prompt_tokens);
         hot.predicted_cached_tokens
             .increment(predicted_cached_tokens);
         // One reading: the overhead's end, the first-byte timeout's start and
@@ -132,6 +135,7 @@ pub async fn forward(
                     Check::new(Prediction {
                         prompt_tokens,
                         cached_tokens: predicted_cached_tokens,
+                        claimed_tokens,
                     })
                 });
                 let held = Held {

@@ -32,6 +32,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use crate::breaker::Breaker;
+use crate::claims::{ClaimRules, Claims};
 use crate::config::{Config, Policy};
 use crate::groups::{Group, GroupId, Groups};
 use crate::metrics;
@@ -157,6 +158,8 @@ pub struct Rank {
     inflight_gauge: ::metrics::Gauge,
     prefill_gauge: ::metrics::Gauge,
     pub routed: ::metrics::Counter,
+    /// Its judged claims, and whether its overlaps count in routing.
+    pub claims: Claims,
 }
 
 impl Rank {
@@ -219,6 +222,7 @@ pub struct Limits {
     pub breaker_cooldown: Duration,
     pub policy: Policy,
     pub max_workers: usize,
+    pub claims: ClaimRules,
 }
 
 impl Limits {
@@ -237,6 +241,7 @@ impl Limits {
             breaker_cooldown: Duration::from_millis(config.upstream.breaker_cooldown_ms),
             policy: config.scheduler.policy,
             max_workers: config.limits.max_workers,
+            claims: ClaimRules::from_config(&config.trust),
         }
     }
 }
@@ -273,6 +278,8 @@ pub struct RankInfo {
     pub prefill_tokens: u64,
     pub active_blocks: u64,
     pub reported: ReportedLoad,
+    /// Its claims kept failing: its overlaps do not count until it sends a dump.
+    pub demoted: bool,
 }
 
 pub fn worker_label(key: WorkerKey) -> String {
@@ -441,6 +448,43 @@ impl Registry {
         self.released.notify_waiters();
     }
 
+    /// Judges the claim of `claimed` tokens a response from `key` answered
+    /// with `reported` cached tokens ([`crate::claims`]); the fleet is locked
+    /// only for a claim large enough to judge.
+    pub fn judge_claim(&self, key: WorkerKey, claimed: u64, reported: u64) {
+        let rules = &self.limits.claims;
+        let Some(failed) = rules.failed(claimed, reported, u64::from(self.limits.block_size))
+        else {
+            return;
+        };
+        let mut fleet = self.lock();
+        let Some(rank) = fleet.ranks.get_mut(&key) else {
+            return;
+        };
+        if rank.claims.record(failed, rules) {
+            drop(fleet);
+            tracing::warn!(
+                worker = %worker_label(key),
+                failed = rules.max_failed,
+                judged = rules.window,
+                "the worker's responses keep reporting far fewer cached tokens than its KV events \
+                 claim: its overlaps no longer count in routing until it sends a full dump"
+            );
+        }
+    }
+
+    /// A full dump replaced `key`'s index state: its claims count again.
+    pub fn restore_claims(&self, key: WorkerKey) {
+        let restored = self
+            .lock()
+            .ranks
+            .get_mut(&key)
+            .is_some_and(|rank| rank.claims.restore());
+        if restored {
+            tracing::info!(worker = %worker_label(key), "a full dump restored the worker's claims");
+        }
+    }
+
     /// Workers with no request for `quiet`, for health checks: (id, base URL).
     pub fn quiet_workers(&self, quiet: Duration) -> Vec<(u64, Arc<str>)> {
         let now = tokio::time::Instant::now();
@@ -535,6 +579,7 @@ impl Registry {
                             prefill_tokens: rank.prefill_tokens(),
                             active_blocks: rank.active_blocks(),
                             reported: rank.reported,
+                            demoted: rank.claims.demoted(),
                         })
                     })
                     .collect(),
@@ -585,6 +630,7 @@ fn new_rank(key: WorkerKey, policy: Policy) -> Rank {
         inflight_gauge: ::metrics::gauge!(metrics::WORKER_INFLIGHT, "worker" => label.clone()),
         prefill_gauge: ::metrics::gauge!(metrics::WORKER_PREFILL, "worker" => label.clone()),
         routed: ::metrics::counter!(metrics::ROUTED, "worker" => label, "policy" => policy.as_str()),
+        claims: Claims::new(key),
     }
 }
 

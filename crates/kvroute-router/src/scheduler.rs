@@ -31,7 +31,9 @@
 //! as its prefill queue grows, so that a busy holder pulls less.
 //!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
-//! router's own bookings blended (max) with what the rank reports.
+//! router's own bookings blended (max) with what the rank reports. A rank
+//! demoted for claims its responses contradict ([`crate::claims`]) has no
+//! overlap of any kind: it is costed on its load alone.
 //!
 //! Storage-tier credit: blocks past that (device) prefix that the rank holds in
 //! its offload tier (host memory, disk; kvroute-index's `tiers`) can be loaded
@@ -90,7 +92,8 @@ pub struct RouteQuery<'a> {
 pub struct Score {
     pub worker_id: u64,
     pub dp_rank: u32,
-    /// Device-tier overlap: max(event-fed, predicted).
+    /// Device-tier overlap: max(event-fed, predicted). Every overlap of a
+    /// demoted rank ([`crate::claims`]) is 0.
     pub overlap_blocks: u32,
     pub event_overlap_blocks: u32,
     pub predicted_overlap_blocks: u32,
@@ -127,6 +130,9 @@ pub struct Decision {
     /// Whether the chosen worker publishes KV events (see [`crate::state::AppState::record_prediction`]).
     pub publishes_events: bool,
     pub overlap_blocks: u32,
+    /// The chosen rank's event-fed overlap: what its worker claims to hold,
+    /// judged against its response ([`crate::claims`]).
+    pub claimed_blocks: u32,
     pub request_blocks: u64,
     /// Prompt tokens the chosen rank must prefill.
     pub new_prefill_tokens: u64,
@@ -245,6 +251,7 @@ impl Scheduler {
                     && query.pin.is_none_or(|pin| pin == key.worker_id)
                     && !query.exclude.contains(&key.worker_id)
                     && fleet.available(key, limits, now)
+                    && fleet.ranks.get(&key).is_some_and(|r| !r.claims.demoted())
             })
             .map(|(_, &(event, predicted, _, _))| event.max(predicted))
             .max()
@@ -319,7 +326,11 @@ impl Scheduler {
         let request_blocks = (query.prompt_tokens as u64).div_ceil(block_size);
         let score = |key: WorkerKey| {
             let rank = fleet.ranks.get(&key)?;
-            let (event, predicted, offload, _) = overlaps.get(&key).copied().unwrap_or_default();
+            let (event, predicted, offload, _) = if rank.claims.demoted() {
+                Default::default()
+            } else {
+                overlaps.get(&key).copied().unwrap_or_default()
+            };
             let overlap = event.max(predicted).min(request_blocks as u32);
             let reach = offload.min(request_blocks as u32).max(overlap);
             let scored = scored_overlap(overlap, reach, self.offload_weight);
@@ -435,6 +446,7 @@ impl Scheduler {
             base_url: Arc::clone(&chosen.base_url),
             publishes_events: chosen.source == crate::registry::Source::Stream,
             overlap_blocks: score.overlap_blocks,
+            claimed_blocks: score.event_overlap_blocks.min(score.overlap_blocks),
             request_blocks,
             new_prefill_tokens: query.prompt_tokens as u64
                 - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size),
@@ -791,6 +803,59 @@ mod tests {
         let routed = state.route_now("m", input, None, &[]).unwrap().unwrap();
         assert_eq!(routed.decision.scores.len(), 2);
         routed.decision.worker.worker_id
+    }
+
+    #[test]
+    fn a_demoted_ranks_overlap_counts_neither_in_its_cost_nor_in_the_queue_order() {
+        use kvroute_index::{EventKind, KvEvent, StoredBlock};
+        let mut config = Config::default();
+        config.trust.claim_window = 2;
+        config.trust.max_failed_claims = 2;
+        let state = two_stream_workers(config);
+        let tokens: Vec<u32> = (0..64).collect();
+        let locals =
+            kvroute_index::BlockHasher::new(state.config.block_size as usize).local_hashes(&tokens);
+        let key = WorkerKey::new(1, 0);
+        let stored = KvEvent {
+            event_id: 1,
+            kind: EventKind::Stored {
+                parent_hash: None,
+                blocks: locals
+                    .iter()
+                    .map(|&local| StoredBlock {
+                        block_hash: local,
+                        tokens_hash: local,
+                    })
+                    .collect(),
+            },
+        };
+        state.index.apply(key, &stored);
+        state
+            .predicted
+            .record(key, &locals, std::time::Instant::now());
+        let query = RouteQuery {
+            name: "m",
+            prompt_tokens: tokens.len(),
+            local_hashes: &locals,
+            pin: None,
+            exclude: &[],
+        };
+        let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
+        assert_eq!((chosen.worker, chosen.claimed_blocks), (key, 4));
+        assert_eq!(state.scheduler.overlap_now(&query), 4);
+        // Two responses of a 4-block claim that report nothing cached.
+        for _ in 0..2 {
+            state.registry.judge_claim(key, 64, 0);
+        }
+        let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
+        let demoted = chosen.scores.iter().find(|s| s.worker_id == 1).unwrap();
+        assert_eq!(
+            (demoted.overlap_blocks, demoted.scored_overlap_blocks),
+            (0, 0.0)
+        );
+        assert_eq!(state.scheduler.overlap_now(&query), 0);
+        state.registry.restore_claims(key);
+        assert_eq!(state.scheduler.overlap_now(&query), 4);
     }
 
     #[test]

@@ -876,7 +876,7 @@ fn complete(flight: &mut Flight, latency: Duration, check: Option<&Check>) {
     if !flight.finished {
         metrics::hot().e2e.record(latency.as_secs_f64());
         if let Some(check) = check {
-            check.finish();
+            check.finish(flight.booking.as_ref());
         }
         flight.finish(true);
     }
