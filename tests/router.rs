@@ -1197,15 +1197,15 @@ async fn a_stream_that_keeps_talking_outlives_the_idle_timeout() {
 /// gRPC and HTTP over loopback.
 #[tokio::test]
 async fn an_overflowing_event_queue_drops_nothing_silently() {
-    // The queue holds about four of rank 1's 40-block batches (~0.9 kB each)
-    // but not five; the largest resync answer (three batches and a removal)
-    // still fits in one message.
+    // The queue holds four of rank 1's 40-block batches (~1.1 kB each decoded)
+    // but not five; the largest resync answer (three batches and a removal,
+    // ~5.1 kB decoded) still fits, in one message under 4.2 kB on the wire.
     let mut config = kvroute_router::Config {
         http_addr: ([127, 0, 0, 1], 0).into(),
         grpc_addr: ([127, 0, 0, 1], 0).into(),
         ..kvroute_router::Config::default()
     };
-    config.ingest.event_queue_bytes = 4200;
+    config.ingest.event_queue_bytes = 5200;
     config.limits.max_grpc_message_bytes = 4200;
     let router = kvroute_router::server::start(config).await.unwrap();
     let http_url = format!("http://{}", router.http_addr);
