@@ -18,14 +18,6 @@ async fn metrics(router: &RouterProcess) -> String {
         .text()
 }
 
-async fn refusals(router: &RouterProcess, limit: &str) -> f64 {
-    metric(
-        &metrics(router).await,
-        "kvroute_limit_refusals_total",
-        &[("limit", limit)],
-    )
-}
-
 async fn dry_run(router: &RouterProcess, tokens: &[u32]) -> serde_json::Value {
     let reply = Http::default()
         .post(
@@ -88,18 +80,19 @@ async fn registrations_streams_and_workers_over_their_limits_are_refused_and_cou
     assert!(status.message().contains("limits.max_streams"), "{status}");
     assert_eq!(refusals(&router, "streams").await, 1.0);
 
-    // Worker 2's stream closes, but it stays registered for the grace period:
-    // a third worker id is still one too many.
+    // Worker 2's stream closes: in its grace period it keeps its slot only
+    // while nobody needs it, so a third worker id takes it, purging it early.
     drop(two);
-    let status = loop {
-        let status = connect(&router, 3).await.err().expect("refused");
-        if status.code() != tonic::Code::ResourceExhausted {
-            break status;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
-    assert!(status.message().contains("limits.max_workers"), "{status}");
-    assert_eq!(refusals(&router, "workers").await, 1.0);
+    let http = Http::default();
+    eventually("worker 2 to be disconnected", || async {
+        let info = http.get(&format!("{}/workers/2", router.http)).await.json();
+        info["worker"]["state"] == "disconnected"
+    })
+    .await;
+    connect(&router, 3).await.expect("worker 3 registers");
+    let gone = http.get(&format!("{}/workers/2", router.http)).await;
+    assert_eq!(gone.status, 404, "{}", gone.text());
+    assert_eq!(refusals(&router, "workers").await, 0.0);
 }
 
 #[tokio::test]
@@ -172,17 +165,6 @@ async fn oversized_batches_and_messages_end_the_stream_with_a_status() {
         refusals(&router, "grpc_message_bytes").await == 1.0
     })
     .await;
-}
-
-/// Reads the stream until it ends with an error status.
-async fn end_of(worker: &mut GrpcWorker) -> tonic::Status {
-    loop {
-        match worker.rx.message().await {
-            Ok(Some(_)) => {}
-            Ok(None) => panic!("the stream ended without a status"),
-            Err(status) => return status,
-        }
-    }
 }
 
 #[tokio::test]

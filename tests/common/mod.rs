@@ -431,6 +431,32 @@ where
     }
 }
 
+/// `kvroute_limit_refusals_total{limit}` on `router`'s /metrics now.
+pub async fn refusals(router: &RouterProcess, limit: &str) -> f64 {
+    let text = Http::default()
+        .get(&format!("{}/metrics", router.http))
+        .await
+        .text();
+    metric(&text, "kvroute_limit_refusals_total", &[("limit", limit)])
+}
+
+/// Reads a worker's stream until it ends with an error status; fails the
+/// test if it does not within 10 s.
+pub async fn end_of(worker: &mut GrpcWorker) -> tonic::Status {
+    let ended = async {
+        loop {
+            match worker.rx.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => return status,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .expect("the router ends the stream with a status")
+}
+
 /// Label pairs a metric sample must carry.
 pub type Labels<'a> = &'a [(&'a str, &'a str)];
 
@@ -773,6 +799,12 @@ impl GrpcWorker {
             .send(WorkerMessage { body: Some(body) })
             .await
             .unwrap();
+    }
+
+    /// Sends a message on a stream the router may have closed already; false if it has.
+    pub async fn try_send(&self, body: worker_message::Body) -> bool {
+        let message = WorkerMessage { body: Some(body) };
+        self.tx.send(message).await.is_ok()
     }
 
     /// A Stored chain for the full blocks of `tokens` from the root; returns the

@@ -30,18 +30,21 @@ pub struct Credentials {
 
 /// What a worker token allows a stream to register.
 #[derive(Debug)]
-pub enum WorkerGrant {
-    AnyId,
-    Ids(Vec<u64>),
+pub struct WorkerGrant {
+    /// Which of the configured worker tokens it is (0 without tokens), for the
+    /// per-token limits.
+    pub token: usize,
+    /// The ids it may register; `None`: any.
+    ids: Option<Vec<u64>>,
 }
 
 impl WorkerGrant {
     /// PERMISSION_DENIED for an id this token may not register.
     pub fn permits(&self, worker_id: u64) -> Result<(), Status> {
-        match self {
-            WorkerGrant::Ids(ids) if !ids.contains(&worker_id) => Err(Status::permission_denied(
-                format!("this worker token may register worker ids {ids:?}, not {worker_id}"),
-            )),
+        match &self.ids {
+            Some(ids) if !ids.contains(&worker_id) => Err(Status::permission_denied(format!(
+                "this worker token may register worker ids {ids:?}, not {worker_id}"
+            ))),
             _ => Ok(()),
         }
     }
@@ -64,17 +67,28 @@ impl Credentials {
         }
     }
 
+    /// How many worker tokens the per-token limits tell apart (1 without tokens).
+    pub fn worker_tokens(&self) -> usize {
+        self.workers.len().max(1)
+    }
+
     /// What the bearer token in `metadata` lets a `Stream` register.
     pub fn worker(&self, metadata: &MetadataMap) -> Result<WorkerGrant, Status> {
         if self.workers.is_empty() {
-            return Ok(WorkerGrant::AnyId);
+            return Ok(WorkerGrant {
+                token: 0,
+                ids: None,
+            });
         }
         let given = bearer(metadata.get("authorization").map(|v| v.as_bytes()));
         // Every token is compared, so timing tells nothing about which matched.
         let mut grant = None;
-        for (token, ids) in &self.workers {
-            if given.is_some_and(|g| token_eq(token, g)) {
-                grant = Some(ids.clone().map_or(WorkerGrant::AnyId, WorkerGrant::Ids));
+        for (token, (secret, ids)) in self.workers.iter().enumerate() {
+            if given.is_some_and(|g| token_eq(secret, g)) {
+                grant = Some(WorkerGrant {
+                    token,
+                    ids: ids.clone(),
+                });
             }
         }
         grant.ok_or_else(|| Status::unauthenticated("missing or wrong worker token"))
@@ -226,10 +240,8 @@ mod tests {
             c.auth.worker_token = Secret::new("w");
             c.auth.admin_token = Secret::new("a");
         });
-        assert!(matches!(
-            c.worker(&metadata(Some("Bearer w"))),
-            Ok(WorkerGrant::AnyId)
-        ));
+        let grant = c.worker(&metadata(Some("Bearer w"))).unwrap();
+        assert!(grant.ids.is_none());
         for wrong in [None, Some("Bearer a")] {
             let status = c.worker(&metadata(wrong)).unwrap_err();
             assert_eq!(status.code(), tonic::Code::Unauthenticated);
@@ -264,6 +276,10 @@ mod tests {
         assert!(status.message().contains("not 9"), "{}", status.message());
         let fleet = c.worker(&metadata(Some("Bearer fleet"))).unwrap();
         assert!(fleet.permits(9).is_ok());
+        assert_ne!(
+            fleet.token, grant.token,
+            "told apart by the per-token limits"
+        );
     }
 
     #[test]

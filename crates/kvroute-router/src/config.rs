@@ -277,6 +277,11 @@ pub struct IngestConfig {
     /// How long a new stream may take to send its `Register`; past it the
     /// stream is closed, so a silent one cannot hold a `limits.max_streams` slot.
     pub register_timeout_ms: u64,
+    /// Bytes of unfinished dumps (parts gathered until the last arrives) one
+    /// worker's stream may hold, as decoded.
+    pub dump_parts_bytes_per_worker: usize,
+    /// The same over all streams at once.
+    pub dump_parts_bytes: usize,
 }
 
 /// The event index.
@@ -309,8 +314,15 @@ pub struct LimitsConfig {
     pub max_name_bytes: usize,
     /// Registered workers, static ones included.
     pub max_workers: usize,
+    /// Workers registered with one worker token (or, without tokens, by all).
+    pub max_workers_per_token: usize,
     /// Worker streams open at once.
     pub max_streams: usize,
+    /// Worker streams open at once with one worker token.
+    pub max_streams_per_token: usize,
+    /// Addresses a worker's base URL may have although the rules refuse them
+    /// (link-local, cloud metadata, unspecified).
+    pub allowed_base_url_addresses: Vec<std::net::IpAddr>,
     /// Events in one `EventBatch`.
     pub max_events_per_batch: usize,
     /// Largest gRPC message accepted, in bytes.
@@ -599,6 +611,10 @@ impl Default for IngestConfig {
             resync_timeout_ms: 5_000,
             resync_attempts: 3,
             register_timeout_ms: 10_000,
+            // A dump costs about 16 bytes a block held: 16 Mi blocks per
+            // worker, 64 Mi over the fleet at once.
+            dump_parts_bytes_per_worker: 256 << 20,
+            dump_parts_bytes: 1 << 30,
         }
     }
 }
@@ -627,7 +643,11 @@ impl Default for LimitsConfig {
             max_lora_names: 1024,
             max_name_bytes: 512,
             max_workers: 4096,
+            // Half of the whole: a leaked token leaves room for the others.
+            max_workers_per_token: 2048,
             max_streams: 4096,
+            max_streams_per_token: 2048,
+            allowed_base_url_addresses: Vec::new(),
             max_events_per_batch: 65_536,
             max_grpc_message_bytes: 16 << 20,
             max_predicted_blocks_per_request: 16_384,
@@ -784,7 +804,9 @@ impl Config {
             ("max_models", l.max_models),
             ("max_name_bytes", l.max_name_bytes),
             ("max_workers", l.max_workers),
+            ("max_workers_per_token", l.max_workers_per_token),
             ("max_streams", l.max_streams),
+            ("max_streams_per_token", l.max_streams_per_token),
             ("max_events_per_batch", l.max_events_per_batch),
             ("max_grpc_message_bytes", l.max_grpc_message_bytes),
             ("max_inflight_requests", l.max_inflight_requests),
@@ -815,6 +837,16 @@ impl Config {
         // Semaphore permits are counted in u32 chunks; keep the queue well inside.
         if self.ingest.event_queue_bytes > u32::MAX as usize {
             return fail("ingest.event_queue_bytes must be below 4 GiB".into());
+        }
+        let i = &self.ingest;
+        if !(1..=i.dump_parts_bytes).contains(&i.dump_parts_bytes_per_worker)
+            || i.dump_parts_bytes > u32::MAX as usize
+        {
+            return fail(format!(
+                "ingest.dump_parts_bytes_per_worker ({}) must be at least 1 and at most \
+                 ingest.dump_parts_bytes ({}), which must be below 4 GiB",
+                i.dump_parts_bytes_per_worker, i.dump_parts_bytes
+            ));
         }
         let c = &self.cluster;
         if c.enabled() && (c.registration_ttl_ms < 1_000 || c.stream_max_age_s == 0) {
@@ -907,7 +939,9 @@ impl Config {
             if !ids.insert(w.id) {
                 return fail(format!("workers: id {} is listed twice", w.id));
             }
-            if let Err(e) = crate::worker_url::parse_base_url(&w.base_url) {
+            if let Err(e) =
+                crate::worker_url::parse_base_url(&w.base_url, &l.allowed_base_url_addresses)
+            {
                 return fail(format!("workers: id {}: {e}", w.id));
             }
             if w.models.is_empty() {

@@ -2,8 +2,8 @@
 //!
 //! Per stream, a reader task takes messages off the wire and an applier task
 //! applies event batches to the index in order. Between them is a queue bounded
-//! in bytes (`ingest.event_queue_bytes`, batches measured by their encoded
-//! size): when the index falls behind, the reader drops the batch, counts it and asks
+//! in bytes (`ingest.event_queue_bytes`, each message measured by what it
+//! holds once decoded, up to ~28 times its size on the wire): when the index falls behind, the reader drops the batch, counts it and asks
 //! the worker to resend from the first dropped id, so a slow index neither
 //! stalls anything else nor silently loses an event. The HTTP path never waits on
 //! this queue; it only reads the index.
@@ -33,7 +33,15 @@
 //! rank is the worker's picture as it (re)connects and always applies; a later
 //! one older than what is applied is refused (a late answer to an earlier
 //! resync would roll the rank back). Blocks a dump cannot place under a parent
-//! are counted, not dropped silently.
+//! are counted, not dropped silently. Parts gathered are bounded per worker
+//! and over all streams (`ingest.dump_parts_bytes_per_worker`,
+//! `ingest.dump_parts_bytes`): past either the stream ends with a status, so a
+//! dump that never finishes cannot grow without bound.
+//!
+//! Warnings a worker causes (events without a kind, unregistered ranks) are
+//! logged and sent back at most [`WARNINGS_PER_INTERVAL`] per stream per
+//! [`WARNING_INTERVAL`]; the rest are counted and summed up in one line, so a
+//! worker cannot write the router's log at the rate it sends bytes.
 //!
 //! A worker's `Digest` of a rank takes the same queue, so it is checked against
 //! the index after exactly the events sent before it ([`crate::verify`]); a
@@ -51,7 +59,6 @@ use kvroute_proto::{
     RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
     route_request, router_message, worker_message,
 };
-use prost::Message as _;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -60,7 +67,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::error::RouterError;
 use crate::limits;
 use crate::metrics;
-use crate::registry::{Registration, ReportedLoad, Source, worker_label};
+use crate::registry::{Claimant, Registration, ReportedLoad, worker_label};
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Agreement;
 use crate::verify::Verdict;
@@ -72,14 +79,19 @@ pub struct Ingest {
     stopped: watch::Receiver<bool>,
     /// Worker streams open now, against `limits.max_streams`.
     streams: Arc<AtomicUsize>,
+    /// The same per worker token, against `limits.max_streams_per_token`.
+    token_streams: Arc<[AtomicUsize]>,
 }
 
 impl Ingest {
     pub fn new(state: Arc<AppState>, stopped: watch::Receiver<bool>) -> Self {
         Self {
-            state,
             stopped,
             streams: Arc::default(),
+            token_streams: (0..state.credentials.worker_tokens())
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+            state,
         }
     }
 }
@@ -100,7 +112,7 @@ struct Resync {
     dump: bool,
 }
 
-/// Queued work, holding its bytes of the stream's queue until applied.
+/// Queued work, holding its decoded bytes of the stream's queue until applied.
 pub(crate) enum Work {
     Events(EventBatch, OwnedSemaphorePermit),
     Dump(Dump, OwnedSemaphorePermit),
@@ -115,6 +127,10 @@ struct DumpParts {
     offload_chains: Vec<EventKind>,
     blocks: usize,
     offload_blocks: usize,
+    /// Decoded bytes of the parts held until the last arrives, and their
+    /// share of `ingest.dump_parts_bytes`.
+    bytes: usize,
+    budget: Option<OwnedSemaphorePermit>,
 }
 
 /// A stream's dumps per dp rank: parts gathered, and ranks it has applied to.
@@ -131,29 +147,136 @@ impl DumpState {
     }
 }
 
-/// A message's share of the queue's bytes (at least 1, so that empty ones
-/// still count; the config keeps the queue under `u32::MAX`).
-fn queue_bytes(encoded_len: usize) -> u32 {
-    encoded_len.clamp(1, u32::MAX as usize) as u32
+/// What a batch holds in memory once decoded: its structs and its vectors'
+/// capacity. An empty event is 2 bytes on the wire and a few dozen decoded.
+fn batch_bytes(batch: &EventBatch) -> usize {
+    let kinds: usize = batch
+        .events
+        .iter()
+        .map(|e| match &e.kind {
+            Some(kv_event::Kind::Stored(stored)) => blocks_bytes(stored),
+            Some(kv_event::Kind::Removed(removed)) => {
+                removed.block_hashes.capacity() * size_of::<u64>()
+            }
+            Some(kv_event::Kind::Cleared(_)) | None => 0,
+        })
+        .sum();
+    size_of::<EventBatch>() + batch.events.capacity() * size_of::<kvroute_proto::KvEvent>() + kinds
 }
 
-/// One open stream's place under `limits.max_streams`, given back on drop.
-struct StreamSlot(Arc<AtomicUsize>);
+/// The same for a dump (part).
+fn dump_bytes(dump: &Dump) -> usize {
+    let chains = |chains: &Vec<kvroute_proto::Stored>| {
+        chains.capacity() * size_of::<kvroute_proto::Stored>()
+            + chains.iter().map(blocks_bytes).sum::<usize>()
+    };
+    size_of::<Dump>() + chains(&dump.chains) + chains(&dump.offload_chains)
+}
+
+fn blocks_bytes(stored: &kvroute_proto::Stored) -> usize {
+    stored.blocks.capacity() * size_of::<kvroute_proto::StoredBlock>()
+}
+
+/// A message's share of the queue's bytes, or the status that ends a stream
+/// sending one larger than the whole queue (it could never be queued).
+fn queue_bytes(decoded: usize, queue_max: usize, what: &str) -> Result<u32, Status> {
+    if decoded > queue_max {
+        return Err(limits::refuse(
+            limits::EVENT_QUEUE_BYTES,
+            Status::resource_exhausted(format!(
+                "a {what} that takes {decoded} bytes decoded is over the whole event queue \
+                 (ingest.event_queue_bytes = {queue_max})"
+            )),
+        ));
+    }
+    // The config keeps the queue under `u32::MAX`.
+    Ok(decoded as u32)
+}
+
+/// One open stream's place under `limits.max_streams` and its token's
+/// `limits.max_streams_per_token`, given back on drop.
+struct StreamSlot {
+    streams: Arc<AtomicUsize>,
+    token_streams: Arc<[AtomicUsize]>,
+    token: usize,
+}
 
 impl StreamSlot {
-    fn take(streams: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
-        streams
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+    fn take(ingest: &Ingest, token: usize) -> Result<Self, Status> {
+        let limits = &ingest.state.config.limits;
+        let take = |n: &AtomicUsize, max: usize| {
+            n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
-            .ok()?;
-        Some(Self(Arc::clone(streams)))
+            .is_ok()
+        };
+        let max = limits.max_streams;
+        if !take(&ingest.streams, max) {
+            return Err(limits::refuse(
+                limits::STREAMS,
+                Status::resource_exhausted(format!(
+                    "{max} worker streams are open already (limits.max_streams)"
+                )),
+            ));
+        }
+        let max = limits.max_streams_per_token;
+        if !take(&ingest.token_streams[token], max) {
+            ingest.streams.fetch_sub(1, Ordering::AcqRel);
+            return Err(limits::refuse(
+                limits::STREAMS_PER_TOKEN,
+                Status::resource_exhausted(format!(
+                    "{max} worker streams are open with this token already \
+                     (limits.max_streams_per_token)"
+                )),
+            ));
+        }
+        Ok(Self {
+            streams: Arc::clone(&ingest.streams),
+            token_streams: Arc::clone(&ingest.token_streams),
+            token,
+        })
     }
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.streams.fetch_sub(1, Ordering::AcqRel);
+        self.token_streams[self.token].fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Warnings a stream logs (and sends its worker) per [`WARNING_INTERVAL`];
+/// the rest are only counted.
+pub(crate) const WARNINGS_PER_INTERVAL: u32 = 10;
+pub(crate) const WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A stream's warnings in the current interval.
+#[derive(Default)]
+struct Warnings {
+    since: Option<Instant>,
+    shown: u32,
+    suppressed: u64,
+}
+
+impl Warnings {
+    /// Whether a warning at `now` is shown; and the count suppressed in the
+    /// interval that ended, to be summed up first.
+    fn admit(&mut self, now: Instant) -> (bool, u64) {
+        let mut ended = 0;
+        if self
+            .since
+            .is_none_or(|since| now.duration_since(since) >= WARNING_INTERVAL)
+        {
+            ended = std::mem::take(&mut self.suppressed);
+            self.since = Some(now);
+            self.shown = 0;
+        }
+        if self.shown < WARNINGS_PER_INTERVAL {
+            self.shown += 1;
+            return (true, ended);
+        }
+        self.suppressed += 1;
+        (false, ended)
     }
 }
 
@@ -177,6 +300,7 @@ pub(crate) struct Stream {
     /// Replicated: the sequence of the stream's claim in the cluster's log,
     /// which its batches and dumps are appended to instead of applied here.
     logged: Option<u64>,
+    warnings: Arc<Mutex<Warnings>>,
 }
 
 fn message(body: router_message::Body) -> Result<RouterMessage, Status> {
@@ -192,15 +316,7 @@ impl KvRouter for Ingest {
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         let grant = self.state.credentials.worker(request.metadata())?;
-        let max_streams = self.state.config.limits.max_streams;
-        let slot = StreamSlot::take(&self.streams, max_streams).ok_or_else(|| {
-            limits::refuse(
-                limits::STREAMS,
-                Status::resource_exhausted(format!(
-                    "{max_streams} worker streams are open already (limits.max_streams)"
-                )),
-            )
-        })?;
+        let slot = StreamSlot::take(self, grant.token)?;
         let mut inbound = request.into_inner();
         let register_timeout = self.state.config.ingest.register_timeout_ms;
         let first =
@@ -224,7 +340,11 @@ impl KvRouter for Ingest {
         grant.permits(register.worker_id)?;
         let state = Arc::clone(&self.state);
         let instance_id = register.instance_id;
-        let (registration, generation) = register_worker(&state, register)?;
+        let claimant = Claimant {
+            instance_id,
+            token: grant.token,
+        };
+        let (registration, generation) = register_worker(&state, register, claimant)?;
         let worker_id = registration.worker_id;
         let dp_ranks = registration.dp_ranks.clone();
         let claim = state
@@ -280,6 +400,7 @@ impl KvRouter for Ingest {
             fence: claim.fence,
             holds: true,
             logged,
+            warnings: Arc::default(),
         };
         // Published for the other replicas while the stream lasts.
         let hold = replica.as_ref().map(|r| {
@@ -384,7 +505,11 @@ fn check_tokenizer(state: &AppState, register: &Register) -> Result<String, Stat
     Ok(String::new())
 }
 
-fn register_worker(state: &AppState, register: Register) -> Result<(Registration, u64), Status> {
+fn register_worker(
+    state: &AppState,
+    register: Register,
+    claimant: Claimant,
+) -> Result<(Registration, u64), Status> {
     limits::check_registration(&state.config.limits, &register)?;
     let tokenizer = check_tokenizer(state, &register)?;
     if state
@@ -419,11 +544,21 @@ fn register_worker(state: &AppState, register: Register) -> Result<(Registration
         total_kv_blocks: register.total_kv_blocks,
         tokenizer,
     };
-    let generation = state
+    let registered = state
         .registry
-        .register(registration.clone(), Source::Stream)
-        .map_err(Status::invalid_argument)?;
-    Ok((registration, generation))
+        .register_stream(registration.clone(), claimant)?;
+    for evicted in registered.evicted {
+        state.writers.forget(evicted.worker_id, evicted.generation);
+        for key in evicted.keys {
+            state.tiers.remove_worker(key);
+            state.predicted.remove_worker(key);
+        }
+        tracing::info!(
+            worker = evicted.worker_id,
+            "disconnected worker purged before its grace period ended, to make room"
+        );
+    }
+    Ok((registration, registered.generation))
 }
 
 impl Stream {
@@ -442,6 +577,7 @@ impl Stream {
             fence,
             holds: false,
             logged: None,
+            warnings: Arc::default(),
         }
     }
 
@@ -453,6 +589,7 @@ impl Stream {
         mut stopped: watch::Receiver<bool>,
     ) -> Result<(), Status> {
         let max_events = self.state.config.limits.max_events_per_batch;
+        let queue_max = self.state.config.ingest.event_queue_bytes;
         // dp rank → the first id of the batch dropped on a full queue, until resent.
         let mut dropped_from: HashMap<u32, u64> = HashMap::new();
         let mut fence = self.fence.clone();
@@ -494,7 +631,7 @@ impl Stream {
                         }
                         dropped_from.remove(&rank);
                     }
-                    let bytes = queue_bytes(batch.encoded_len());
+                    let bytes = queue_bytes(batch_bytes(&batch), queue_max, "batch")?;
                     if let Ok(permit) = Arc::clone(&queue).try_acquire_many_owned(bytes) {
                         if work.send(Work::Events(batch, permit)).is_err() {
                             break;
@@ -520,7 +657,7 @@ impl Stream {
                     {
                         dropped_from.remove(&dump.dp_rank);
                     }
-                    let bytes = queue_bytes(dump.encoded_len());
+                    let bytes = queue_bytes(dump_bytes(&dump), queue_max, "dump part")?;
                     let Ok(permit) = Arc::clone(&queue).acquire_many_owned(bytes).await else {
                         break;
                     };
@@ -530,7 +667,7 @@ impl Stream {
                 }
                 // Only worth checking in order; on a full queue the next one will do.
                 Some(worker_message::Body::Digest(digest)) => {
-                    let bytes = queue_bytes(digest.encoded_len());
+                    let bytes = queue_bytes(size_of::<Digest>(), queue_max, "digest")?;
                     if let Ok(permit) = Arc::clone(&queue).try_acquire_many_owned(bytes)
                         && work.send(Work::Digest(digest, permit)).is_err()
                     {
@@ -571,21 +708,28 @@ impl Stream {
             };
             // Checked before applying, and again at every wait inside: a fenced
             // stream's events never reach the index.
-            tokio::select! {
+            let refused = tokio::select! {
                 biased;
                 _ = fenced(&mut fence) => return,
-                () = self.apply(item, &mut dumps) => {}
+                applied = self.apply(item, &mut dumps) => applied.err(),
+            };
+            // The worker learns why; its reader ends once it has nothing to queue to.
+            if let Some(status) = refused {
+                tracing::warn!(worker = self.worker_id, %status, "worker stream refused");
+                let _ = self.out.send(Err(status)).await;
+                return;
             }
         }
     }
 
-    async fn apply(&self, item: Work, dumps: &mut DumpState) {
+    /// Applies one item; `Err` ends the stream with that status.
+    async fn apply(&self, item: Work, dumps: &mut DumpState) -> Result<(), Status> {
         // Held for writing only by tests that fill the queue on purpose.
         let _gate = self.state.ingest_gate.read().await;
         let item = match (self.logged, self.state.replica.get()) {
             (Some(claim), Some(replica)) => {
                 let Some(item) = replica.append(self.worker_id, claim, item).await else {
-                    return;
+                    return Ok(());
                 };
                 item
             }
@@ -599,12 +743,13 @@ impl Stream {
             }
             Work::Dump(dump, permit) => {
                 drop(permit);
-                self.apply_dump_part(dump, dumps).await;
+                return self.apply_dump_part(dump, dumps).await;
             }
             Work::Digest(digest, _permit) => {
                 self.check_digest(digest, false).await;
             }
         }
+        Ok(())
     }
 
     /// Checks the worker's digest (`asked`: a dump is on its way already), and
@@ -738,15 +883,22 @@ impl Stream {
         };
         let label = worker_label(key);
         let mut events = Vec::with_capacity(batch.events.len());
+        let mut kindless = 0;
         for event in batch.events {
             let Some((tier, event)) = convert_event(event) else {
-                self.send_error("an event without a kind was skipped".into())
-                    .await;
+                kindless += 1;
                 continue;
             };
             if let Some(event) = self.state.faults.pass(key, event) {
                 events.push((tier, event));
             }
+        }
+        if kindless > 0 {
+            self.send_error(format!(
+                "{kindless} events without a kind were skipped (dp rank {})",
+                key.dp_rank
+            ))
+            .await;
         }
         // The whole message under one lock of the rank (a run of one-block
         // removals costs a fraction of one event each); its outcomes are
@@ -786,11 +938,16 @@ impl Stream {
     }
 
     /// Gathers one part of a rank's dump; with the last part, applies them all.
-    pub(crate) async fn apply_dump_part(&self, dump: Dump, dumps: &mut DumpState) {
+    /// `Err`: the parts held are over a budget, and the stream must end.
+    pub(crate) async fn apply_dump_part(
+        &self,
+        dump: Dump,
+        dumps: &mut DumpState,
+    ) -> Result<(), Status> {
         let Some(key) = self.key(dump.dp_rank) else {
             self.send_error(format!("dp rank {} was not registered", dump.dp_rank))
                 .await;
-            return;
+            return Ok(());
         };
         let rank = key.dp_rank;
         // A part of another dump than the one gathered: that one was abandoned.
@@ -802,10 +959,12 @@ impl Stream {
                 offload_chains: Vec::new(),
                 blocks: 0,
                 offload_blocks: 0,
+                bytes: 0,
+                budget: None,
             },
         };
-        let Some(parts) = self.gather(key, parts, dump, dumps).await else {
-            return;
+        let Some(parts) = self.gather(key, parts, dump, dumps).await? else {
+            return Ok(());
         };
         // Seconds for millions of blocks: off the async threads, so that other
         // streams and the connections' keepalive pings go on meanwhile.
@@ -833,17 +992,19 @@ impl Stream {
         }
         tracing::info!(worker = %label, blocks = self.state.index.worker_blocks(key), "dump applied");
         self.ack(key);
+        Ok(())
     }
 
     /// Adds `dump`'s chains to `parts`: the whole dump once its last part is in,
-    /// `None` while more are due or when it is refused (stale, or too large).
+    /// `None` while more are due or when it is refused (stale, or too large);
+    /// `Err` when the parts to hold are over a budget.
     async fn gather(
         &self,
         key: WorkerKey,
         mut parts: DumpParts,
         dump: Dump,
         dumps: &mut DumpState,
-    ) -> Option<DumpParts> {
+    ) -> Result<Option<DumpParts>, Status> {
         let rank = key.dp_rank;
         let applied = self.state.index.last_event_id(key);
         if dumps.applied.contains(&rank) && applied.is_some_and(|a| dump.last_event_id < a) {
@@ -854,7 +1015,10 @@ impl Stream {
                 applied.unwrap_or_default()
             ))
             .await;
-            return None;
+            return Ok(None);
+        }
+        if dump.more {
+            self.hold_part(&mut parts, dump_bytes(&dump), dumps)?;
         }
         let blocks = |chains: &[kvroute_proto::Stored]| -> usize {
             chains.iter().map(|c| c.blocks.len()).sum()
@@ -876,7 +1040,7 @@ impl Stream {
                     "dump of dp rank {rank} refused: over {max} blocks (index.{name})"
                 ))
                 .await;
-                return None;
+                return Ok(None);
             }
         }
         parts
@@ -887,9 +1051,53 @@ impl Stream {
             .extend(dump.offload_chains.into_iter().map(convert_stored));
         if dump.more {
             dumps.parts.insert(rank, parts);
-            return None;
+            return Ok(None);
         }
-        Some(parts)
+        Ok(Some(parts))
+    }
+
+    /// Takes `bytes` more of the worker's and of all streams' budgets for
+    /// dump parts held until their last part arrives.
+    fn hold_part(
+        &self,
+        parts: &mut DumpParts,
+        bytes: usize,
+        dumps: &DumpState,
+    ) -> Result<(), Status> {
+        let ingest = &self.state.config.ingest;
+        parts.bytes += bytes;
+        let held = parts.bytes + dumps.parts.values().map(|p| p.bytes).sum::<usize>();
+        let per_worker = ingest.dump_parts_bytes_per_worker;
+        if held > per_worker {
+            return Err(limits::refuse(
+                limits::DUMP_PARTS_BYTES_PER_WORKER,
+                Status::resource_exhausted(format!(
+                    "unfinished dumps (Dump.more) of worker {} hold over {per_worker} bytes \
+                     (ingest.dump_parts_bytes_per_worker): send the last part",
+                    self.worker_id
+                )),
+            ));
+        }
+        let taken = u32::try_from(bytes).ok().and_then(|n| {
+            Arc::clone(&self.state.dump_parts)
+                .try_acquire_many_owned(n)
+                .ok()
+        });
+        let Some(taken) = taken else {
+            return Err(limits::refuse(
+                limits::DUMP_PARTS_BYTES,
+                Status::resource_exhausted(format!(
+                    "unfinished dumps of all workers hold {} bytes (ingest.dump_parts_bytes): \
+                     retry later",
+                    ingest.dump_parts_bytes
+                )),
+            ));
+        };
+        match &mut parts.budget {
+            Some(budget) => budget.merge(taken),
+            None => parts.budget = Some(taken),
+        }
+        Ok(())
     }
 
     fn count_dropped_batch(&self) {
@@ -953,11 +1161,25 @@ impl Stream {
         }
     }
 
+    /// Logs a warning and sends it to the worker, unless the stream has had
+    /// its share of the interval already: then it is only counted.
     async fn send_error(&self, text: String) {
         if !self.holds {
             tracing::debug!(worker = self.worker_id, "{text}");
             return;
         }
+        let (shown, ended) = self.warnings.lock().unwrap().admit(Instant::now());
+        if ended > 0 {
+            self.send_warning(self.suppressed_line(ended)).await;
+        }
+        if !shown {
+            limits::count(limits::STREAM_WARNINGS);
+            return;
+        }
+        self.send_warning(text).await;
+    }
+
+    async fn send_warning(&self, text: String) {
         tracing::warn!(worker = self.worker_id, "{text}");
         let _ = self
             .out
@@ -965,6 +1187,14 @@ impl Stream {
                 message: text,
             })))
             .await;
+    }
+
+    fn suppressed_line(&self, suppressed: u64) -> String {
+        format!(
+            "{suppressed} more warnings of this stream were suppressed \
+             (at most {WARNINGS_PER_INTERVAL} are logged per {} s)",
+            WARNING_INTERVAL.as_secs()
+        )
     }
 
     fn report_load(&self, load: LoadReport) {
@@ -985,6 +1215,14 @@ impl Stream {
     /// The stream closed: out of routing now, purged after the grace period
     /// unless the worker registers again first.
     fn disconnected(&self, generation: u64) {
+        let suppressed = std::mem::take(&mut self.warnings.lock().unwrap().suppressed);
+        if suppressed > 0 {
+            tracing::warn!(
+                worker = self.worker_id,
+                "{}",
+                self.suppressed_line(suppressed)
+            );
+        }
         if let (Some(claim), Some(replica)) = (self.logged, self.state.replica.get()) {
             replica.release(self.worker_id, claim);
         }
@@ -1089,6 +1327,7 @@ pub(crate) fn convert_tier(tier: kvroute_proto::Tier) -> Tier {
 mod tests {
     use super::*;
     use crate::config::Config;
+    use prost::Message as _;
 
     fn stored(event_id: u64, block_hash: u64, tokens_hash: u64) -> kvroute_proto::KvEvent {
         kvroute_proto::KvEvent {
@@ -1124,6 +1363,7 @@ mod tests {
             fence: claim.fence,
             holds: true,
             logged: None,
+            warnings: Arc::default(),
         };
         let (work, work_rx) = mpsc::unbounded_channel();
         let queue = Arc::new(Semaphore::new(1 << 20));
@@ -1181,5 +1421,33 @@ mod tests {
         work.send(Work::Events(batch, permit)).unwrap();
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(state.index.last_event_id(key), Some(9));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn warnings_past_the_rate_are_counted_and_summed_up_once() {
+        let mut warnings = Warnings::default();
+        let shown = (0..25).filter(|_| warnings.admit(Instant::now()).0).count();
+        assert_eq!(shown, WARNINGS_PER_INTERVAL as usize);
+        tokio::time::sleep(WARNING_INTERVAL).await;
+        assert_eq!(warnings.admit(Instant::now()), (true, 15));
+        assert_eq!(warnings.admit(Instant::now()), (true, 0));
+    }
+
+    #[test]
+    fn empty_events_are_queued_at_their_decoded_size() {
+        let sent = EventBatch {
+            dp_rank: 0,
+            events: vec![kvroute_proto::KvEvent::default(); 65_536],
+        };
+        let wire = sent.encode_to_vec();
+        assert_eq!(wire.len(), 2 * 65_536);
+        let batch = EventBatch::decode(wire.as_slice()).unwrap();
+        let wire = wire.len();
+        assert!(batch_bytes(&batch) > 20 * wire, "{}", batch_bytes(&batch));
+        let status = queue_bytes(batch_bytes(&batch), 1 << 20, "batch").unwrap_err();
+        assert!(
+            status.message().contains("ingest.event_queue_bytes"),
+            "{status}"
+        );
     }
 }

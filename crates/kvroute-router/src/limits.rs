@@ -18,12 +18,22 @@ pub const MODELS: &str = "models";
 pub const LORA_NAMES: &str = "lora_names";
 pub const NAME_BYTES: &str = "name_bytes";
 pub const WORKERS: &str = "workers";
+pub const WORKERS_PER_TOKEN: &str = "workers_per_token";
 pub const STREAMS: &str = "streams";
+pub const STREAMS_PER_TOKEN: &str = "streams_per_token";
+/// A registration of a worker id whose stream is alive, by another instance.
+pub const LIVE_WORKER_ID: &str = "live_worker_id";
+/// A base URL the rules of [`crate::worker_url`] refuse.
+pub const BASE_URL: &str = "base_url";
 pub const REGISTER_TIMEOUT: &str = "register_timeout";
 pub const EVENTS_PER_BATCH: &str = "events_per_batch";
 pub const GRPC_MESSAGE_BYTES: &str = "grpc_message_bytes";
 pub const EVENT_QUEUE_BYTES: &str = "event_queue_bytes";
 pub const DUMP_BLOCKS: &str = "dump_blocks";
+pub const DUMP_PARTS_BYTES_PER_WORKER: &str = "dump_parts_bytes_per_worker";
+pub const DUMP_PARTS_BYTES: &str = "dump_parts_bytes";
+/// Warnings of one stream past the rate that is logged (see [`crate::ingest`]).
+pub const STREAM_WARNINGS: &str = "stream_warnings";
 pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
 pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
 pub const CHAT_PARTS: &str = "chat_parts";
@@ -35,12 +45,19 @@ pub const ALL: &[&str] = &[
     LORA_NAMES,
     NAME_BYTES,
     WORKERS,
+    WORKERS_PER_TOKEN,
     STREAMS,
+    STREAMS_PER_TOKEN,
+    LIVE_WORKER_ID,
+    BASE_URL,
     REGISTER_TIMEOUT,
     EVENTS_PER_BATCH,
     GRPC_MESSAGE_BYTES,
     EVENT_QUEUE_BYTES,
     DUMP_BLOCKS,
+    DUMP_PARTS_BYTES_PER_WORKER,
+    DUMP_PARTS_BYTES,
+    STREAM_WARNINGS,
     PREDICTED_BLOCKS,
     INFLIGHT_REQUESTS,
     CHAT_PARTS,

@@ -80,6 +80,32 @@ pub enum Source {
     Static,
 }
 
+/// Who registered a worker over a stream on this replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Claimant {
+    /// `Register.instance_id`: only the same instance takes over a live stream.
+    pub instance_id: u64,
+    /// Which worker token, for `limits.max_workers_per_token`.
+    pub token: usize,
+}
+
+/// A stream's registration, accepted.
+#[derive(Debug)]
+pub struct Registered {
+    pub generation: u64,
+    /// Disconnected workers purged early to make room for it, whose index
+    /// entries the caller clears.
+    pub evicted: Vec<Evicted>,
+}
+
+/// A disconnected worker purged before its grace period ended.
+#[derive(Debug)]
+pub struct Evicted {
+    pub worker_id: u64,
+    pub generation: u64,
+    pub keys: Vec<WorkerKey>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Connection {
     Connected,
@@ -106,6 +132,8 @@ pub struct Worker {
     /// [`Registration::tokenizer`].
     pub tokenizer: String,
     pub source: Source,
+    /// Registered over a stream on this replica: by whom.
+    pub claimant: Option<Claimant>,
     pub connection: Connection,
     pub draining: bool,
     /// Bumped by every registration, so a stale stream's end cannot disconnect a newer one.
@@ -223,6 +251,9 @@ pub struct Limits {
     pub policy: Policy,
     pub max_workers: usize,
     pub claims: ClaimRules,
+    pub max_workers_per_token: usize,
+    /// `limits.allowed_base_url_addresses`.
+    pub allowed_addresses: Vec<std::net::IpAddr>,
 }
 
 impl Limits {
@@ -242,6 +273,8 @@ impl Limits {
             policy: config.scheduler.policy,
             max_workers: config.limits.max_workers,
             claims: ClaimRules::from_config(&config.trust),
+            max_workers_per_token: config.limits.max_workers_per_token,
+            allowed_addresses: config.limits.allowed_base_url_addresses.clone(),
         }
     }
 }
@@ -317,15 +350,7 @@ impl Registry {
     /// Adds or replaces a worker; returns the registration's generation. A worker
     /// that registers again keeps its ranks' bookings (its requests are still in flight).
     pub fn register(&self, reg: Registration, source: Source) -> Result<u64, String> {
-        let base_url = crate::worker_url::parse_base_url(&reg.base_url)?;
-        if reg.models.is_empty() {
-            return Err("a worker must serve at least one model".into());
-        }
-        let dp_ranks = if reg.dp_ranks.is_empty() {
-            vec![0]
-        } else {
-            reg.dp_ranks
-        };
+        let (base_url, dp_ranks) = self.check(&reg)?;
         let mut fleet = self.lock();
         let max = self.limits.max_workers;
         if !fleet.workers.contains_key(&reg.worker_id) && fleet.workers.len() >= max {
@@ -334,6 +359,121 @@ impl Registry {
                 "{max} workers are registered already (limits.max_workers)"
             ));
         }
+        Ok(self.insert(&mut fleet, reg, base_url, dp_ranks, source, None))
+    }
+
+    /// Registers a worker for the stream of `claimant` on this replica.
+    ///
+    /// A worker id whose stream is alive is taken over only by the same
+    /// instance (a reconnect); another must wait for that stream to end or for
+    /// an operator's removal. A worker disconnected and in its grace period
+    /// keeps its slot only while there is room: a new worker that would go over
+    /// `limits.max_workers`, or over its token's `limits.max_workers_per_token`,
+    /// takes the slot of the worker disconnected longest that the limit counts,
+    /// which is purged early. So one token's live workers never exceed its
+    /// share, and its closed registrations hold no slot anyone else needs.
+    pub fn register_stream(
+        &self,
+        reg: Registration,
+        claimant: Claimant,
+    ) -> Result<Registered, tonic::Status> {
+        use crate::limits::{self, refuse};
+        use tonic::Status;
+        // A registration with models has only its base URL left to be wrong.
+        let (base_url, dp_ranks) = self.check(&reg).map_err(|e| {
+            if reg.models.is_empty() {
+                Status::invalid_argument(e)
+            } else {
+                refuse(limits::BASE_URL, Status::invalid_argument(e))
+            }
+        })?;
+        let id = reg.worker_id;
+        let mut fleet = self.lock();
+        if let Some(live) = fleet.workers.get(&id)
+            && live.connection == Connection::Connected
+            && live
+                .claimant
+                .is_some_and(|c| c.instance_id != claimant.instance_id)
+        {
+            return Err(refuse(
+                limits::LIVE_WORKER_ID,
+                Status::already_exists(format!(
+                    "worker id {id} is connected on a live stream of another instance; \
+                     it may register once that stream has ended, or after an operator \
+                     removes the worker (DELETE /workers/{id} with the admin token)"
+                )),
+            ));
+        }
+        let mut evicted = Vec::new();
+        let per_token = self.limits.max_workers_per_token;
+        let of_token = |w: &Worker| w.claimant.is_some_and(|c| c.token == claimant.token);
+        let held = fleet
+            .workers
+            .values()
+            .filter(|w| w.id != id && of_token(w))
+            .count();
+        if held >= per_token {
+            let Some(room) = fleet.make_room(id, of_token) else {
+                return Err(refuse(
+                    limits::WORKERS_PER_TOKEN,
+                    Status::resource_exhausted(format!(
+                        "{per_token} workers are registered with this token already \
+                         (limits.max_workers_per_token)"
+                    )),
+                ));
+            };
+            evicted.push(room);
+        }
+        let max = self.limits.max_workers;
+        if !fleet.workers.contains_key(&id) && fleet.workers.len() >= max {
+            let Some(room) = fleet.make_room(id, |_| true) else {
+                return Err(refuse(
+                    limits::WORKERS,
+                    Status::resource_exhausted(format!(
+                        "{max} workers are registered already (limits.max_workers)"
+                    )),
+                ));
+            };
+            evicted.push(room);
+        }
+        let generation = self.insert(
+            &mut fleet,
+            reg,
+            base_url,
+            dp_ranks,
+            Source::Stream,
+            Some(claimant),
+        );
+        Ok(Registered {
+            generation,
+            evicted,
+        })
+    }
+
+    /// A registration's base URL and ranks, checked before the lock is taken.
+    fn check(&self, reg: &Registration) -> Result<(String, Vec<u32>), String> {
+        if reg.models.is_empty() {
+            return Err("a worker must serve at least one model".into());
+        }
+        let base_url =
+            crate::worker_url::parse_base_url(&reg.base_url, &self.limits.allowed_addresses)?;
+        let dp_ranks = if reg.dp_ranks.is_empty() {
+            vec![0]
+        } else {
+            reg.dp_ranks.clone()
+        };
+        Ok((base_url, dp_ranks))
+    }
+
+    fn insert(
+        &self,
+        fleet: &mut Fleet,
+        reg: Registration,
+        base_url: String,
+        dp_ranks: Vec<u32>,
+        source: Source,
+        claimant: Option<Claimant>,
+    ) -> u64 {
         fleet.remove_worker_entry(reg.worker_id, false);
         // Unique across workers and removals, so a later registration always has a
         // greater generation, even after the worker was forgotten in between.
@@ -347,6 +487,7 @@ impl Registry {
             total_kv_blocks: reg.total_kv_blocks,
             tokenizer: reg.tokenizer,
             source,
+            claimant,
             connection: Connection::Connected,
             draining: false,
             generation,
@@ -382,7 +523,7 @@ impl Registry {
         }
         fleet.workers.insert(worker.id, worker);
         fleet.refresh_membership(reg.worker_id, &self.limits);
-        Ok(generation)
+        generation
     }
 
     /// A stream ended: out of routing at once. False if a newer registration owns the worker.
@@ -763,6 +904,32 @@ impl Fleet {
     }
 
     /// Takes a worker out entirely; `drop_ranks` also forgets its ranks' load.
+    /// Purges the worker other than `id` disconnected longest among those
+    /// `counted`, to make room for `id`; `None` if none is disconnected.
+    fn make_room(&mut self, id: u64, counted: impl Fn(&Worker) -> bool) -> Option<Evicted> {
+        let oldest = self
+            .workers
+            .values()
+            .filter(|w| w.id != id && counted(w))
+            .filter_map(|w| match w.connection {
+                Connection::Disconnected { since } => Some((since, w.id, w.generation)),
+                Connection::Connected => None,
+            })
+            .min()?;
+        let (_, worker_id, generation) = oldest;
+        let keys = self.workers[&worker_id]
+            .dp_ranks
+            .iter()
+            .map(|&r| WorkerKey::new(worker_id, r))
+            .collect();
+        self.remove_worker_entry(worker_id, true);
+        Some(Evicted {
+            worker_id,
+            generation,
+            keys,
+        })
+    }
+
     fn remove_worker_entry(&mut self, worker_id: u64, drop_ranks: bool) {
         let Some(worker) = self.workers.remove(&worker_id) else {
             return;
@@ -985,5 +1152,57 @@ pub(crate) mod tests {
         assert_eq!(registry.name_kind("m"), Some(NameKind::Model));
         registry.remove(2);
         assert_eq!(registry.name_kind("m"), None);
+    }
+
+    #[test]
+    fn a_live_id_is_kept_and_closed_registrations_make_room_within_each_token() {
+        let mut limits = limits();
+        limits.max_workers = 3;
+        limits.max_workers_per_token = 2;
+        let registry = Registry::new(limits);
+        let by = |token, instance_id| Claimant { instance_id, token };
+        registry.register_stream(reg(1, &["m"]), by(0, 1)).unwrap();
+        // Another instance may not take a live id; the same one reconnects.
+        let status = registry
+            .register_stream(reg(1, &["m"]), by(0, 2))
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::AlreadyExists);
+        assert!(status.message().contains("DELETE /workers/1"), "{status}");
+        let g1 = registry
+            .register_stream(reg(1, &["m"]), by(0, 1))
+            .unwrap()
+            .generation;
+        registry.register_stream(reg(2, &["m"]), by(0, 1)).unwrap();
+        // Token 0 has its two: a third is refused while both are connected.
+        let status = registry
+            .register_stream(reg(3, &["m"]), by(0, 1))
+            .unwrap_err();
+        assert!(
+            status.message().contains("max_workers_per_token"),
+            "{status}"
+        );
+        // Closed, worker 1 gives its slot to the token's next worker.
+        assert!(registry.disconnect(1, g1));
+        let registered = registry.register_stream(reg(3, &["m"]), by(0, 1)).unwrap();
+        let evicted: Vec<u64> = registered.evicted.iter().map(|e| e.worker_id).collect();
+        assert_eq!(evicted, [1]);
+        assert!(!registry.contains(1));
+        // Token 1 fills the registry; nothing is disconnected to make room.
+        let g4 = registry
+            .register_stream(reg(4, &["m"]), by(1, 1))
+            .unwrap()
+            .generation;
+        let status = registry
+            .register_stream(reg(5, &["m"]), by(1, 1))
+            .unwrap_err();
+        assert!(
+            status.message().contains("(limits.max_workers)"),
+            "{status}"
+        );
+        // Over max_workers, the worker disconnected longest goes, whoever's it is.
+        assert!(registry.disconnect(4, g4));
+        let registered = registry.register_stream(reg(5, &["m"]), by(2, 1)).unwrap();
+        assert_eq!(registered.evicted[0].worker_id, 4);
+        check_invariant(&registry);
     }
 }

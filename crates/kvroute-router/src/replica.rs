@@ -702,7 +702,10 @@ impl ReplicaApplier {
             } => match self.current(worker_id, claim, dump.dp_rank) {
                 Some((follower, context)) => {
                     let (rank, last) = (dump.dp_rank, !dump.more);
-                    context.apply_dump_part(dump, &mut follower.dumps).await;
+                    // The holder refuses the same parts, and ends the worker's stream.
+                    if let Err(status) = context.apply_dump_part(dump, &mut follower.dumps).await {
+                        tracing::debug!(worker_id, %status, "replicated dump part refused");
+                    }
                     if last {
                         follower.dump_asked.remove(&rank);
                         follower.replaced.insert(rank, seq);

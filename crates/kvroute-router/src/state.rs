@@ -50,6 +50,8 @@ pub struct AppState {
     /// wait in their queues instead of being applied, so that a full queue
     /// is reached without racing the index. Nothing else takes it for writing.
     pub ingest_gate: tokio::sync::RwLock<()>,
+    /// Bytes of unfinished dumps all streams may hold (`ingest.dump_parts_bytes`).
+    pub dump_parts: Arc<tokio::sync::Semaphore>,
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
     pub faults: crate::faults::Faults,
 }
@@ -148,6 +150,7 @@ impl AppState {
             config.scheduler.max_queued,
             config.scheduler.queue_max_bypass,
         );
+        let dump_parts = Arc::new(tokio::sync::Semaphore::new(config.ingest.dump_parts_bytes));
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -164,6 +167,7 @@ impl AppState {
             shared_predictions: std::sync::OnceLock::new(),
             queue,
             ingest_gate: tokio::sync::RwLock::new(()),
+            dump_parts,
             faults,
         }))
     }
