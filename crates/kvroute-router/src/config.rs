@@ -335,6 +335,9 @@ pub struct UpstreamConfig {
     pub shutdown_grace_ms: u64,
     /// PEM CA certificates trusted for `https://` workers, beside the system's roots.
     pub ca_file: String,
+    /// Sent to every worker as `Authorization: Bearer <api_key>` (an engine's
+    /// own key, e.g. vLLM's `--api-key`); empty: no `Authorization` at all.
+    pub api_key: Secret,
 }
 
 /// TLS on both listeners; empty paths: plain TCP.
@@ -542,6 +545,7 @@ impl Default for UpstreamConfig {
             health_timeout_ms: 1_000,
             shutdown_grace_ms: 30_000,
             ca_file: String::new(),
+            api_key: Secret::default(),
         }
     }
 }
