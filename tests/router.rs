@@ -58,18 +58,7 @@ async fn shared_prefix_goes_to_the_same_static_worker() {
         TestWorker::start(2).await,
         TestWorker::start(3).await,
     ];
-    let config: String = workers
-        .iter()
-        .enumerate()
-        .map(|(i, w)| {
-            format!(
-                "[[workers]]\nid = {}\nbase_url = \"{}\"\nmodels = [\"m\"]\n",
-                i + 1,
-                w.url
-            )
-        })
-        .collect();
-    let router = RouterProcess::start(&config);
+    let router = RouterProcess::start(&static_workers(&workers));
     let http = Http::default();
     let url = format!("{}/v1/completions", router.http);
     for round in 0..3u32 {
@@ -1488,22 +1477,8 @@ async fn an_error_in_the_middle_of_a_body_is_a_failure_for_the_breaker() {
         1,
     )
     .await;
-    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
-                      "max_tokens": 10, "abort_after_chunks": 2});
-    let response = Http::default()
-        .send(
-            "POST",
-            &format!("{}/v1/completions", router.http),
-            &[],
-            body.to_string(),
-        )
-        .await;
-    assert_eq!(response.status(), 200);
-    let body = http_body_util::BodyExt::collect(response.into_body()).await;
-    assert!(
-        body.is_err(),
-        "the client sees the stream break, not a complete one"
-    );
+    let text = broken_stream(&router.http).await;
+    assert!(!text.contains("[DONE]"), "not a complete one: {text}");
     eventually("the broken stream opened the breaker", || async {
         breaker(&router, 1).await == "open"
     })

@@ -378,6 +378,45 @@ pub fn completion(model: &str, tokens: &[u32]) -> Value {
     json!({"model": model, "prompt": tokens, "max_tokens": 4})
 }
 
+/// The router's `[[workers]]` entries for `workers`, ids 1, 2, ... serving "m".
+pub fn static_workers(workers: &[TestWorker]) -> String {
+    workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            format!(
+                "[[workers]]\nid = {}\nbase_url = \"{}\"\nmodels = [\"m\"]\n",
+                i + 1,
+                w.url
+            )
+        })
+        .collect()
+}
+
+/// Streams a completion through the router at `router_http` from a test
+/// worker that breaks its connection after two chunks; the whole body the
+/// client got, which must end, not break, with a 200 status line.
+pub async fn broken_stream(router_http: &str) -> String {
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true,
+                      "max_tokens": 10, "abort_after_chunks": 2});
+    let response = Http::default()
+        .send(
+            "POST",
+            &format!("{router_http}/v1/completions"),
+            &[],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("the stream ends, not breaks")
+        .to_bytes();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
 /// `n` token ids starting at `start`.
 pub fn tokens(start: u32, n: usize) -> Vec<u32> {
     (start..start + n as u32).collect()
@@ -481,7 +520,13 @@ pub enum Mode {
     Fail,
     /// Completions wait until [`TestWorker::release`].
     Hold,
+    /// A connection that carries more than [`RESET_AFTER_BYTES`] of requests
+    /// is reset mid-upload, as an engine refusing a body's size resets it.
+    ResetLargeBodies,
 }
+
+/// How much a connection may carry in [`Mode::ResetLargeBodies`].
+pub const RESET_AFTER_BYTES: usize = 1 << 20;
 
 pub struct WorkerState {
     pub id: u64,
@@ -496,6 +541,8 @@ pub struct WorkerState {
     /// What plain completions report as `usage.prompt_tokens_details.cached_tokens`;
     /// `None`: no usage at all.
     cached_tokens: Mutex<Option<u64>>,
+    /// Every `Authorization` value of every completion request, in order.
+    pub authorizations: Mutex<Vec<String>>,
 }
 
 /// A small OpenAI-compatible worker: answers completions with a body naming
@@ -518,6 +565,7 @@ impl TestWorker {
             released: Mutex::new(false),
             last_body: Mutex::new(None),
             cached_tokens: Mutex::new(None),
+            authorizations: Mutex::new(Vec::new()),
         });
         let app = Router::new()
             .route("/v1/completions", post(complete))
@@ -528,6 +576,10 @@ impl TestWorker {
             .with_state(Arc::clone(&state));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr: SocketAddr = listener.local_addr().unwrap();
+        let listener = CountingListener {
+            listener,
+            state: Arc::clone(&state),
+        };
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         Self {
             url: format!("http://{addr}"),
@@ -566,6 +618,113 @@ impl TestWorker {
     }
 }
 
+/// The test worker's listener: its connections count what they read, for
+/// [`Mode::ResetLargeBodies`].
+struct CountingListener {
+    listener: tokio::net::TcpListener,
+    state: Arc<WorkerState>,
+}
+
+impl axum::serve::Listener for CountingListener {
+    type Io = CountingConnection;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (CountingConnection, SocketAddr) {
+        loop {
+            if let Ok((tcp, addr)) = self.listener.accept().await {
+                let connection = CountingConnection {
+                    tcp,
+                    read: 0,
+                    state: Arc::clone(&self.state),
+                };
+                return (connection, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+/// A test worker's connection. Once reset, reads and writes fail (no response
+/// goes out), and it is dropped with the rest of the upload unread, which
+/// makes the kernel reset it.
+struct CountingConnection {
+    tcp: tokio::net::TcpStream,
+    read: usize,
+    state: Arc<WorkerState>,
+}
+
+impl CountingConnection {
+    fn reset(&self) -> bool {
+        self.read > RESET_AFTER_BYTES && *self.state.mode.lock().unwrap() == Mode::ResetLargeBodies
+    }
+}
+
+fn reset_error<T>() -> std::task::Poll<std::io::Result<T>> {
+    std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
+}
+
+impl tokio::io::AsyncRead for CountingConnection {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = &mut *self;
+        if this.reset() {
+            return reset_error();
+        }
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut this.tcp).poll_read(cx, buf);
+        this.read += buf.filled().len() - before;
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for CountingConnection {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.reset() {
+            return reset_error();
+        }
+        std::pin::Pin::new(&mut self.tcp).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.reset() {
+            return reset_error();
+        }
+        std::pin::Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
 /// The SSE body a test worker streams for `chunks` chunks.
 pub fn sse_chunk(worker: u64, i: usize) -> String {
     format!(
@@ -599,8 +758,18 @@ impl Drop for StreamGuard {
     }
 }
 
-async fn complete(State(state): State<Arc<WorkerState>>, body: Bytes) -> Response {
+async fn complete(
+    State(state): State<Arc<WorkerState>>,
+    headers: http::HeaderMap,
+    body: Bytes,
+) -> Response {
     state.received.fetch_add(1, Ordering::SeqCst);
+    state.authorizations.lock().unwrap().extend(
+        headers
+            .get_all(http::header::AUTHORIZATION)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+    );
     state.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = InflightGuard(Arc::clone(&state));
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);

@@ -77,6 +77,7 @@ impl Registry {
         if booked.is_some() {
             self.note_booking(fleet, key);
         }
+        let departures = Registry::departures(fleet, key.worker_id);
         let ticket = fleet.workers.get_mut(&key.worker_id).map(|worker| {
             worker.last_request = now;
             let ticket = worker.breaker.admit(now);
@@ -93,6 +94,7 @@ impl Registry {
             blocks,
             ticket,
             first_token_estimate,
+            departures,
         }
     }
 
@@ -128,6 +130,9 @@ pub struct Booking {
     /// `None` once the request's outcome went to the breaker (or the worker was gone).
     ticket: Option<Ticket>,
     first_token_estimate: Option<Duration>,
+    /// Changes when the worker leaves routing after the booking; `None` once
+    /// taken ([`Self::departures`]), or if the worker was gone.
+    departures: Option<tokio::sync::watch::Receiver<()>>,
 }
 
 impl Booking {
@@ -148,6 +153,12 @@ impl Booking {
     /// the `reported` cached tokens of its response ([`crate::claims`]).
     pub fn judge_claim(&self, claimed: u64, reported: u64) {
         self.registry.judge_claim(self.key, claimed, reported);
+    }
+
+    /// What tells that the worker left routing since the booking (a change, or
+    /// the channel's close); `None` the second time.
+    pub fn departures(&mut self) -> Option<tokio::sync::watch::Receiver<()>> {
+        self.departures.take()
     }
 
     /// When the first token is expected, from the rank's recent streams; see the module doc.

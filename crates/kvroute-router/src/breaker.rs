@@ -190,12 +190,16 @@ impl Registry {
         };
         let now = Instant::now();
         let was_available = worker.breaker.available(now);
+        let was_open = worker.breaker.is_open();
         change(
             &mut worker.breaker,
             now,
             (self.limits.breaker_failures, self.limits.breaker_cooldown),
         );
         worker.breaker_gauge.set(worker.breaker.gauge_value());
+        if worker.breaker.is_open() && !was_open {
+            Registry::departed(worker);
+        }
         let available = worker.breaker.available(now);
         if worker.breaker.is_closed() {
             fleet.tripped.remove(&worker_id);

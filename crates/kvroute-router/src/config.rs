@@ -358,6 +358,9 @@ pub struct UpstreamConfig {
     pub shutdown_grace_ms: u64,
     /// PEM CA certificates trusted for `https://` workers, beside the system's roots.
     pub ca_file: String,
+    /// Sent to every worker as `Authorization: Bearer <api_key>` (an engine's
+    /// own key, e.g. vLLM's `--api-key`); empty: no `Authorization` at all.
+    pub api_key: Secret,
 }
 
 /// When a worker's KV events stop counting in routing: its responses keep
@@ -671,6 +674,7 @@ impl Default for UpstreamConfig {
             health_timeout_ms: 1_000,
             shutdown_grace_ms: 30_000,
             ca_file: String::new(),
+            api_key: Secret::default(),
         }
     }
 }

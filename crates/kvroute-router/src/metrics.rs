@@ -372,7 +372,7 @@ fn install() -> Renderer {
     for listener in ["http", "grpc"] {
         let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }
-    for reason in ["connect", "status"] {
+    for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
     }
     for name in [

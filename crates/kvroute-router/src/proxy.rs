@@ -7,6 +7,8 @@
 //! predictions), and [`crate::upstream`] does the talking and the measuring.
 
 use std::cell::RefCell;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -110,6 +112,14 @@ pub async fn forward(
             metrics::record_phase(metrics::Phase::Total, sent.duration_since(request.received));
         }
         let timeout = state.upstream.first_byte_timeout();
+        // Taken before sending: a departure from then on ends the wait.
+        let mut left = booking.departures();
+        let left = std::pin::pin!(async move {
+            if let Some(left) = &mut left {
+                // A closed channel (the worker is gone) is a departure too.
+                let _ = left.changed().await;
+            }
+        });
         let result = state
             .upstream
             .post(
@@ -117,10 +127,13 @@ pub async fn forward(
                 request.path,
                 request.headers,
                 request.body.clone(),
-                &mut FirstByte::new(&mut booking, sent_at, timeout),
+                &mut FirstByte::new(&mut booking, sent_at, timeout, left),
             )
             .await;
-        let reason = match result {
+        // The client is told what failed, never how: the detail names the
+        // worker's address and the library's internals, and goes to the log.
+        let worker_id = worker.worker_id;
+        let (reason, error, retry) = match result {
             Ok(response) if !response.status().is_server_error() => {
                 let (mut parts, incoming) = response.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
@@ -156,44 +169,63 @@ pub async fn forward(
                 return Ok(Response::from_parts(parts, Body::new(body)));
             }
             Ok(response) => {
-                last_error = Some(RouterError::Upstream(format!(
-                    "worker {} answered {}",
-                    worker.worker_id,
-                    response.status()
-                )));
-                "status"
+                booking.record_outcome(false);
+                tracing::warn!(worker = worker_id, status = %response.status(), "upstream attempt failed");
+                let error = format!("worker {worker_id} answered {}", response.status());
+                ("status", RouterError::Upstream(error), true)
             }
-            Err(Failure::Connect(e)) => {
-                last_error = Some(RouterError::Upstream(format!(
-                    "cannot connect to worker {}: {e}",
-                    worker.worker_id
-                )));
-                "connect"
+            Err(Failure::Connect(detail)) => {
+                booking.record_outcome(false);
+                tracing::warn!(worker = worker_id, "cannot connect to the worker: {detail}");
+                let error = format!("cannot connect to worker {worker_id}");
+                ("connect", RouterError::Upstream(error), true)
+            }
+            // The departure was the verdict on the worker: no outcome of its own.
+            Err(Failure::Left) => {
+                tracing::warn!(
+                    worker = worker_id,
+                    "the worker left routing before it answered"
+                );
+                let error = format!("worker {worker_id} left routing before it answered");
+                ("left", RouterError::Upstream(error), true)
             }
             Err(Failure::Timeout) => {
                 booking.record_outcome(false);
-                return Err(RouterError::UpstreamTimeout(format!(
-                    "worker {} sent no response within {} ms",
-                    worker.worker_id, state.config.upstream.first_byte_timeout_ms
-                )));
+                let error = RouterError::UpstreamTimeout(format!(
+                    "worker {worker_id} sent no response within {} ms",
+                    state.config.upstream.first_byte_timeout_ms
+                ));
+                ("timeout", error, false)
             }
-            Err(Failure::Other(e)) => {
-                booking.record_outcome(false);
-                return Err(RouterError::Upstream(format!(
-                    "worker {} failed: {e}",
-                    worker.worker_id
-                )));
+            // A body the worker refused looks like this, and another worker
+            // would refuse it too: not retried, and not a failure for the
+            // breaker, which a client could otherwise open with such bodies.
+            // A worker that died fails its health check (asked for now) and
+            // its next connects, which do count.
+            Err(Failure::Other(detail)) => {
+                tracing::warn!(
+                    worker = worker_id,
+                    "the worker's connection failed before it answered: {detail}"
+                );
+                state.registry.suspect(worker_id);
+                let error = format!(
+                    "worker {worker_id} closed the connection before it answered \
+                     (it may refuse this request, e.g. its size)"
+                );
+                ("closed", RouterError::Upstream(error), false)
             }
         };
-        booking.record_outcome(false);
-        tracing::warn!(worker = worker.worker_id, reason, "upstream attempt failed");
         // The prefix will be cached where the request is served, not here. The
         // predicted layer cannot drop one path without breaking the prefix
         // order its lookups rely on, so the failed worker loses all its
         // predictions: it just failed, and its events still say what it holds.
         state.predicted.remove_worker(worker);
         drop(booking);
-        tried.push(worker.worker_id);
+        if !retry {
+            return Err(error);
+        }
+        last_error = Some(error);
+        tried.push(worker_id);
         if request.pin.is_some() {
             break;
         }
@@ -228,18 +260,21 @@ fn worker_header_value(worker_id: u64) -> HeaderValue {
 /// both deadlines: set for the estimate, then moved to the timeout when it
 /// fires. The timer is the worker connection's, kept from one request to the
 /// next (see [`crate::upstream`]).
-struct FirstByte<'a> {
+struct FirstByte<'a, L> {
     booking: &'a mut Booking,
     estimate: Option<tokio::time::Instant>,
     timed_out: tokio::time::Instant,
+    /// Ready once the worker left routing.
+    left: Pin<&'a mut L>,
 }
 
-impl<'a> FirstByte<'a> {
+impl<'a, L: Future<Output = ()>> FirstByte<'a, L> {
     /// For a request sent at `started`.
     fn new(
         booking: &'a mut Booking,
         started: tokio::time::Instant,
         first_byte_timeout: Duration,
+        left: Pin<&'a mut L>,
     ) -> Self {
         // An estimate past the timeout would never be reached.
         let estimate = booking
@@ -250,11 +285,12 @@ impl<'a> FirstByte<'a> {
             booking,
             estimate,
             timed_out: started + first_byte_timeout,
+            left,
         }
     }
 }
 
-impl Deadlines for FirstByte<'_> {
+impl<L: Future<Output = ()>> Deadlines for FirstByte<'_, L> {
     fn next(&self) -> tokio::time::Instant {
         self.estimate.unwrap_or(self.timed_out)
     }
@@ -265,6 +301,10 @@ impl Deadlines for FirstByte<'_> {
         }
         self.booking.release_prefill();
         true
+    }
+
+    fn poll_left(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.left.as_mut().poll(cx)
     }
 }
 
@@ -314,7 +354,8 @@ mod tests {
         started: tokio::time::Instant,
         first_byte_timeout: Duration,
     ) -> Result<(), Failure> {
-        let mut deadlines = FirstByte::new(booking, started, first_byte_timeout);
+        let never = std::pin::pin!(std::future::pending());
+        let mut deadlines = FirstByte::new(booking, started, first_byte_timeout, never);
         let mut timer = Box::pin(tokio::time::sleep_until(deadlines.next()));
         within(answer, &mut timer, &mut deadlines).await
     }

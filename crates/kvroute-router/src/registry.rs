@@ -141,6 +141,13 @@ pub struct Worker {
     pub breaker: Breaker,
     /// On the runtime's clock, as bookings read it.
     pub last_request: tokio::time::Instant,
+    /// A request failed on it in a way a client could cause as well as a dead
+    /// worker (see [`Registry::suspect`]): its health is checked next round.
+    suspect: bool,
+    /// Tells requests waiting for the worker's response headers that it left
+    /// routing ([`Registry::departed`]); dropped with the worker, which tells
+    /// them too. Kept across its registrations.
+    departures: tokio::sync::watch::Sender<()>,
     pub(crate) breaker_gauge: ::metrics::Gauge,
 }
 
@@ -474,6 +481,11 @@ impl Registry {
         source: Source,
         claimant: Option<Claimant>,
     ) -> u64 {
+        // Its requests in flight stay: a registration again is not a departure.
+        let departures = fleet.workers.get(&reg.worker_id).map_or_else(
+            || tokio::sync::watch::Sender::new(()),
+            |w| w.departures.clone(),
+        );
         fleet.remove_worker_entry(reg.worker_id, false);
         // Unique across workers and removals, so a later registration always has a
         // greater generation, even after the worker was forgotten in between.
@@ -493,6 +505,8 @@ impl Registry {
             generation,
             breaker: Breaker::default(),
             last_request: tokio::time::Instant::now(),
+            suspect: false,
+            departures,
             breaker_gauge: ::metrics::gauge!(metrics::BREAKER_STATE, "worker" => reg.worker_id.to_string()),
         };
         worker.breaker_gauge.set(0.0);
@@ -538,8 +552,37 @@ impl Registry {
         worker.connection = Connection::Disconnected {
             since: Instant::now(),
         };
+        Self::departed(worker);
         fleet.refresh_membership(worker_id, &self.limits);
         true
+    }
+
+    /// A departure's receiver for a request booked on the worker now.
+    pub(crate) fn departures(
+        fleet: &Fleet,
+        worker_id: u64,
+    ) -> Option<tokio::sync::watch::Receiver<()>> {
+        fleet
+            .workers
+            .get(&worker_id)
+            .map(|w| w.departures.subscribe())
+    }
+
+    /// The worker left routing (disconnected, or its breaker opened): its
+    /// requests still waiting for response headers give up, and go to
+    /// another worker if they may.
+    pub(crate) fn departed(worker: &Worker) {
+        worker.departures.send_replace(());
+    }
+
+    /// A request failed on the worker in a way that does not tell whether the
+    /// worker is at fault (its connection closed mid-request): its health is
+    /// checked at the next health round, whatever its traffic, and that
+    /// check's outcome goes to its breaker.
+    pub fn suspect(&self, worker_id: u64) {
+        if let Some(worker) = self.lock().workers.get_mut(&worker_id) {
+            worker.suspect = true;
+        }
     }
 
     /// After the grace period: forgets the worker if it is still the same disconnected
@@ -626,15 +669,19 @@ impl Registry {
         }
     }
 
-    /// Workers with no request for `quiet`, for health checks: (id, base URL).
-    pub fn quiet_workers(&self, quiet: Duration) -> Vec<(u64, Arc<str>)> {
+    /// Workers due a health check: those with no request for `quiet`, and the
+    /// suspect ones ([`Self::suspect`]), no longer suspect from now: (id, base URL).
+    pub fn due_health_checks(&self, quiet: Duration) -> Vec<(u64, Arc<str>)> {
         let now = tokio::time::Instant::now();
         self.lock()
             .workers
-            .values()
+            .values_mut()
             .filter(|w| w.connection == Connection::Connected)
-            .filter(|w| now.duration_since(w.last_request) >= quiet)
-            .map(|w| (w.id, Arc::clone(&w.base_url)))
+            .filter_map(|w| {
+                let due =
+                    std::mem::take(&mut w.suspect) || now.duration_since(w.last_request) >= quiet;
+                due.then(|| (w.id, Arc::clone(&w.base_url)))
+            })
             .collect()
     }
 

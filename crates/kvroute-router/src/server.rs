@@ -223,7 +223,7 @@ async fn health_checks(state: Arc<AppState>, mut stopped: watch::Receiver<bool>)
         }
         let checks = state
             .registry
-            .quiet_workers(interval)
+            .due_health_checks(interval)
             .into_iter()
             .map(|(id, url)| {
                 let state = Arc::clone(&state);

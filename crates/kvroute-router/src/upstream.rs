@@ -61,30 +61,42 @@ const IDLE_CONNECTION: Duration = Duration::from_secs(90);
 pub struct Upstream {
     connector: HttpsConnector<HttpConnector>,
     pool: Arc<Pool>,
+    /// `Bearer <upstream.api_key>`, marked sensitive; sent to every worker.
+    authorization: Option<HeaderValue>,
     first_byte_timeout: Duration,
     idle_timeout: Duration,
     health_timeout: Duration,
 }
 
-/// Why an upstream attempt failed before a response started.
+/// Why an upstream attempt failed before a response started. The strings are
+/// the library's detail, for the operator's log only: they name addresses.
 #[derive(Debug)]
 pub enum Failure {
     /// The connection could not be made: nothing reached the worker, safe to retry.
     Connect(String),
     /// No response headers within the first-byte timeout.
     Timeout,
-    /// Anything else (the worker may have seen the request).
+    /// The worker left routing (see [`Deadlines::poll_left`]) before it answered.
+    Left,
+    /// The connection failed after the request went on it and before the
+    /// response: the worker may have seen the request. A worker refusing a
+    /// body (an engine resets the connection mid-upload) and one that died
+    /// look alike here.
     Other(String),
 }
 
-/// Request headers not forwarded: hop-by-hop ones, and the router's own.
-const DROPPED_REQUEST_HEADERS: [&str; 6] = [
+/// Request headers not forwarded: hop-by-hop ones, and the router's own,
+/// credentials included: a client's or operator's token is the router's to
+/// check, and would hand a worker the operator's rights.
+const DROPPED_REQUEST_HEADERS: [&str; 8] = [
     "host",
     "content-length",
     "connection",
     "transfer-encoding",
     "keep-alive",
     "x-kvroute-worker",
+    "authorization",
+    "proxy-authorization",
 ];
 
 /// Whether a `Content-Length` value says `length`, in plain digits.
@@ -397,9 +409,23 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(connector);
+        let authorization = Some(&config.api_key)
+            .filter(|key| !key.is_empty())
+            .map(|key| {
+                let mut value =
+                    HeaderValue::try_from(format!("Bearer {}", key.expose())).map_err(|_| {
+                        RouterError::Config(
+                            "upstream.api_key must be visible ASCII, without line breaks".into(),
+                        )
+                    })?;
+                value.set_sensitive(true);
+                Ok::<_, RouterError>(value)
+            })
+            .transpose()?;
         Ok(Self {
             connector,
             pool: Arc::new(Pool::new(IDLE_CONNECTION)),
+            authorization,
             first_byte_timeout: Duration::from_millis(config.first_byte_timeout_ms),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms),
             health_timeout: Duration::from_millis(config.health_timeout_ms),
@@ -472,6 +498,9 @@ impl Upstream {
             }
         }
         forwarded.insert(header::HOST, target.host.clone());
+        if let Some(authorization) = &self.authorization {
+            forwarded.insert(header::AUTHORIZATION, authorization.clone());
+        }
         loop {
             let reused = idle.is_some();
             let mut conn = match idle.take() {
@@ -558,6 +587,11 @@ pub trait Deadlines {
     /// [`Self::next`] passed: `false` gives up (a [`Failure::Timeout`]),
     /// `true` waits on to the new [`Self::next`].
     fn passed(&mut self) -> bool;
+    /// Ready once the worker left routing: the request gives up (a
+    /// [`Failure::Left`]) rather than wait for a worker found dead or frozen.
+    fn poll_left(&mut self, _cx: &mut Context<'_>) -> Poll<()> {
+        Poll::Pending
+    }
 }
 
 /// One deadline.
@@ -584,6 +618,9 @@ pub(crate) async fn within<T>(
     poll_fn(|cx| {
         if let Poll::Ready(result) = work.as_mut().poll(cx) {
             return Poll::Ready(result);
+        }
+        if deadlines.poll_left(cx).is_ready() {
+            return Poll::Ready(Err(Failure::Left));
         }
         while timer.as_mut().poll(cx).is_ready() {
             if !deadlines.passed() {
@@ -803,14 +840,12 @@ pin_project_lite::pin_project! {
     /// is the last data frame when the worker's body says it is complete:
     /// hyper drops a body that reports `is_end_stream` without polling it again.
     /// A response that completes is a success for the worker's breaker; an error
-    /// in the middle of the body is a failure.
+    /// in the middle of the body is a failure, and the response is cut off (see
+    /// [`cut_off`]).
     ///
-    /// A worker silent for longer than the idle timeout is cut off: its body is
-    /// dropped at once, which closes the upstream connection so the worker stops
-    /// generating, and the failure counts for its breaker. An SSE client then gets a last event with an OpenAI-style
-    /// error (the status line went out long ago, so an event is the only way to
-    /// say why) and the stream ends without `[DONE]`; any other body ends with
-    /// an error, which aborts the response so it cannot pass for a complete one.
+    /// A worker silent for longer than the idle timeout is cut off too: its body
+    /// is dropped at once, which closes the upstream connection so the worker
+    /// stops generating, and the failure counts for its breaker.
     pub struct TrackedBody {
         // `None` once cut off by the idle timeout.
         inner: Option<WorkerBody>,
@@ -867,6 +902,20 @@ impl TrackedBody {
             complete(&mut body.flight, now.duration_since(sent), None);
         }
         body
+    }
+}
+
+/// The last frame of a response the worker failed in the middle of. An SSE
+/// client gets an event with an OpenAI-style error (the status line went out
+/// long ago, so an event is the only way to say why) and the stream ends
+/// without `[DONE]`; any other body ends with an error, which aborts the
+/// response so it cannot pass for a complete one.
+fn cut_off(sse: bool, error: RouterError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    if sse {
+        let event = format!("data: {}\n\n", error.body());
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
+    } else {
+        Poll::Ready(Some(Err(error.into())))
     }
 }
 
@@ -938,8 +987,15 @@ impl Body for TrackedBody {
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
+                let worker = this.flight.booking.as_ref().map(|b| b.key().worker_id);
+                tracing::warn!(worker, "worker's response broke off: {e:?}");
+                *this.inner = None;
                 this.flight.finish(false);
-                Poll::Ready(Some(Err(e.into())))
+                let error = RouterError::Upstream(format!(
+                    "worker {} failed in the middle of the response",
+                    worker.map_or("?".to_string(), |w| w.to_string()),
+                ));
+                cut_off(*this.sse, error)
             }
             Poll::Ready(None) => {
                 complete(this.flight, this.sent.elapsed(), this.check.as_ref());
@@ -971,12 +1027,7 @@ impl Body for TrackedBody {
                 ::metrics::counter!(metrics::IDLE_TIMEOUTS).increment(1);
                 *this.inner = None;
                 this.flight.finish(false);
-                if *this.sse {
-                    let event = format!("data: {}\n\n", error.body());
-                    Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
-                } else {
-                    Poll::Ready(Some(Err(error.into())))
-                }
+                cut_off(*this.sse, error)
             }
         }
     }
