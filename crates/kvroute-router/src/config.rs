@@ -270,6 +270,9 @@ pub struct IngestConfig {
     /// How long a new stream may take to send its `Register`; past it the
     /// stream is closed, so a silent one cannot hold a `limits.max_streams` slot.
     pub register_timeout_ms: u64,
+    /// A connection with no stream open for this long is closed, so one that
+    /// never opens a stream cannot hold a `limits.max_grpc_connections` place.
+    pub idle_connection_timeout_ms: u64,
 }
 
 /// The event index.
@@ -312,6 +315,23 @@ pub struct LimitsConfig {
     pub max_predicted_blocks_per_request: usize,
     /// Proxied and dry-run requests handled at once; beyond it 503 with Retry-After.
     pub max_inflight_requests: usize,
+    /// Connections open at once on the HTTP port; more are refused at accept.
+    pub max_http_connections: usize,
+    /// The same from one peer IP address.
+    pub max_http_connections_per_peer: usize,
+    /// Connections open at once on the gRPC port; more are closed at accept.
+    pub max_grpc_connections: usize,
+    /// The same from one peer IP address.
+    pub max_grpc_connections_per_peer: usize,
+    /// From a connection's start or its previous response's end until a whole
+    /// request head has arrived; past it the connection is closed. It is also
+    /// how long a kept-alive HTTP connection may sit idle.
+    pub header_read_timeout_ms: u64,
+    /// How long a request body may take, extended by a second for every
+    /// `min_body_bytes_per_s` bytes that arrived; past it 408.
+    pub body_read_timeout_ms: u64,
+    /// The slowest a request body may arrive once `body_read_timeout_ms` is spent.
+    pub min_body_bytes_per_s: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -492,6 +512,7 @@ impl Default for IngestConfig {
             resync_timeout_ms: 5_000,
             resync_attempts: 3,
             register_timeout_ms: 10_000,
+            idle_connection_timeout_ms: 60_000,
         }
     }
 }
@@ -525,6 +546,20 @@ impl Default for LimitsConfig {
             max_grpc_message_bytes: 16 << 20,
             max_predicted_blocks_per_request: 16_384,
             max_inflight_requests: 8192,
+            // Behind a load balancer every client shares its few addresses:
+            // a peer may hold a quarter of the port.
+            max_http_connections: 16_384,
+            max_http_connections_per_peer: 4096,
+            // Workers hold one connection each (limits.max_streams), those of
+            // one host share its address.
+            max_grpc_connections: 8192,
+            max_grpc_connections_per_peer: 512,
+            // Longer than load balancers keep idle connections to a backend
+            // (60 s for most): the balancer, not the router, closes them,
+            // so no request is sent on a connection the router is closing.
+            header_read_timeout_ms: 75_000,
+            body_read_timeout_ms: 30_000,
+            min_body_bytes_per_s: 16_384,
         }
     }
 }
@@ -679,6 +714,17 @@ impl Config {
             ("max_events_per_batch", l.max_events_per_batch),
             ("max_grpc_message_bytes", l.max_grpc_message_bytes),
             ("max_inflight_requests", l.max_inflight_requests),
+            ("max_http_connections", l.max_http_connections),
+            (
+                "max_http_connections_per_peer",
+                l.max_http_connections_per_peer,
+            ),
+            ("max_grpc_connections", l.max_grpc_connections),
+            (
+                "max_grpc_connections_per_peer",
+                l.max_grpc_connections_per_peer,
+            ),
+            ("min_body_bytes_per_s", l.min_body_bytes_per_s as usize),
             (
                 "max_predicted_blocks_per_request",
                 l.max_predicted_blocks_per_request,
@@ -737,6 +783,18 @@ impl Config {
                 "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
                 self.ingest.resync_timeout_ms
             ));
+        }
+        for (name, ms) in [
+            ("limits.header_read_timeout_ms", l.header_read_timeout_ms),
+            ("limits.body_read_timeout_ms", l.body_read_timeout_ms),
+            (
+                "ingest.idle_connection_timeout_ms",
+                self.ingest.idle_connection_timeout_ms,
+            ),
+        ] {
+            if !(1..=MAX_TIMEOUT_MS).contains(&ms) {
+                return fail(format!("{name} must be in 1..={MAX_TIMEOUT_MS}, got {ms}"));
+            }
         }
         if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.register_timeout_ms) {
             return fail(format!(

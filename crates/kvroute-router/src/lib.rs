@@ -9,7 +9,7 @@
 //! ([`upstream`]). [`state`] ties these together, [`writers`] decides which
 //! worker stream may write the index, and [`verify`] checks the index against
 //! the digests workers send ([`faults`] corrupts it on purpose, for tests); [`server`] starts the listeners,
-//! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections). With `[cluster]`, [`replica`] is
+//! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections, [`connections`] caps both listeners'). With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
 //! (the NATS side lives in `kvroute-cluster`). [`config`], [`error`],
@@ -22,6 +22,7 @@ pub mod breaker;
 mod bucketed;
 pub mod cached_tokens;
 pub mod config;
+pub mod connections;
 pub mod error;
 pub mod faults;
 pub mod groups;
