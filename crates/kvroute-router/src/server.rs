@@ -205,9 +205,7 @@ fn raise_open_files_limit(limits: &LimitsConfig) {
         limits.max_inflight_requests,
     ]
     .iter()
-    .map(|&n| n as u64)
-    .sum::<u64>()
-        + SPARE_FILES;
+    .fold(SPARE_FILES, |sum, &n| sum.saturating_add(n as u64));
     if needed > limit.rlim_cur {
         tracing::warn!(
             "the open-file limit ({}) is below limits.max_http_connections, \
