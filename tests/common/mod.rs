@@ -142,6 +142,21 @@ impl RouterProcess {
     /// The same; with `log`, warnings and errors are written to that file
     /// instead of the test's stderr.
     pub fn start_logging(grpc_addr: &str, config: &str, log: Option<&Path>) -> Self {
+        Self::start_limited(grpc_addr, config, log, None)
+    }
+
+    /// Like [`Self::start`], the process allowed at most `open_files` file
+    /// descriptors (soft and hard limit).
+    pub fn start_with_open_files(config: &str, open_files: u64) -> Self {
+        Self::start_limited("127.0.0.1:0", config, None, Some(open_files))
+    }
+
+    fn start_limited(
+        grpc_addr: &str,
+        config: &str,
+        log: Option<&Path>,
+        open_files: Option<u64>,
+    ) -> Self {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let config_path = std::env::temp_dir().join(format!(
             "kvroute-test-{}-{}.toml",
@@ -155,6 +170,22 @@ impl RouterProcess {
         std::fs::write(&config_path, text).unwrap();
         let mut command = kvroute();
         command.args(["serve", "--config", config_path.to_str().unwrap()]);
+        if let Some(open_files) = open_files {
+            let limit = libc::rlimit {
+                rlim_cur: open_files,
+                rlim_max: open_files,
+            };
+            // SAFETY: the closure runs in the child between fork and exec and
+            // only calls setrlimit, which is async-signal-safe.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+                    match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                });
+            }
+        }
         match log {
             Some(log) => command.stderr(std::fs::File::create(log).unwrap()),
             None => command.stderr(Stdio::inherit()),

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Path, Request, State};
@@ -151,8 +151,9 @@ impl Inflight {
         }
     }
 
-    /// Caps requests in flight across the router, from arrival to the end of
-    /// the response body (the permit goes with the body): beyond
+    /// Caps requests in flight across the router, from the arrival of the
+    /// whole request body to the end of the response body (the permit goes
+    /// with the body): beyond
     /// `limits.max_inflight_requests`, 503 with Retry-After. Not tower's
     /// `ConcurrencyLimit`: it lets its permit go once the response headers are
     /// out, so streams — the long part of a request — would escape it.
@@ -212,14 +213,68 @@ impl Parsed<'_> {
     }
 }
 
+/// The request's headers and whole body; `arrived`: when its head was read,
+/// from which the body's deadline runs.
 async fn read_body<B: ClientBody>(
     state: &AppState,
     request: axum::http::Request<B>,
+    arrived: Instant,
 ) -> Result<(HeaderMap, Bytes), RouterError> {
     let (parts, body) = request.into_parts();
-    let body = whole_body(body, state.config.body_limit_bytes).await?;
+    let pace = BodyPace::new(&state.config.limits, arrived);
+    let body = whole_body(body, state.config.body_limit_bytes, pace).await?;
     Ok((parts.headers, body))
 }
+
+/// How long a client may take over a request body: `limits.body_read_timeout_ms`
+/// from its head's arrival, and a second more for every
+/// `limits.min_body_bytes_per_s` bytes that came. A client that stalls or
+/// trickles is cut; one that keeps sending at the rate is not, however long
+/// its body (up to `body_limit_bytes`).
+#[derive(Clone, Copy)]
+struct BodyPace {
+    started: tokio::time::Instant,
+    timeout: Duration,
+    min_bytes_per_s: u64,
+}
+
+impl BodyPace {
+    fn new(limits: &crate::config::LimitsConfig, arrived: Instant) -> Self {
+        Self {
+            started: tokio::time::Instant::from_std(arrived),
+            timeout: Duration::from_millis(limits.body_read_timeout_ms),
+            min_bytes_per_s: limits.min_body_bytes_per_s,
+        }
+    }
+
+    /// By when the next bytes must have come, `received` having come.
+    fn deadline(&self, received: usize) -> tokio::time::Instant {
+        let earned_ms = (received as u64).saturating_mul(1000) / self.min_bytes_per_s;
+        // At most a day more, so the deadline never overflows.
+        let earned = Duration::from_millis(earned_ms.min(86_400_000));
+        self.started + self.timeout + earned
+    }
+
+    /// The body's next frame, or the 408 for a client too slow to send it.
+    async fn next_frame<B: ClientBody>(
+        &self,
+        body: &mut Limited<B>,
+        received: usize,
+    ) -> Result<Option<Result<http_body::Frame<Bytes>, BoxError>>, RouterError> {
+        tokio::time::timeout_at(self.deadline(received), body.frame())
+            .await
+            .map_err(|_| {
+                limits::count(limits::BODY_READ_TIMEOUT);
+                RouterError::RequestTimeout(format!(
+                    "the request body came too slowly: {received} bytes in {} ms \
+                     (limits.body_read_timeout_ms, limits.min_body_bytes_per_s)",
+                    self.started.elapsed().as_millis()
+                ))
+            })
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A client's request body: hyper's on the proxied endpoints, axum's on the
 /// others.
@@ -233,9 +288,13 @@ impl<B> ClientBody for B where
 {
 }
 
-/// A request's body, at most `limit` bytes of it.
-async fn whole_body<B: ClientBody>(body: B, limit: usize) -> Result<Bytes, RouterError> {
-    let failed = |e: Box<dyn std::error::Error + Send + Sync>| {
+/// A request's body, at most `limit` bytes of it, sent at `pace`.
+async fn whole_body<B: ClientBody>(
+    body: B,
+    limit: usize,
+    pace: BodyPace,
+) -> Result<Bytes, RouterError> {
+    let failed = |e: BoxError| {
         if e.downcast_ref::<LengthLimitError>().is_some() {
             RouterError::PayloadTooLarge(limit)
         } else {
@@ -244,18 +303,21 @@ async fn whole_body<B: ClientBody>(body: B, limit: usize) -> Result<Bytes, Route
     };
     let mut body = Limited::new(body, limit);
     // A small body comes whole in its first frame: taken as it is, not
-    // collected into a list first.
-    let first = match body.frame().await {
+    // copied into a buffer first.
+    let first = match pace.next_frame(&mut body, 0).await? {
         None => return Ok(Bytes::new()),
         Some(frame) => frame.map_err(failed)?.into_data().unwrap_or_default(),
     };
     if body.is_end_stream() {
         return Ok(first);
     }
-    let rest = body.collect().await.map_err(failed)?.to_bytes();
-    let mut whole = bytes::BytesMut::with_capacity(first.len() + rest.len());
-    whole.extend_from_slice(&first);
-    whole.extend_from_slice(&rest);
+    let mut whole = bytes::BytesMut::from(first);
+    while let Some(frame) = pace.next_frame(&mut body, whole.len()).await? {
+        // Trailers carry no body bytes.
+        if let Ok(data) = frame.map_err(failed)?.into_data() {
+            whole.extend_from_slice(&data);
+        }
+    }
     Ok(whole.freeze())
 }
 
@@ -786,9 +848,10 @@ async fn proxy(
     endpoint: Endpoint,
 ) -> Response {
     let forwarded = async {
-        let permit = inflight.admit()?;
         let received = Instant::now();
-        let (headers, body) = read_body(&state, request).await?;
+        let (headers, body) = read_body(&state, request, received).await?;
+        // Only now: a client that is slow to send its body holds no place.
+        let permit = inflight.admit()?;
         let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
         let response = crate::proxy::forward(
             &state,
@@ -818,8 +881,8 @@ async fn dry_run(
     inflight: Inflight,
     request: Request,
 ) -> Result<axum::Json<Value>, RouterError> {
+    let (headers, body) = read_body(&state, request, Instant::now()).await?;
     let _permit = inflight.admit()?;
-    let (headers, body) = read_body(&state, request).await?;
     let parsed = parse(&state, &headers, &body, None).await?;
     let routed = state
         .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
@@ -1123,24 +1186,59 @@ mod tests {
         axum::body::Body::from_stream(futures_util::stream::iter(frames))
     }
 
+    /// A pace of 1 s and 100 bytes a second from now.
+    fn pace() -> BodyPace {
+        BodyPace {
+            started: tokio::time::Instant::now(),
+            timeout: Duration::from_secs(1),
+            min_bytes_per_s: 100,
+        }
+    }
+
     #[tokio::test]
     async fn a_body_is_read_whole_from_one_frame_or_many_and_its_limit_holds() {
-        let one = whole_body(axum::body::Body::from("{\"a\":1}"), 64).await;
+        let one = whole_body(axum::body::Body::from("{\"a\":1}"), 64, pace()).await;
         assert_eq!(one.unwrap(), "{\"a\":1}");
-        let many = whole_body(streamed(&["{\"a\"", ":", "1}"]), 64).await;
+        let many = whole_body(streamed(&["{\"a\"", ":", "1}"]), 64, pace()).await;
         assert_eq!(many.unwrap(), "{\"a\":1}");
-        let empty = whole_body(axum::body::Body::empty(), 64).await;
+        let empty = whole_body(axum::body::Body::empty(), 64, pace()).await;
         assert_eq!(empty.unwrap(), "");
-        let over = whole_body(streamed(&["12345", "67890"]), 8).await;
+        let over = whole_body(streamed(&["12345", "67890"]), 8, pace()).await;
         assert!(
             matches!(over, Err(RouterError::PayloadTooLarge(8))),
             "{over:?}"
         );
-        let over = whole_body(axum::body::Body::from("123456789"), 8).await;
+        let over = whole_body(axum::body::Body::from("123456789"), 8, pace()).await;
         assert!(
             matches!(over, Err(RouterError::PayloadTooLarge(8))),
             "{over:?}"
         );
+    }
+
+    /// A body of 50-byte frames, one every `every`.
+    fn trickled(frames: usize, every: Duration) -> axum::body::Body {
+        let frames = futures_util::stream::unfold(0, move |sent| async move {
+            (sent < frames).then_some(())?;
+            tokio::time::sleep(every).await;
+            Some((Ok::<_, Infallible>(Bytes::from(vec![b' '; 50])), sent + 1))
+        });
+        axum::body::Body::from_stream(frames)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_slower_than_the_pace_is_cut_and_one_at_the_pace_is_not() {
+        // 50 bytes every 400 ms: 125 bytes a second, above the pace's 100.
+        let at_pace = whole_body(trickled(20, Duration::from_millis(400)), 4096, pace()).await;
+        assert_eq!(at_pace.unwrap().len(), 1000, "8 s, past the 1 s timeout");
+        // 50 bytes every 600 ms: 83 bytes a second.
+        let started = tokio::time::Instant::now();
+        let slow = whole_body(trickled(20, Duration::from_millis(600)), 4096, pace()).await;
+        assert!(
+            matches!(&slow, Err(RouterError::RequestTimeout(m)) if m.contains("min_body_bytes_per_s")),
+            "{slow:?}"
+        );
+        // Cut once 250 bytes came at 3 s: 1 s and 2.5 s earned.
+        assert_eq!(started.elapsed(), Duration::from_millis(3500));
     }
 
     /// One element of a `prompt` array as a client might write it.

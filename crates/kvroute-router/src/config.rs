@@ -282,6 +282,9 @@ pub struct IngestConfig {
     pub dump_parts_bytes_per_worker: usize,
     /// The same over all streams at once.
     pub dump_parts_bytes: usize,
+    /// A connection with no stream open for this long is closed, so one that
+    /// never opens a stream cannot hold a `limits.max_grpc_connections` place.
+    pub idle_connection_timeout_ms: u64,
 }
 
 /// The event index.
@@ -335,6 +338,23 @@ pub struct LimitsConfig {
     pub max_chat_parts: usize,
     /// Image parts of a chat request.
     pub max_chat_images: usize,
+    /// Connections open at once on the HTTP port; more are refused at accept.
+    pub max_http_connections: usize,
+    /// The same from one peer IP address.
+    pub max_http_connections_per_peer: usize,
+    /// Connections open at once on the gRPC port; more are closed at accept.
+    pub max_grpc_connections: usize,
+    /// The same from one peer IP address.
+    pub max_grpc_connections_per_peer: usize,
+    /// From a connection's start or its previous response's end until a whole
+    /// request head has arrived; past it the connection is closed. It is also
+    /// how long a kept-alive HTTP connection may sit idle.
+    pub header_read_timeout_ms: u64,
+    /// How long a request body may take, extended by a second for every
+    /// `min_body_bytes_per_s` bytes that arrived; past it 408.
+    pub body_read_timeout_ms: u64,
+    /// The slowest a request body may arrive once `body_read_timeout_ms` is spent.
+    pub min_body_bytes_per_s: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -618,6 +638,7 @@ impl Default for IngestConfig {
             // worker, 64 Mi over the fleet at once.
             dump_parts_bytes_per_worker: 256 << 20,
             dump_parts_bytes: 1 << 30,
+            idle_connection_timeout_ms: 60_000,
         }
     }
 }
@@ -657,6 +678,20 @@ impl Default for LimitsConfig {
             max_inflight_requests: 8192,
             max_chat_parts: 4096,
             max_chat_images: 256,
+            // Behind a load balancer every client shares its few addresses:
+            // a peer may hold a quarter of the port.
+            max_http_connections: 16_384,
+            max_http_connections_per_peer: 4096,
+            // Workers hold one connection each (limits.max_streams), those of
+            // one host share its address.
+            max_grpc_connections: 8192,
+            max_grpc_connections_per_peer: 512,
+            // Longer than load balancers keep idle connections to a backend
+            // (60 s for most): the balancer, not the router, closes them,
+            // so no request is sent on a connection the router is closing.
+            header_read_timeout_ms: 75_000,
+            body_read_timeout_ms: 30_000,
+            min_body_bytes_per_s: 16_384,
         }
     }
 }
@@ -816,6 +851,17 @@ impl Config {
             ("max_inflight_requests", l.max_inflight_requests),
             ("max_chat_parts", l.max_chat_parts),
             ("max_chat_images", l.max_chat_images),
+            ("max_http_connections", l.max_http_connections),
+            (
+                "max_http_connections_per_peer",
+                l.max_http_connections_per_peer,
+            ),
+            ("max_grpc_connections", l.max_grpc_connections),
+            (
+                "max_grpc_connections_per_peer",
+                l.max_grpc_connections_per_peer,
+            ),
+            ("min_body_bytes_per_s", l.min_body_bytes_per_s as usize),
             (
                 "max_predicted_blocks_per_request",
                 l.max_predicted_blocks_per_request,
@@ -884,6 +930,18 @@ impl Config {
                 "ingest.resync_timeout_ms must be in 1..={MAX_TIMEOUT_MS}, got {}",
                 self.ingest.resync_timeout_ms
             ));
+        }
+        for (name, ms) in [
+            ("limits.header_read_timeout_ms", l.header_read_timeout_ms),
+            ("limits.body_read_timeout_ms", l.body_read_timeout_ms),
+            (
+                "ingest.idle_connection_timeout_ms",
+                self.ingest.idle_connection_timeout_ms,
+            ),
+        ] {
+            if !(1..=MAX_TIMEOUT_MS).contains(&ms) {
+                return fail(format!("{name} must be in 1..={MAX_TIMEOUT_MS}, got {ms}"));
+            }
         }
         if !(1..=MAX_TIMEOUT_MS).contains(&self.ingest.register_timeout_ms) {
             return fail(format!(

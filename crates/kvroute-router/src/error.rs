@@ -16,6 +16,8 @@ pub enum RouterError {
     BadRequest(String),
     #[error("request body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("missing or wrong bearer token")]
     Unauthorized,
     #[error("{0}")]
@@ -42,6 +44,7 @@ impl RouterError {
             RouterError::Config(_) | RouterError::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
             RouterError::BadRequest(_) | RouterError::Tokenize(_) => StatusCode::BAD_REQUEST,
             RouterError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            RouterError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
             RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
@@ -60,6 +63,7 @@ impl RouterError {
             RouterError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             RouterError::Tokenize(_) => ("invalid_request_error", "tokenization_failed"),
             RouterError::PayloadTooLarge(_) => ("invalid_request_error", "request_too_large"),
+            RouterError::RequestTimeout(_) => ("invalid_request_error", "request_timeout"),
             RouterError::Unauthorized => ("authentication_error", "invalid_api_key"),
             RouterError::Forbidden(_) => ("permission_error", "forbidden"),
             RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
@@ -88,6 +92,12 @@ impl IntoResponse for RouterError {
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+            }
+            // Its body is left unread: the connection cannot carry another request.
+            RouterError::RequestTimeout(_) => {
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             RouterError::Overloaded(_) => {
                 response

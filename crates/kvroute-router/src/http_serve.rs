@@ -22,20 +22,32 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
 
 use axum::serve::Listener;
 use futures_util::task::AtomicWaker;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::watch;
 
 use crate::api::Api;
+use crate::limits;
 
 /// Serves `api` on the connections `listener` accepts until `stopped` turns
 /// true; then stops accepting, lets each connection finish the response it is
 /// on (an idle one closes at once), and returns when all have closed.
-pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::Receiver<bool>) {
+///
+/// A connection must deliver each request head within `header_read_timeout`
+/// of its start or of its previous response's end, else it is closed: hyper's
+/// timer runs from when it waits for a head, so it also bounds how long a
+/// kept-alive connection sits idle. No timer runs while a response is sent.
+pub async fn serve<L: Listener>(
+    mut listener: L,
+    api: Api,
+    header_read_timeout: Duration,
+    mut stopped: watch::Receiver<bool>,
+) {
     // Each connection's task holds a receiver: the sender sees them all gone.
     let (open_tx, open) = watch::channel(());
     loop {
@@ -59,8 +71,15 @@ pub async fn serve<L: Listener>(mut listener: L, api: Api, mut stopped: watch::R
             // (memcpy, about an instruction per 32 bytes).
             let connection = http1::Builder::new()
                 .writev(false)
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout)
                 .serve_connection(TokioIo::new(io), service);
             if let Err(e) = Graceful::new(connection, stop).await {
+                // A head that did not finish in time, or none that began:
+                // hyper does not tell them apart.
+                if e.is_timeout() {
+                    limits::count(limits::HEADER_READ_TIMEOUT);
+                }
                 tracing::trace!("connection ended: {e}");
             }
             drop(open);
@@ -200,8 +219,6 @@ impl Wake for MarkingWaker {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
 
@@ -271,7 +288,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = watch::channel(false);
-        let serving = tokio::spawn(serve(listener, crate::api::service(state), stopped));
+        let api = crate::api::service(state);
+        let serving = tokio::spawn(serve(listener, api, Duration::from_secs(60), stopped));
         let mut client = TcpStream::connect(addr).await.unwrap();
         // Two requests on one connection: it is kept, and is idle now.
         assert!(healthz(&mut client).await.starts_with("HTTP/1.1 200"));

@@ -11,7 +11,7 @@
 //! the digests workers send ([`faults`] corrupts it on purpose, for tests), and
 //! [`claims`] stops crediting a worker whose responses keep contradicting its
 //! events; [`server`] starts the listeners,
-//! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections). With `[cluster]`, [`replica`] is
+//! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections, [`connections`] caps both listeners'). With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
 //! (the NATS side lives in `kvroute-cluster`). [`config`], [`error`],
@@ -25,6 +25,7 @@ mod bucketed;
 pub mod cached_tokens;
 pub mod claims;
 pub mod config;
+pub mod connections;
 pub mod error;
 pub mod faults;
 pub mod groups;

@@ -38,6 +38,13 @@ pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
 pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
 pub const CHAT_PARTS: &str = "chat_parts";
 pub const CHAT_IMAGES: &str = "chat_images";
+pub const HTTP_CONNECTIONS: &str = "http_connections";
+pub const HTTP_CONNECTIONS_PER_PEER: &str = "http_connections_per_peer";
+pub const GRPC_CONNECTIONS: &str = "grpc_connections";
+pub const GRPC_CONNECTIONS_PER_PEER: &str = "grpc_connections_per_peer";
+pub const HEADER_READ_TIMEOUT: &str = "header_read_timeout";
+pub const BODY_READ_TIMEOUT: &str = "body_read_timeout";
+pub const GRPC_IDLE_TIMEOUT: &str = "grpc_idle_timeout";
 
 pub const ALL: &[&str] = &[
     DP_RANKS,
@@ -62,6 +69,13 @@ pub const ALL: &[&str] = &[
     INFLIGHT_REQUESTS,
     CHAT_PARTS,
     CHAT_IMAGES,
+    HTTP_CONNECTIONS,
+    HTTP_CONNECTIONS_PER_PEER,
+    GRPC_CONNECTIONS,
+    GRPC_CONNECTIONS_PER_PEER,
+    HEADER_READ_TIMEOUT,
+    BODY_READ_TIMEOUT,
+    GRPC_IDLE_TIMEOUT,
 ];
 
 /// Counts one refusal (or truncation) by `limit`.

@@ -9,16 +9,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
-use futures_util::StreamExt;
 use kvroute_proto::kv_router_server::KvRouterServer;
 use kvroute_tls::{ServerTls, Serves, TlsListener};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 
-use crate::config::{Config, LogConfig, LogFormat, TlsConfig};
+use crate::config::{Config, LimitsConfig, LogConfig, LogFormat, TlsConfig};
+use crate::connections::{CappedListener, ConnectionCaps, CountStreamsLayer, Port, incoming};
 use crate::error::RouterError;
 use crate::http_serve;
 use crate::ingest::Ingest;
@@ -85,6 +83,28 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     })?;
     let http_addr = http.local_addr()?;
     let grpc_addr = grpc.local_addr()?;
+    raise_open_files_limit(&config.limits);
+    let limits = &config.limits;
+    let http = CappedListener::new(
+        http,
+        ConnectionCaps::new(
+            Port::Http,
+            limits.max_http_connections,
+            limits.max_http_connections_per_peer,
+        ),
+    );
+    let grpc = CappedListener::new(
+        grpc,
+        ConnectionCaps::new(
+            Port::Grpc,
+            limits.max_grpc_connections,
+            limits.max_grpc_connections_per_peer,
+        ),
+    )
+    .closing_streamless(Duration::from_millis(
+        config.ingest.idle_connection_timeout_ms,
+    ));
+    let header_read_timeout = Duration::from_millis(limits.header_read_timeout_ms);
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();
@@ -96,17 +116,10 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     let http_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
         match http_tls {
-            None => {
-                // Without TCP_NODELAY, Nagle's algorithm holds back small SSE chunks
-                // until the client's delayed ACK: tens of milliseconds per token.
-                let http = http.tap_io(|tcp| {
-                    let _ = tcp.set_nodelay(true);
-                });
-                http_serve::serve(http, api, http_stop).await;
-            }
+            None => http_serve::serve(http, api, header_read_timeout, http_stop).await,
             Some(config) => {
                 let listener = TlsListener::new(http, config, Serves::Http, count_tls_failure);
-                http_serve::serve(listener, api, http_stop).await;
+                http_serve::serve(listener, api, header_read_timeout, http_stop).await;
             }
         }
     }));
@@ -121,7 +134,8 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
         .then(|| Duration::from_millis(keepalive.keepalive_interval_ms));
     let mut grpc_server = tonic::transport::Server::builder()
         .http2_keepalive_interval(interval)
-        .http2_keepalive_timeout(Some(Duration::from_millis(keepalive.keepalive_timeout_ms)));
+        .http2_keepalive_timeout(Some(Duration::from_millis(keepalive.keepalive_timeout_ms)))
+        .layer(CountStreamsLayer);
     let mut grpc_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
         let shutdown = async move {
@@ -132,21 +146,16 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
         // handshakes unseen.
         let result = match grpc_tls {
             None => {
-                // Acks are small writes: with Nagle's algorithm one waits for the
-                // worker's delayed ACK of the last, ~40 ms (as the TLS listener does).
-                let incoming = TcpListenerStream::new(grpc).inspect(|tcp| {
-                    if let Ok(tcp) = tcp {
-                        let _ = tcp.set_nodelay(true);
-                    }
-                });
+                let incoming = incoming(grpc);
                 grpc_server
                     .serve_with_incoming_shutdown(incoming, shutdown)
                     .await
             }
             Some(config) => {
                 let listener = TlsListener::new(grpc, config, Serves::Grpc, count_tls_failure);
+                let incoming = incoming(listener);
                 grpc_server
-                    .serve_with_incoming_shutdown(listener.into_stream(), shutdown)
+                    .serve_with_incoming_shutdown(incoming, shutdown)
                     .await
             }
         };
@@ -162,6 +171,50 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
         stop,
         tasks,
     })
+}
+
+/// File descriptors beside the connections' own: the listeners, the log,
+/// tokenizer files, the cluster's connections.
+const SPARE_FILES: u64 = 256;
+
+/// Raises the soft limit on open files to the hard one (as Go's runtime
+/// does): the connection caps assume the descriptors are there. Warns when
+/// both ports' caps and a worker connection per request in flight do not fit.
+fn raise_open_files_limit(limits: &LimitsConfig) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            ..limit
+        };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        }
+    }
+    let needed = [
+        limits.max_http_connections,
+        limits.max_grpc_connections,
+        limits.max_inflight_requests,
+    ]
+    .iter()
+    .fold(SPARE_FILES, |sum, &n| sum.saturating_add(n as u64));
+    if needed > limit.rlim_cur {
+        tracing::warn!(
+            "the open-file limit ({}) is below limits.max_http_connections, \
+             limits.max_grpc_connections and limits.max_inflight_requests together ({needed} \
+             with {SPARE_FILES} spare): a flood of one port can take the other's descriptors; \
+             raise the limit (ulimit -n, LimitNOFILE=) or lower the caps",
+            limit.rlim_cur
+        );
+    }
 }
 
 fn count_tls_failure(serves: Serves) {

@@ -105,14 +105,12 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     // On `die` the server future is dropped, which closes the listener and
     // every open connection at once, as a crashed process would.
     // Small SSE chunks must not wait for Nagle's algorithm (see the router's server).
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let serve = async {
         match shared.config.http_tls.clone() {
-            None => {
-                let listener = listener.tap_io(|tcp| {
-                    let _ = tcp.set_nodelay(true);
-                });
-                axum::serve(listener, app).await
-            }
+            None => axum::serve(listener, app).await,
             Some(config) => {
                 let listener = kvroute_tls::TlsListener::new(
                     listener,

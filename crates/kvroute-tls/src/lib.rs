@@ -21,7 +21,7 @@ pub mod secret;
 pub mod server;
 
 pub use client::{GrpcClientTls, grpc_endpoint, https_client_config};
-pub use listener::{Serves, TlsListener};
+pub use listener::{Peek, Serves, TlsListener};
 pub use rustls::ServerConfig;
 pub use secret::Secret;
 pub use server::{ServerTls, https_server_config};

@@ -1,5 +1,7 @@
 //! TLS listeners: TCP accept, then the TLS handshake, for `axum::serve` (the
-//! HTTPS API, a simulated engine's HTTPS) and for tonic (gRPC ingest).
+//! HTTPS API, a simulated engine's HTTPS) and for tonic (gRPC ingest). The TCP
+//! side is any [`Listener`] whose connections can [`Peek`]: a `TcpListener`,
+//! or the router's, which caps connections before any handshake.
 //!
 //! Handshakes run concurrently, each bounded by [`HANDSHAKE_TIMEOUT`], so a
 //! client that connects and says nothing holds up no one else; `accept` returns
@@ -25,9 +27,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::Stream;
+use axum::serve::Listener;
 use rustls::ServerConfig;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -62,31 +64,42 @@ impl Serves {
     }
 }
 
+/// A connection whose first bytes can be seen without taking them: how a
+/// plain-text client is told from a TLS one.
+pub trait Peek: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    fn peek(&self, buf: &mut [u8]) -> impl Future<Output = io::Result<usize>> + Send;
+}
+
+impl Peek for TcpStream {
+    async fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        TcpStream::peek(self, buf).await
+    }
+}
+
 /// How one connection's handshake ended.
-enum Handshake {
-    Done(Box<TlsStream<TcpStream>>, SocketAddr),
+enum Handshake<IO> {
+    Done(Box<TlsStream<IO>>, SocketAddr),
     Failed(SocketAddr, String),
     /// Closed or reset before its first byte.
     Closed,
 }
 
-pub struct TlsListener {
-    tcp: TcpListener,
+pub struct TlsListener<L: Listener = TcpListener> {
+    tcp: L,
     acceptor: TlsAcceptor,
     serves: Serves,
     on_failure: fn(Serves),
-    handshakes: JoinSet<Handshake>,
+    handshakes: JoinSet<Handshake<L::Io>>,
     log: FailureLog,
 }
 
-impl TlsListener {
+impl<L> TlsListener<L>
+where
+    L: Listener<Addr = SocketAddr>,
+    L::Io: Peek,
+{
     /// `on_failure` is called once per failed handshake, beside the log line.
-    pub fn new(
-        tcp: TcpListener,
-        config: Arc<ServerConfig>,
-        serves: Serves,
-        on_failure: fn(Serves),
-    ) -> Self {
+    pub fn new(tcp: L, config: Arc<ServerConfig>, serves: Serves, on_failure: fn(Serves)) -> Self {
         TlsListener {
             tcp,
             acceptor: TlsAcceptor::from(config),
@@ -98,33 +111,22 @@ impl TlsListener {
     }
 
     /// The next connection whose handshake succeeded.
-    pub async fn accept(&mut self) -> (TlsStream<TcpStream>, SocketAddr) {
+    pub async fn accept(&mut self) -> (TlsStream<L::Io>, SocketAddr) {
         loop {
             tokio::select! {
-                accepted = self.tcp.accept() => match accepted {
-                    Ok((tcp, peer)) => {
-                        let (acceptor, serves) = (self.acceptor.clone(), self.serves);
-                        self.handshakes.spawn(async move {
-                            tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(acceptor, tcp, peer, serves))
-                                .await
-                                .unwrap_or_else(|_| Handshake::Failed(
-                                    peer,
-                                    format!("no handshake within {} s", HANDSHAKE_TIMEOUT.as_secs()),
-                                ))
-                        });
-                    }
-                    // A client that left before it was accepted.
-                    Err(e) if matches!(
-                        e.kind(),
-                        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
-                    ) => {}
-                    // Out of file descriptors and the like: new connections wait
-                    // (as axum's own listener does) instead of spinning.
-                    Err(e) => {
-                        tracing::warn!("accept failed: {e}");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                },
+                // Accept errors (a client gone, out of file descriptors) are
+                // the TCP listener's to handle: it waits instead of spinning.
+                (tcp, peer) = self.tcp.accept() => {
+                    let (acceptor, serves) = (self.acceptor.clone(), self.serves);
+                    self.handshakes.spawn(async move {
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(acceptor, tcp, peer, serves))
+                            .await
+                            .unwrap_or_else(|_| Handshake::Failed(
+                                peer,
+                                format!("no handshake within {} s", HANDSHAKE_TIMEOUT.as_secs()),
+                            ))
+                    });
+                }
                 Some(done) = self.handshakes.join_next() => match done {
                     Ok(Handshake::Done(tls, peer)) => return (*tls, peer),
                     Ok(Handshake::Failed(peer, reason)) => self.failed(peer, &reason),
@@ -151,24 +153,14 @@ impl TlsListener {
             }
         }
     }
-
-    /// The connections as a stream, for tonic's `serve_with_incoming`.
-    pub fn into_stream(self) -> impl Stream<Item = io::Result<TlsStream<TcpStream>>> {
-        futures_util::stream::unfold(self, |mut listener| async move {
-            let (tls, _) = listener.accept().await;
-            Some((Ok(tls), listener))
-        })
-    }
 }
 
-async fn handshake(
+async fn handshake<IO: Peek>(
     acceptor: TlsAcceptor,
-    mut tcp: TcpStream,
+    mut tcp: IO,
     peer: SocketAddr,
     serves: Serves,
-) -> Handshake {
-    // Small SSE chunks must not wait for Nagle's algorithm.
-    let _ = tcp.set_nodelay(true);
+) -> Handshake<IO> {
     let mut first = [0u8; 1];
     match tcp.peek(&mut first).await {
         Ok(1) if first[0] == TLS_HANDSHAKE_RECORD => {}
@@ -197,8 +189,12 @@ async fn handshake(
     }
 }
 
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
+impl<L> Listener for TlsListener<L>
+where
+    L: Listener<Addr = SocketAddr>,
+    L::Io: Peek,
+{
+    type Io = TlsStream<L::Io>;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
