@@ -305,7 +305,7 @@ impl Target {
         let mut overlaps = Vec::new();
         for (name, tokens) in probes {
             let body = serde_json::json!({"model": name, "prompt": tokens});
-            let reply = http.post(&format!("{}/v1/route", router.http), &body).await;
+            let reply = admin_route(&http, &format!("{}/v1/route", router.http), &body).await;
             assert!(
                 reply.status.is_success(),
                 "/v1/route: {}",
@@ -385,6 +385,13 @@ fn start_router() -> RouterProcess {
 async fn admin_get(http: &Http, url: &str) -> common::Reply {
     let bearer = format!("Bearer {ADMIN_TOKEN}");
     http.call("GET", url, &[("authorization", &bearer)], "")
+        .await
+}
+
+/// `/v1/route` as an operator asks it: only the admin sees overlaps.
+async fn admin_route(http: &Http, url: &str, body: &serde_json::Value) -> common::Reply {
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    http.call("POST", url, &[("authorization", &bearer)], &body.to_string())
         .await
 }
 
@@ -992,11 +999,11 @@ async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let probe = tokens((blocks - CHAIN) as u32 * ROUTER_BLOCK_SIZE, 8);
-    let reply = Http::default()
-        .post(
-            &format!("{}/v1/route", router.http),
-            &serde_json::json!({"model": "test-model", "prompt": probe}),
-        )
-        .await;
+    let reply = admin_route(
+        &Http::default(),
+        &format!("{}/v1/route", router.http),
+        &serde_json::json!({"model": "test-model", "prompt": probe}),
+    )
+    .await;
     assert_eq!(reply.json()["overlap_blocks"], 8, "{}", reply.text());
 }
