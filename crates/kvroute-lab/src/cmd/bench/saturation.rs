@@ -28,7 +28,7 @@ use kvroute_proto::{
 };
 use kvroute_router::server;
 
-use super::router::{HttpClient, pooled_client, proxy_config};
+use super::fixture::{HttpClient, pooled_client, proxy_config};
 
 /// Chunks per streamed response, and the worker's pause between them.
 const CHUNKS: usize = 10;

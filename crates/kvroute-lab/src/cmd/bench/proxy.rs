@@ -31,10 +31,9 @@ use bytes::Bytes;
 use clap::Args;
 use http_body_util::{BodyExt, Full};
 
-use super::router::{
-    HttpClient, pinned_runtime, pooled_client, process_cpu_ns, router_process, router_process_of,
-    text_prompts,
-};
+use super::cpu_time::process_cpu_ns;
+use super::fixture::{HttpClient, pooled_client, text_prompts};
+use super::router::{pinned_runtime, router_process, router_process_of};
 
 #[derive(Args)]
 pub struct BenchProxyArgs {
@@ -224,7 +223,7 @@ impl Drop for Nginx {
 fn nginx_binary() -> anyhow::Result<PathBuf> {
     let installed = Path::new("/usr/sbin/nginx");
     if !installed.exists() {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/nginx/install.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/nginx/install.sh");
         let status = Command::new("sh").arg(script).status()?;
         anyhow::ensure!(status.success(), "{script} failed: {status}");
     }
