@@ -1,4 +1,4 @@
-//! `kvroute bench index`: the global index under a production-shaped workload.
+//! `kvroute-lab bench index`: the global index under a production-shaped workload.
 //!
 //! A Mooncake trace is turned into a merged timeline of lookups and KV events by
 //! simulating a fleet ([`kvroute_index::timeline`]); the timeline is replayed

@@ -1,8 +1,8 @@
-//! `kvroute bench proxy`: the proxy hop of kvroute beside nginx's, in one run.
+//! `kvroute-lab bench proxy`: the proxy hop of kvroute beside nginx's, in one run.
 //!
 //! A stub worker answers small completions, or streams SSE chunks back to
 //! back. The client and the worker share one CPU in this process; kvroute
-//! (`kvroute bench router-proxy`) and nginx (Debian's package, a plain reverse
+//! (`kvroute-lab bench router-proxy`) and nginx (Debian's package, a plain reverse
 //! proxy with a generated configuration under a temporary prefix) each run in
 //! processes of their own pinned to another CPU. Each round measures the
 //! worker directly, through kvroute and through nginx, in rotating order, with

@@ -1,4 +1,4 @@
-//! `kvroute bench router`'s saturation measurement: how late streamed chunks
+//! `kvroute-lab bench router`'s saturation measurement: how late streamed chunks
 //! pass through the router, and how long a worker's events take to be
 //! applied, while it tokenizes long text prompts as fast as it can.
 //! Tokenization runs on a bounded pool of blocking threads, so the async

@@ -1,4 +1,4 @@
-//! `kvroute bench service`: one router measured whole, at fleet scale.
+//! `kvroute-lab bench service`: one router measured whole, at fleet scale.
 //!
 //! `kvroute serve` runs in its own process, so its memory and CPU are its own.
 //! This process simulates the fleet cheaply instead of running thousands of

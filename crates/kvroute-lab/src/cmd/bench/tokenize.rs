@@ -1,4 +1,4 @@
-//! The tokenization parts of `kvroute bench router`:
+//! The tokenization parts of `kvroute-lab bench router`:
 //!
 //! - routing throughput per CPU-second for distinct 8.2k-token text prompts
 //!   (tokenize, hash, match, schedule, book and release on one thread), in
