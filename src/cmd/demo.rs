@@ -68,8 +68,8 @@ fn engine(kind: EngineKind, offload_blocks: usize) -> EngineConfig {
 /// The requests to replay and what to call their trace.
 fn trace(args: &DemoArgs) -> anyhow::Result<(Vec<TraceRequest>, String)> {
     if let Some(path) = &args.trace {
-        let trace = kvroute_trace::read_trace(path, Some(args.requests))
-            .with_context(|| format!("cannot read the trace {}", path.display()))?;
+        // The error names the file (and line).
+        let trace = kvroute_trace::read_trace(path, Some(args.requests))?;
         return Ok((trace, path.display().to_string()));
     }
     anyhow::ensure!(
