@@ -9,7 +9,7 @@
 //! the same 16 concurrent clients: the throughput each proxy loses against
 //! direct calls, and the CPU the proxy process spends per request or per
 //! streamed chunk (the scheduler's per-thread nanoseconds, /proc/PID/task/*/schedstat).
-//! With `--baseline PATH`, a router from another kvroute binary is measured as a
+//! With `--baseline PATH`, a router from another kvroute-lab binary is measured as a
 //! fourth target in the same rounds: a before/after beside nginx. With
 //! `--syscalls`, each proxy's system calls (by kind, with reads that found
 //! nothing) and its threads' context switches are counted per request or chunk:
@@ -49,8 +49,9 @@ pub struct BenchProxyArgs {
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 200)]
     chunks: usize,
-    /// Another kvroute binary (an earlier build) to measure as a fourth
-    /// target in the same rounds, for a before/after beside nginx.
+    /// Another kvroute-lab binary (an earlier build; from before the lab's
+    /// split, a kvroute binary) to measure as a fourth target in the same
+    /// rounds, for a before/after beside nginx.
     #[arg(long)]
     baseline: Option<PathBuf>,
     /// Only the proxy hop: skip the streamed-chunk delay and ingest latency
