@@ -2,7 +2,7 @@
 //! the bundled trace under `kv` and `round_robin`, print the table, then keep
 //! serving. This checks behaviour only (both policies ran, every request
 //! succeeded, the fleet serves afterwards); hit rates are compared by
-//! `kvroute bench e2e`, not here.
+//! `kvroute-lab bench e2e`, not here.
 
 mod common;
 

@@ -293,6 +293,53 @@ fn the_dockerfile_toolchain_meets_the_workspace_rust_version() {
     }
 }
 
+/// The image is the product alone: its build stage builds the `kvroute`
+/// binary and no other (not the lab, `kvroute-lab`, whose dependencies would
+/// lengthen the build), and its runtime stage takes only that binary.
+#[test]
+fn the_dockerfile_builds_and_ships_only_the_kvroute_binary() {
+    let dockerfile = repo_file("deploy/Dockerfile");
+    let builds: Vec<Vec<&str>> = dockerfile
+        .lines()
+        .filter(|l| l.contains("cargo "))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(builds.len(), 1, "one cargo command: {builds:?}");
+    let build = &builds[0];
+    let cargo = build.iter().position(|w| *w == "cargo").unwrap();
+    assert_eq!(build[cargo + 1], "build", "{build:?}");
+    // Each flag that selects what to build, with the word after it.
+    let selecting = [
+        "--bin",
+        "--bins",
+        "--package",
+        "-p",
+        "--workspace",
+        "--all",
+        "--all-targets",
+    ];
+    let targets: Vec<(&str, &str)> = build
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| {
+            selecting
+                .iter()
+                .any(|f| **w == *f || w.starts_with(&format!("{f}=")))
+        })
+        .map(|(i, w)| (*w, build.get(i + 1).copied().unwrap_or("")))
+        .collect();
+    assert_eq!(targets, [("--bin", "kvroute")], "{build:?}");
+    let shipped: Vec<&str> = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY --from=build "))
+        .collect();
+    assert_eq!(
+        shipped,
+        ["/src/target/release/kvroute /usr/local/bin/kvroute"],
+        "the runtime stage copies only the kvroute binary"
+    );
+}
+
 /// Every `kvroute_...` name in `expr`.
 fn series_names(expr: &str) -> Vec<String> {
     let mut names = Vec::new();

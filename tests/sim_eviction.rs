@@ -1,6 +1,6 @@
 //! Eviction policies in a running simulated engine, as real processes on
 //! loopback: the run-time switch (`POST /admin/eviction`) behind a real router,
-//! priority classes passed through the router, `kvroute sim stats`, and
+//! priority classes passed through the router, `kvroute-lab sim stats`, and
 //! `--log-evictions`.
 
 mod common;
@@ -108,14 +108,14 @@ async fn switching_policy_at_run_time_keeps_every_cached_block_and_the_routers_i
     assert_eq!(policies, ["lru", "qos"]);
     assert_eq!(figures["policy"], "qos");
 
-    // `kvroute sim stats` prints both policies' figures and the goals.
-    let output = kvroute_output(&["sim", "stats", "--url", &url]);
+    // `kvroute-lab sim stats` prints both policies' figures and the goals.
+    let output = kvroute_lab_output(&["sim", "stats", "--url", &url]);
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{text}");
     for needle in ["lru", "qos", "decision time p99", "re-prefill rate", "met"] {
         assert!(text.contains(needle), "{needle} missing from:\n{text}");
     }
-    let unreachable = kvroute_output(&["sim", "stats", "--url", "http://127.0.0.1:1"]);
+    let unreachable = kvroute_lab_output(&["sim", "stats", "--url", "http://127.0.0.1:1"]);
     assert!(!unreachable.status.success());
 }
 

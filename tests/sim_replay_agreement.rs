@@ -1,6 +1,6 @@
 //! The simulated engine's own hit accounting against the cache-policy lab:
 //! fed one trace request at a time, an engine over N blocks finds exactly the
-//! prefix hits `kvroute replay --policy lru --capacity-blocks N --order E`
+//! prefix hits `kvroute-lab replay --policy lru --capacity-blocks N --order E`
 //! computes for the same block sequence, where E is the engine's kind.
 
 use kvroute_cache::{Lru, PolicyKind, PreparedTrace, ReplayReport, replay_sglang, replay_vllm};

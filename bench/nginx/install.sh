@@ -1,5 +1,5 @@
 #!/bin/sh
-# Installs Debian's nginx for `kvroute bench proxy`, which compares the router's
+# Installs Debian's nginx for `kvroute-lab bench proxy`, which compares the router's
 # proxy hop with nginx as a plain reverse proxy. Only the binary is used: the
 # bench writes its own configuration and runs nginx under a temporary prefix.
 # Not run by CI.

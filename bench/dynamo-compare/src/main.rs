@@ -6,7 +6,7 @@
 //!
 //! Timelines come from kvroute-index's own [`kvroute_index::timeline`] (a fleet
 //! of LRU block pools fed by a Mooncake trace), so this harness and
-//! `kvroute bench index` replay the same workload. Every index gets the same
+//! `kvroute-lab bench index` replay the same workload. Every index gets the same
 //! threads: two replay threads, each applying the events of half the workers
 //! and every other lookup, in timeline order (kvroute's events a run of one
 //! worker's at a time, as its router applies a message), each prefetching its

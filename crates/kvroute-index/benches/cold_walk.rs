@@ -2,7 +2,7 @@
 //! holding 256-block chains (1M blocks), and lookups of 512 blocks whose first
 //! 256 are one worker's chain, each after reading 64 MB of other memory. Every
 //! matched block is then a cache miss unless the walk fetched it ahead; this is
-//! what `kvroute bench router` measured as the decision's 70–110 µs at 8k
+//! what `kvroute-lab bench router` measured as the decision's 70–110 µs at 8k
 //! tokens. Prints the store time of the 1M blocks and the lookups' p50/p90/p99.
 //!
 //! `cargo bench -p kvroute-index --bench cold_walk`

@@ -1,5 +1,5 @@
 //! Micro-benchmarks of the index's hot paths: hashing, storing, removing and
-//! matching. `kvroute bench index` measures them together under a real workload.
+//! matching. `kvroute-lab bench index` measures them together under a real workload.
 
 use std::hint::black_box;
 use std::path::Path;

@@ -8,7 +8,7 @@
 //! therefore has the shape an index meets in production: bursts of stores, a
 //! steady stream of single-block removals under churn, and lookups in between.
 //!
-//! Pure computation (no I/O) so the `kvroute bench index` command, tests and other
+//! Pure computation (no I/O) so the `kvroute-lab bench index` command, tests and other
 //! indexers' harnesses all replay the same workload.
 
 use std::collections::{BTreeMap, HashMap};

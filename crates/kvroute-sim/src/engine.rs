@@ -23,7 +23,7 @@
 //! the first output token needs a forward pass. When a request ends its blocks
 //! go back to the cached pool tail first, as in vLLM (or are unlocked, in
 //! SGLang's radix tree): one engine fed one request at a time hits exactly
-//! what `kvroute replay --order vllm` (or `--order sglang`) predicts.
+//! what `kvroute-lab replay --order vllm` (or `--order sglang`) predicts.
 
 use std::collections::VecDeque;
 use std::time::Duration;

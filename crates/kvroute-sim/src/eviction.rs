@@ -1,5 +1,5 @@
 //! What each eviction policy cost an engine while it ran, for
-//! `GET /admin/eviction` and `kvroute sim stats`, and the optional eviction log.
+//! `GET /admin/eviction` and `kvroute-lab sim stats`, and the optional eviction log.
 //!
 //! Every figure is kept per policy and counts only while that policy was the
 //! engine's (a policy switched in at run time starts its own column, or

@@ -17,8 +17,10 @@
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`publisher`], with the digests of [`view`]), the
 //!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
-//! - [`trace`]: Mooncake trace requests turned into token ids.
+//! - [`trace`]: Mooncake trace requests turned into token ids;
+//! - [`cli`]: the engines' options as command-line flags.
 
+pub mod cli;
 pub mod cost;
 pub mod engine;
 pub mod events;

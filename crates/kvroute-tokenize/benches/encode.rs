@@ -1,7 +1,7 @@
 //! Encoding an ~8k-token prompt with tiktoken cl100k_base, cold (no prompt
 //! cache) and cached (the same prompt again), to judge the router's per-core
 //! budget. The text's vocabulary is small, so after the first iteration "cold"
-//! finds every piece in the per-thread piece cache: a best case; `kvroute
+//! finds every piece in the per-thread piece cache: a best case; `kvroute-lab
 //! bench router` measures Zipf-distributed text with a large vocabulary. The
 //! budget:
 //! ≥ ~1,500 routed 8k-token text requests/s leaves under ~650 µs per request.

@@ -1,4 +1,4 @@
-//! `kvroute bench e2e`: a Mooncake trace through the router and a simulated
+//! `kvroute-lab bench e2e`: a Mooncake trace through the router and a simulated
 //! fleet (all in this process, on loopback) under each routing policy:
 //! client-side TTFT, inter-token and end-to-end latency, throughput, the workers'
 //! actual prefix hit rate, the router's predicted hit rate, and Jain's fairness
@@ -6,26 +6,28 @@
 //! once per eviction policy, and the table adds each eviction policy's goals
 //! (see `kvroute_sim::eviction`) and hit rate and TTFT per priority class
 //! (requests take classes 0, 1, 2 in turn). With `--replicas N` the routers
-//! are replicas on NATS JetStream instead (see `crate::e2e::replicas`). Writes
+//! are replicas on NATS JetStream instead (see `replicas`). Writes
 //! JSON, and a chart with `--plot`.
 //!
 //! `kv` runs once per `--kv-costs` entry, so the old cost and the new show side
 //! by side: `blocks` is Dynamo's cost as it was (`overlap_weight`, no slack),
 //! `seconds` the time cost with the configuration's knobs. `--rate 1,2,3` runs
 //! everything at each rate. With `round_robin` among the policies, every `kv`
-//! run is checked against issue 13's routing goals (see [`crate::e2e::goals`]).
+//! run is checked against issue 13's routing goals (see [`goals`]).
+
+mod goals;
+mod replicas;
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use kvroute_e2e::{Fleet, PolicyReport, Replay};
 use kvroute_router::config::{Cost, Policy, QueueOrder};
+use kvroute_sim::EngineConfig;
+use kvroute_sim::cli::EngineArgs;
 use serde_json::json;
 
-use kvroute_sim::EngineConfig;
-
-use crate::cmd::sim::EngineArgs;
-use crate::e2e::{self, Fleet, PolicyReport, Replay, goals, replicas};
 use crate::plot::{LineChart, Series, write_line_chart};
 
 #[derive(Args)]
@@ -129,7 +131,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
                             engine.kind
                         );
                         let fleet = Fleet::start(args.workers, &engine, &router, policy).await?;
-                        let mut report = e2e::run(&fleet, policy, &trace, replay).await?;
+                        let mut report = kvroute_e2e::run(&fleet, policy, &trace, replay).await?;
                         report.policy = label;
                         reports.push(report);
                         fleet.shutdown().await;
@@ -141,7 +143,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         eprintln!(
             "\nengines: {}, rate {rate}\n{}",
             engine.kind,
-            e2e::table(&reports, true)
+            kvroute_e2e::table(&reports, true)
         );
         for r in &reports {
             // A step delivered late delays every token after it: past a few timer

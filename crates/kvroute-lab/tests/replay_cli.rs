@@ -1,13 +1,19 @@
-//! `kvroute replay` as a user runs it: JSON output, per-request lines, the
+//! `kvroute-lab replay` as a user runs it: JSON output, per-request lines, the
 //! comparison's table, CSV and charts, and exit status 2 on bad input.
 
-mod common;
-
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output};
 
-use common::kvroute_output as kvroute;
 use serde_json::Value;
+
+/// Runs `kvroute-lab ARGS` to the end, logging warnings only.
+fn kvroute(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvroute-lab"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("kvroute-lab runs")
+}
 
 fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("replay_cli");
@@ -47,7 +53,7 @@ fn gap_trace() -> PathBuf {
 
 fn conversation() -> String {
     format!(
-        "{}/tests/data/traces/conversation_trace.jsonl",
+        "{}/../../tests/data/traces/conversation_trace.jsonl",
         env!("CARGO_MANIFEST_DIR")
     )
 }

@@ -1,4 +1,4 @@
-//! `kvroute bench e2e --replicas N`: the same replay through router replicas
+//! `kvroute-lab bench e2e --replicas N`: the same replay through router replicas
 //! that share one index over NATS JetStream (`[cluster]`).
 //!
 //! Each setup starts a fresh `nats-server` (tests/nats/install.sh installs it,
@@ -25,7 +25,9 @@ use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
 use kvroute_trace::TraceRequest;
 use serde::Serialize;
 
-use super::{MODEL, PolicyReport, Replay, replay_through, report, token_sums};
+use kvroute_e2e::{MODEL, PolicyReport, Replay, replay_through, report, token_sums};
+
+use crate::cmd::bench::fixture::kvroute_binary;
 
 /// How many replicas, and whether they share bookings and predictions.
 #[derive(Clone, Copy, Debug)]
@@ -72,7 +74,7 @@ pub struct Routers<'a> {
     /// `bench e2e --config`, passed on.
     pub config: Option<&'a Path>,
     pub block_size: usize,
-    /// The engines' speedup: prediction windows shrink with it (as in [`super::Fleet`]).
+    /// The engines' speedup: prediction windows shrink with it (as in [`kvroute_e2e::Fleet`]).
     pub speedup: f64,
     pub router: &'a kvroute_router::Config,
 }
@@ -374,7 +376,7 @@ fn nats_server_binary() -> anyhow::Result<PathBuf> {
     if let Some(binary) = std::env::var_os("KVROUTE_NATS_SERVER") {
         return Ok(PathBuf::from(binary));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/nats/install.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/nats/install.sh");
     let out = Command::new("bash")
         .arg(&script)
         .stderr(Stdio::inherit())
@@ -406,7 +408,7 @@ impl RouterChild {
     ) -> anyhow::Result<Self> {
         let scheduler = &routers.router.scheduler;
         let scaled = |ms: u64| ((ms as f64 / routers.speedup) as u64).max(1).to_string();
-        let mut command = Command::new(std::env::current_exe()?);
+        let mut command = Command::new(kvroute_binary()?);
         command.arg("serve");
         if let Some(config) = routers.config {
             command.arg("--config").arg(config);

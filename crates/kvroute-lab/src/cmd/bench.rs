@@ -1,7 +1,9 @@
-//! `kvroute bench ...`: workloads that measure kvroute's parts, each printing its
+//! `kvroute-lab bench ...`: workloads that measure kvroute's parts, each printing its
 //! results as JSON. Speed and memory goals live here, not in timed tests.
 
+mod cpu_time;
 mod e2e;
+mod fixture;
 mod index;
 mod proxy;
 mod router;
@@ -11,24 +13,6 @@ mod soak;
 mod tokenize;
 
 use clap::{Args, Subcommand};
-
-/// CPU time of the calling thread so far, exact to the nanosecond
-/// (`CLOCK_THREAD_CPUTIME_ID`; the thread's schedstat moves in whole scheduler
-/// ticks on some kernels, ~4 ms here).
-fn thread_cpu_time() -> std::io::Result<std::time::Duration> {
-    let mut clock = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `clock` is a valid, writable timespec for the call.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut clock) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(std::time::Duration::new(
-        clock.tv_sec as u64,
-        clock.tv_nsec as u32,
-    ))
-}
 
 #[derive(Args)]
 pub struct BenchArgs {

@@ -1,16 +1,39 @@
-//! `kvroute sim stats --url URL`: a running simulated engine's eviction
+//! `kvroute-lab sim stats --url URL`: a running simulated engine's eviction
 //! figures per policy (`GET /admin/eviction`), each goal marked met or missed.
 //! The figures are defined in `crates/kvroute-sim/src/eviction.rs` and the README.
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
+use clap::{Args, Subcommand};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvroute_sim::eviction::PolicyFigures;
 use serde_json::Value;
 
-pub fn run(url: &str) -> anyhow::Result<()> {
+#[derive(Args)]
+pub struct SimArgs {
+    #[command(subcommand)]
+    command: SimCommand,
+}
+
+#[derive(Subcommand)]
+enum SimCommand {
+    /// Print a running simulated engine's eviction figures per policy, with
+    /// the goals met or missed.
+    Stats(StatsArgs),
+}
+
+#[derive(Args)]
+struct StatsArgs {
+    /// The engine's HTTP URL, e.g. http://127.0.0.1:8001.
+    #[arg(long)]
+    url: String,
+}
+
+pub fn run(args: SimArgs) -> anyhow::Result<()> {
+    let SimCommand::Stats(StatsArgs { url }) = args.command;
+    let url = url.as_str();
     let endpoint = format!("{}/admin/eviction", url.trim_end_matches('/'));
     let uri: hyper::Uri = endpoint
         .parse()

@@ -1,4 +1,4 @@
-//! `kvroute bench index`: the global index under a production-shaped workload.
+//! `kvroute-lab bench index`: the global index under a production-shaped workload.
 //!
 //! A Mooncake trace is turned into a merged timeline of lookups and KV events by
 //! simulating a fleet ([`kvroute_index::timeline`]); the timeline is replayed
@@ -23,10 +23,12 @@ use kvroute_index::{
 };
 use serde_json::{Value, json};
 
+use super::cpu_time::thread_cpu_time;
+
 /// The conversation trace bundled with the sources.
 const BUNDLED_TRACE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/tests/data/traces/conversation_trace.jsonl"
+    "/../../tests/data/traces/conversation_trace.jsonl"
 );
 
 #[derive(Args)]
@@ -245,7 +247,7 @@ fn replay(config: &IndexConfig, ops: &[TimelineOp], threads: usize, rounds: usiz
                         let mut hist = latency_histogram();
                         let mut matches = Matches::default();
                         start.wait();
-                        let cpu_start = super::thread_cpu_time().unwrap_or_default();
+                        let cpu_start = thread_cpu_time().unwrap_or_default();
                         for op in share {
                             match op {
                                 TimelineOp::Event { worker, event } => {
@@ -264,7 +266,7 @@ fn replay(config: &IndexConfig, ops: &[TimelineOp], threads: usize, rounds: usiz
                         }
                         (
                             hist,
-                            super::thread_cpu_time()
+                            thread_cpu_time()
                                 .unwrap_or_default()
                                 .saturating_sub(cpu_start),
                         )

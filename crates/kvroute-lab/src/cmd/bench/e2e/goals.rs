@@ -11,7 +11,7 @@ use kvroute_sim::{EngineConfig, EngineKind};
 use kvroute_trace::TraceRequest;
 use serde::Serialize;
 
-use super::PolicyReport;
+use kvroute_e2e::PolicyReport;
 
 /// One goal for one `kv` cost at one rate.
 #[derive(Clone, Debug, Serialize)]

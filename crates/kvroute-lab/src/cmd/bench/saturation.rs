@@ -1,4 +1,4 @@
-//! `kvroute bench router`'s saturation measurement: how late streamed chunks
+//! `kvroute-lab bench router`'s saturation measurement: how late streamed chunks
 //! pass through the router, and how long a worker's events take to be
 //! applied, while it tokenizes long text prompts as fast as it can.
 //! Tokenization runs on a bounded pool of blocking threads, so the async
@@ -28,7 +28,7 @@ use kvroute_proto::{
 };
 use kvroute_router::server;
 
-use super::router::{HttpClient, pooled_client, proxy_config};
+use super::fixture::{HttpClient, pooled_client, proxy_config};
 
 /// Chunks per streamed response, and the worker's pause between them.
 const CHUNKS: usize = 10;

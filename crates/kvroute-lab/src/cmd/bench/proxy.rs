@@ -1,15 +1,15 @@
-//! `kvroute bench proxy`: the proxy hop of kvroute beside nginx's, in one run.
+//! `kvroute-lab bench proxy`: the proxy hop of kvroute beside nginx's, in one run.
 //!
 //! A stub worker answers small completions, or streams SSE chunks back to
 //! back. The client and the worker share one CPU in this process; kvroute
-//! (`kvroute bench router-proxy`) and nginx (Debian's package, a plain reverse
+//! (`kvroute-lab bench router-proxy`) and nginx (Debian's package, a plain reverse
 //! proxy with a generated configuration under a temporary prefix) each run in
 //! processes of their own pinned to another CPU. Each round measures the
 //! worker directly, through kvroute and through nginx, in rotating order, with
 //! the same 16 concurrent clients: the throughput each proxy loses against
 //! direct calls, and the CPU the proxy process spends per request or per
 //! streamed chunk (the scheduler's per-thread nanoseconds, /proc/PID/task/*/schedstat).
-//! With `--baseline PATH`, a router from another kvroute binary is measured as a
+//! With `--baseline PATH`, a router from another kvroute-lab binary is measured as a
 //! fourth target in the same rounds: a before/after beside nginx. With
 //! `--syscalls`, each proxy's system calls (by kind, with reads that found
 //! nothing) and its threads' context switches are counted per request or chunk:
@@ -31,10 +31,9 @@ use bytes::Bytes;
 use clap::Args;
 use http_body_util::{BodyExt, Full};
 
-use super::router::{
-    HttpClient, pinned_runtime, pooled_client, process_cpu_ns, router_process, router_process_of,
-    text_prompts,
-};
+use super::cpu_time::process_cpu_ns;
+use super::fixture::{HttpClient, pooled_client, text_prompts};
+use super::router::{pinned_runtime, router_process, router_process_of};
 
 #[derive(Args)]
 pub struct BenchProxyArgs {
@@ -50,8 +49,9 @@ pub struct BenchProxyArgs {
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 200)]
     chunks: usize,
-    /// Another kvroute binary (an earlier build) to measure as a fourth
-    /// target in the same rounds, for a before/after beside nginx.
+    /// Another kvroute-lab binary (an earlier build; from before the lab's
+    /// split, a kvroute binary) to measure as a fourth target in the same
+    /// rounds, for a before/after beside nginx.
     #[arg(long)]
     baseline: Option<PathBuf>,
     /// Only the proxy hop: skip the streamed-chunk delay and ingest latency
@@ -224,7 +224,7 @@ impl Drop for Nginx {
 fn nginx_binary() -> anyhow::Result<PathBuf> {
     let installed = Path::new("/usr/sbin/nginx");
     if !installed.exists() {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/nginx/install.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/nginx/install.sh");
         let status = Command::new("sh").arg(script).status()?;
         anyhow::ensure!(status.success(), "{script} failed: {status}");
     }

@@ -1,4 +1,4 @@
-//! `kvroute replay`: the cache-policy lab. Replays a Mooncake trace through one
+//! `kvroute-lab replay`: the cache-policy lab. Replays a Mooncake trace through one
 //! eviction policy (`--policy`), or through several at several capacities
 //! (`--compare`) to show which policy wins where. `--order` gives blocks back
 //! as Mooncake's replay does (`seed`, the default) or as the simulated engines

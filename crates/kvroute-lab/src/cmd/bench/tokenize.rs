@@ -1,4 +1,4 @@
-//! The tokenization parts of `kvroute bench router`:
+//! The tokenization parts of `kvroute-lab bench router`:
 //!
 //! - routing throughput per CPU-second for distinct 8.2k-token text prompts
 //!   (tokenize, hash, match, schedule, book and release on one thread), in
@@ -30,7 +30,8 @@ use serde_json::{Value, json};
 
 use kvroute_router::state::AppState;
 
-use super::router::{Lcg, Prose, quiet_config, register_workers, route_and_book, text_prompts};
+use super::cpu_time::thread_cpu_time;
+use super::fixture::{Lcg, Prose, quiet_config, register_workers, route_and_book, text_prompts};
 
 /// cl100k_base's split pattern, as tiktoken and Llama 3's `tokenizer.json` write it.
 const CL100K_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -220,7 +221,7 @@ struct ThreadUsage {
 
 impl ThreadUsage {
     fn now() -> anyhow::Result<Self> {
-        let cpu = super::thread_cpu_time().context("CLOCK_THREAD_CPUTIME_ID")?;
+        let cpu = thread_cpu_time().context("CLOCK_THREAD_CPUTIME_ID")?;
         // SAFETY: all-zero bytes are a valid `rusage` (integers only).
         let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `usage` is a valid, writable rusage for the call.

@@ -1,4 +1,4 @@
-//! `kvroute bench soak`: the whole service under steady load for minutes, to
+//! `kvroute-lab bench soak`: the whole service under steady load for minutes, to
 //! catch what short tests cannot: slow leaks of memory, file descriptors or
 //! tasks, and requests lost while workers come and go.
 //!
@@ -41,7 +41,7 @@ use kvroute_trace::TraceRequest;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::e2e;
+use super::fixture::kvroute_binary;
 
 #[derive(Args)]
 pub struct SoakArgs {
@@ -57,7 +57,7 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 4)]
     workers: usize,
     /// The Mooncake trace replayed.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/traces/conversation_trace.jsonl"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/traces/conversation_trace.jsonl"))]
     trace: PathBuf,
     /// Requests per pass, from the start of the trace.
     #[arg(long, default_value_t = 300)]
@@ -140,7 +140,7 @@ impl RouterProcess {
 
     /// With `config` added to its configuration file.
     pub(super) fn start_with(block_size: usize, config: &str) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("cannot find the kvroute binary")?;
+        let exe = kvroute_binary()?;
         let block_size = block_size.to_string();
         // Warnings only: churn would log every registration.
         let config_text = format!("[log]\nlevel = \"warn\"\n{config}");
@@ -355,10 +355,12 @@ async fn pass(
         let offset = (request.timestamp_ms - first_ts) as f64 / speedup / 1000.0;
         tokio::time::sleep_until((start + Duration::from_secs_f64(offset)).into()).await;
         let tokens = trace_tokens(&request.hash_ids, request.input_length as usize);
-        let body = e2e::completion_body(&tokens, request.output_length.clamp(1, 32), 1);
+        let body = kvroute_e2e::completion_body(&tokens, request.output_length.clamp(1, 32), 1);
         let (client, url) = (client.clone(), url.clone());
         tasks.push(tokio::spawn(async move {
-            e2e::send(&client, url, body).await.is_some_and(|o| o.ok)
+            kvroute_e2e::send(&client, url, body)
+                .await
+                .is_some_and(|o| o.ok)
         }));
     }
     let mut failed = 0;
@@ -387,7 +389,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             .pool_max_idle_per_host(0)
             .build(HttpConnector::new());
         let mut template = WorkerConfig::new(0, engine);
-        template.model = e2e::MODEL.into();
+        template.model = kvroute_e2e::MODEL.into();
         template.routers = vec![router.grpc.clone()];
         let mut fleet = Fleet {
             template,

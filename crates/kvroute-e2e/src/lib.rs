@@ -1,16 +1,18 @@
-//! End-to-end runs shared by `kvroute demo` and `kvroute bench e2e`: a router
-//! and a simulated fleet started in this process on loopback, a Mooncake trace
-//! replayed through the router's HTTP API at its timestamps, and what the
-//! client and the workers measured.
+//! kvroute-e2e: end-to-end runs of the router in front of a simulated fleet,
+//! shared by `kvroute demo` and the lab's `kvroute-lab bench e2e`, `bench
+//! soak` and `bench e2e --replicas`.
+//!
+//! [`Fleet`] starts a router and simulated engines in this process on
+//! loopback; [`run`] replays a Mooncake trace through the router's HTTP API at
+//! its timestamps ([`replay_through`], each request streamed by [`send`]) and
+//! turns what the client and the workers measured into a [`PolicyReport`];
+//! [`table`] sets reports side by side.
 //!
 //! Each policy gets a fresh router and fleet, so no policy inherits another's
 //! warm caches. Requests stream (SSE) so the client sees the first token. The
 //! prefix hit rate comes from the workers' own counters, the router's
 //! prediction from its `kvroute_predicted_cached_tokens_total` counter, both as
 //! cached over prompt tokens, so the two compare like for like.
-
-pub mod goals;
-pub mod replicas;
 
 use std::time::{Duration, Instant};
 
@@ -131,8 +133,8 @@ pub struct Replay {
 
 /// What the client saw of one request.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Outcome {
-    pub(crate) ok: bool,
+pub struct Outcome {
+    pub ok: bool,
     /// The request's priority class (0 low, 1 normal, 2 high).
     class: u8,
     /// From the final usage chunk.
@@ -251,7 +253,7 @@ pub async fn run(
 
 /// Replays `trace` at its timestamps, request `i` to `urls[i % urls.len()]`;
 /// returns what the client saw of each request and how long it took.
-pub(crate) async fn replay_through(
+pub async fn replay_through(
     urls: &[hyper::Uri],
     trace: &[TraceRequest],
     replay: Replay,
@@ -296,7 +298,7 @@ pub(crate) async fn replay_through(
 
 /// The streaming request body, written directly: a `serde_json::Value` of
 /// tens of thousands of numbers would cost the client more than the router.
-pub(crate) fn completion_body(tokens: &[u32], max_tokens: u64, class: u8) -> String {
+pub fn completion_body(tokens: &[u32], max_tokens: u64, class: u8) -> String {
     use std::fmt::Write as _;
     let mut body = String::with_capacity(tokens.len() * 6 + 180);
     let _ = write!(
@@ -314,7 +316,7 @@ pub(crate) fn completion_body(tokens: &[u32], max_tokens: u64, class: u8) -> Str
     body
 }
 
-pub(crate) async fn send(
+pub async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     url: hyper::Uri,
     body: String,
@@ -371,7 +373,7 @@ pub(crate) async fn send(
 
 /// (predicted cached tokens, routed prompt tokens) so far, from a router's
 /// metrics text.
-pub(crate) fn token_sums(text: &str) -> (f64, f64) {
+pub fn token_sums(text: &str) -> (f64, f64) {
     (
         counter(text, "kvroute_predicted_cached_tokens_total"),
         counter(text, "kvroute_routed_prompt_tokens_total"),
@@ -412,7 +414,7 @@ pub fn jain(values: &[f64]) -> f64 {
     }
 }
 
-pub(crate) fn report(
+pub fn report(
     policy: Policy,
     fleet: &[Worker],
     outcomes: &[Outcome],

@@ -1,4 +1,4 @@
-//! `kvroute bench service`: one router measured whole, at fleet scale.
+//! `kvroute-lab bench service`: one router measured whole, at fleet scale.
 //!
 //! `kvroute serve` runs in its own process, so its memory and CPU are its own.
 //! This process simulates the fleet cheaply instead of running thousands of
@@ -35,7 +35,8 @@ use kvroute_proto::{
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::router::{HttpClient, Lcg, pooled_client, process_cpu_ns, stub_worker};
+use super::cpu_time::process_cpu_ns;
+use super::fixture::{HttpClient, Lcg, pooled_client, post, stub_worker};
 use super::soak::RouterProcess;
 
 #[derive(Args)]
@@ -282,7 +283,7 @@ async fn route_load(
             );
             let (client, url, failed) = (client.clone(), url.to_string(), failed.clone());
             tasks.push(tokio::spawn(async move {
-                if super::router::post(&client, &url, &body).await.is_err() {
+                if post(&client, &url, &body).await.is_err() {
                     failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }));
