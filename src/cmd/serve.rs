@@ -2,7 +2,7 @@
 //!
 //! Configuration comes from defaults, then `--config FILE`, then `KVROUTE_...`
 //! variables, then these flags. Once both listeners are bound it prints one line,
-//! `listening http=ADDR grpc=ADDR`, on stdout (tests and scripts read the real
+//! `listening http=ADDR grpc=ADDR [epp=ADDR]`, on stdout (tests and scripts read the real
 //! ports from it when started on port 0), and serves until SIGINT or SIGTERM.
 
 use std::net::SocketAddr;
@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// Tokens per KV block; must match every worker's.
     #[arg(long)]
     block_size: Option<u32>,
+    /// Address of the endpoint picker (Envoy ext_proc and gRPC health, for a
+    /// Gateway API Inference Extension gateway); off unless given.
+    #[arg(long)]
+    epp_addr: Option<SocketAddr>,
     /// Scheduling policy: kv, round_robin, random, least_loaded, power_of_two, approx.
     #[arg(long)]
     policy: Option<Policy>,
@@ -54,6 +58,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(addr) = args.grpc_addr {
         config.grpc_addr = addr;
     }
+    if let Some(addr) = args.epp_addr {
+        config.epp.addr = addr.to_string();
+    }
     if let Some(block_size) = args.block_size {
         config.block_size = block_size;
     }
@@ -80,8 +87,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         } else {
             server::start(config).await?
         };
+        let epp = running
+            .epp_addr
+            .map_or(String::new(), |addr| format!(" epp={addr}"));
         println!(
-            "listening http={} grpc={}",
+            "listening http={} grpc={}{epp}",
             running.http_addr, running.grpc_addr
         );
         tracing::info!(http = %running.http_addr, grpc = %running.grpc_addr, "kvroute serving");

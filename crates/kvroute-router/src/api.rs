@@ -66,12 +66,7 @@ impl Api {
         self,
         request: axum::http::Request<Incoming>,
     ) -> Result<Response, Infallible> {
-        let endpoint = match request.uri().path() {
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/v1/chat/completions" => Some(Endpoint::Chat),
-            _ => None,
-        };
-        let response = match endpoint {
+        let response = match Endpoint::of_path(request.uri().path()) {
             Some(endpoint) if request.method() == Method::POST => {
                 proxy(self.state, self.inflight, request, endpoint).await
             }
@@ -179,12 +174,21 @@ async fn require_admin(
 
 /// Which OpenAI endpoint a body is for.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Endpoint {
+pub(crate) enum Endpoint {
     Completions,
     Chat,
 }
 
 impl Endpoint {
+    /// The endpoint a request's path names, if it is one of the proxied ones.
+    pub(crate) fn of_path(path: &str) -> Option<Endpoint> {
+        match path {
+            "/v1/completions" => Some(Endpoint::Completions),
+            "/v1/chat/completions" => Some(Endpoint::Chat),
+            _ => None,
+        }
+    }
+
     fn path(self) -> &'static str {
         match self {
             Endpoint::Completions => "/v1/completions",
@@ -194,18 +198,18 @@ impl Endpoint {
 }
 
 /// A parsed request: what to route; the body is forwarded unchanged.
-struct Parsed<'a> {
-    model: Cow<'a, str>,
-    tokens: Vec<u32>,
+pub(crate) struct Parsed<'a> {
+    pub(crate) model: Cow<'a, str>,
+    pub(crate) tokens: Vec<u32>,
     /// vLLM's extra keys of the request's blocks (`cache_salt`, images).
     extra: ExtraKeys,
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
     untokenized: Option<&'static str>,
-    pin: Option<u64>,
+    pub(crate) pin: Option<u64>,
 }
 
 impl Parsed<'_> {
-    fn route_input(&self) -> RouteInput<'_> {
+    pub(crate) fn route_input(&self) -> RouteInput<'_> {
         RouteInput::Prompt {
             tokens: &self.tokens,
             extra: &self.extra,
@@ -709,7 +713,7 @@ enum PromptSource {
 
 /// Parses the JSON body, then turns its prompt into tokens on the tokenizing
 /// pool (off the async runtime). `endpoint` None: either kind (dry run).
-async fn parse<'a>(
+pub(crate) async fn parse<'a>(
     state: &AppState,
     headers: &HeaderMap,
     body: &'a Bytes,

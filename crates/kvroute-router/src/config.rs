@@ -64,6 +64,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub tls: TlsConfig,
     pub cluster: ClusterConfig,
+    pub epp: EppConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -546,6 +547,27 @@ impl<'de> Deserialize<'de> for TokenizerSpecs {
     }
 }
 
+/// The Gateway API Inference Extension's endpoint picker (`crate::epp`): Envoy's
+/// ext_proc v3 and gRPC health, for gateways that proxy themselves.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EppConfig {
+    /// Where the endpoint picker listens, HOST:PORT; empty: off.
+    pub addr: String,
+}
+
+impl EppConfig {
+    /// The address to serve on, if the picker is on.
+    pub fn addr(&self) -> Result<Option<SocketAddr>, RouterError> {
+        if self.addr.is_empty() {
+            return Ok(None);
+        }
+        self.addr.parse().map(Some).map_err(|e| {
+            RouterError::Config(format!("epp.addr {:?} is not HOST:PORT: {e}", self.addr))
+        })
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -584,6 +606,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             tls: TlsConfig::default(),
             cluster: ClusterConfig::default(),
+            epp: EppConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -802,6 +825,7 @@ impl Config {
         if self.body_limit_bytes == 0 {
             return fail("body_limit_bytes must be at least 1".into());
         }
+        self.epp.addr()?;
         let s = &self.scheduler;
         if !(s.overlap_weight.is_finite() && s.overlap_weight >= 0.0) {
             return fail(format!(

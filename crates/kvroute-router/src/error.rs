@@ -28,6 +28,10 @@ pub enum RouterError {
     UnknownWorker(String),
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
+    /// The wait queue would refuse the request: a 503 through the proxy, a
+    /// 429 (shed) through the endpoint picker, as gateways expect.
+    #[error("every worker is busy and the queue is full")]
+    QueueFull,
     #[error("the router has {0} requests in flight already (limits.max_inflight_requests)")]
     Overloaded(usize),
     #[error("{0}")]
@@ -48,9 +52,9 @@ impl RouterError {
             RouterError::Unauthorized => StatusCode::UNAUTHORIZED,
             RouterError::Forbidden(_) => StatusCode::FORBIDDEN,
             RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-            RouterError::Unavailable { .. } | RouterError::Overloaded(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            RouterError::Unavailable { .. }
+            | RouterError::QueueFull
+            | RouterError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::Upstream(_) => StatusCode::BAD_GATEWAY,
             RouterError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -68,7 +72,9 @@ impl RouterError {
             RouterError::Forbidden(_) => ("permission_error", "forbidden"),
             RouterError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             RouterError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
-            RouterError::Unavailable { .. } => ("server_error", "no_worker_available"),
+            RouterError::Unavailable { .. } | RouterError::QueueFull => {
+                ("server_error", "no_worker_available")
+            }
             RouterError::Overloaded(_) => ("server_error", "overloaded"),
             RouterError::Upstream(_) => ("server_error", "upstream_error"),
             RouterError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
@@ -99,7 +105,7 @@ impl IntoResponse for RouterError {
                     .headers_mut()
                     .insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
-            RouterError::Overloaded(_) => {
+            RouterError::Overloaded(_) | RouterError::QueueFull => {
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(1));

@@ -14,7 +14,8 @@
 //! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections, [`connections`] caps both listeners'). With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
-//! (the NATS side lives in `kvroute-cluster`). [`config`], [`error`],
+//! (the NATS side lives in `kvroute-cluster`). With `[epp]`, [`epp`] answers
+//! a gateway's ext_proc stream with the same routing instead of proxying. [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
@@ -26,6 +27,7 @@ pub mod cached_tokens;
 pub mod claims;
 pub mod config;
 pub mod connections;
+pub mod epp;
 pub mod error;
 pub mod faults;
 pub mod groups;

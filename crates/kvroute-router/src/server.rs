@@ -28,6 +28,8 @@ use crate::state::AppState;
 pub struct Running {
     pub http_addr: SocketAddr,
     pub grpc_addr: SocketAddr,
+    /// The endpoint picker's address, with `[epp] addr`.
+    pub epp_addr: Option<SocketAddr>,
     pub state: Arc<AppState>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
@@ -81,6 +83,7 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
             config.grpc_addr
         ))
     })?;
+    let epp = crate::epp::bind(config.epp.addr()?).await?;
     let http_addr = http.local_addr()?;
     let grpc_addr = grpc.local_addr()?;
     raise_open_files_limit(&config.limits);
@@ -105,10 +108,16 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
         config.ingest.idle_connection_timeout_ms,
     ));
     let header_read_timeout = Duration::from_millis(limits.header_read_timeout_ms);
+    let epp_addr = epp.as_ref().map(TcpListener::local_addr).transpose()?;
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();
     let api = crate::api::service(Arc::clone(&state));
+    let epp_tls = tls.as_ref().map(|tls| Arc::clone(&tls.grpc));
+    if let Some(epp) = epp {
+        let serving = crate::epp::serve(epp, epp_tls, Arc::clone(&state), stopped.clone());
+        tasks.push(tokio::spawn(serving));
+    }
     let (http_tls, grpc_tls) = match tls {
         Some(tls) => (Some(tls.http), Some(tls.grpc)),
         None => (None, None),
@@ -167,6 +176,7 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     Ok(Running {
         http_addr,
         grpc_addr,
+        epp_addr,
         state,
         stop,
         tasks,
@@ -217,7 +227,7 @@ fn raise_open_files_limit(limits: &LimitsConfig) {
     }
 }
 
-fn count_tls_failure(serves: Serves) {
+pub(crate) fn count_tls_failure(serves: Serves) {
     ::metrics::counter!(metrics::TLS_HANDSHAKE_FAILURES, "listener" => serves.name()).increment(1);
 }
 

@@ -386,7 +386,7 @@ impl AppState {
         let ticket = self
             .queue
             .join(waiting, class, &key, !tried)
-            .ok_or_else(|| self.unavailable("every worker is busy and the queue is full".into()))?;
+            .ok_or(RouterError::QueueFull)?;
         loop {
             // A breaker's cool-down ending releases nothing: wake for it too.
             let wake = probe_at.map_or(deadline, |at: tokio::time::Instant| at.min(deadline));
