@@ -325,6 +325,10 @@ pub(crate) type WorkerHashMap<K, V> = HashMap<K, V, BuildHasherDefault<EngineHas
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
     free: BinaryHeap<Reverse<u32>>,
+    /// Slots in `by_idx` that are live (`WorkerSlot::live`): the workers
+    /// `max_blocks` is shared among (see [`FairShare`]). A dump's swap hides
+    /// one and shows another, so only giving out and freeing change it.
+    live: usize,
 }
 
 /// The `max_blocks` limit's state; writers hold it for a whole event.
@@ -583,12 +587,82 @@ struct Pace<'f> {
     between: &'f mut dyn FnMut(),
 }
 
+/// The `max_blocks` limit shared among the live workers: a worker holding at
+/// most its share (the limit over the live workers) keeps all of it whoever
+/// stores, so one worker's flood evicts its own blocks and those of workers
+/// over their share, never another's within it (DESIGN.md, "Eviction").
+/// Read live by the evictor, which only lowers counts: a worker within its
+/// share stays so until its own stores (or new workers) move it.
+struct FairShare<'i> {
+    indices: &'i Indices,
+    share: u64,
+}
+
+impl<'i> FairShare<'i> {
+    fn of(limited: &Limited, indices: &'i Indices) -> Self {
+        let workers = indices.live.max(1) as u64;
+        Self {
+            indices,
+            share: limited.max_memberships as u64 / workers,
+        }
+    }
+
+    /// Whether a block with these holders may go in a pass taking
+    /// `victims`. Hidden slots' bits are not counted against the limit, so
+    /// they neither protect a block nor make it go.
+    fn may_evict(&self, victims: Victims, holders: &HolderSet<'_>) -> bool {
+        // Some(true) for a live worker within its share, Some(false) over it.
+        let within = |idx: u32| {
+            self.indices
+                .by_idx
+                .get(idx as usize)
+                .and_then(Option::as_ref)
+                .filter(|slot| slot.live.load(Ordering::Relaxed))
+                .map(|slot| slot.blocks() <= self.share)
+        };
+        match victims {
+            Victims::OverShareOnly => !holders.any(|idx| within(idx) == Some(true)),
+            Victims::AnyOverShare => holders.any(|idx| within(idx) == Some(false)),
+            Victims::Any => true,
+        }
+    }
+}
+
 /// Where an eviction in batches goes on.
 #[derive(Default)]
 struct EvictionScan {
     cursor: Cursor,
     /// The current pass evicted something: another may free more.
     evicted_this_pass: bool,
+    victims_taken: Victims,
+}
+
+/// Which unpinned leaves an eviction pass may take (see [`FairShare`]), in
+/// the order they are tried: the next only once a whole pass of the one
+/// before freed nothing and the index is still over its limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Victims {
+    /// Blocks no live worker within its share holds.
+    #[default]
+    OverShareOnly,
+    /// Blocks a live worker over its share holds, whoever holds them too:
+    /// the workers over their share hold nothing else that can go (they
+    /// copied blocks of workers within theirs, or hold only ancestors of
+    /// others' leaves).
+    AnyOverShare,
+    /// Any block: no worker is over its share through a leaf (a worker
+    /// holding only ancestors of others' blocks), as without a share.
+    Any,
+}
+
+impl Victims {
+    fn next(self) -> Option<Self> {
+        match self {
+            Victims::OverShareOnly => Some(Victims::AnyOverShare),
+            Victims::AnyOverShare => Some(Victims::Any),
+            Victims::Any => None,
+        }
+    }
 }
 
 /// One worker of a [`KvIndex`], found and locked for a run of its events
@@ -1112,7 +1186,11 @@ impl KvIndex {
     fn free_idx(&self, idx: u32) {
         let mut indices = self.indices.lock().unwrap();
         self.cells.change(|cells| cells.free(idx));
-        indices.by_idx[idx as usize] = None;
+        if let Some(slot) = indices.by_idx[idx as usize].take()
+            && slot.live.load(Ordering::Relaxed)
+        {
+            indices.live -= 1;
+        }
         indices.free.push(Reverse(idx));
     }
 
@@ -1671,6 +1749,7 @@ impl KvIndex {
             state: Mutex::default(),
         });
         indices.by_idx[idx as usize] = Some(slot.clone());
+        indices.live += usize::from(live);
         slot
     }
 
@@ -2008,7 +2087,8 @@ impl KvIndex {
         i64::from(held)
     }
 
-    /// Evicts least-recently-used unpinned leaves until the limit holds, in
+    /// Evicts least-recently-used unpinned leaves that no worker within its
+    /// fair share holds ([`FairShare`]) until the limit holds, in
     /// cursor-resumed scans (one when path-touch order holds), or until
     /// `max_victims` blocks went; returns whether it stopped for that (`scan`
     /// then says where to go on).
@@ -2024,23 +2104,36 @@ impl KvIndex {
             return false;
         }
         let indices = self.indices.lock().unwrap();
+        let fair = FairShare::of(limited, &indices);
         let mut writer = ShardWriter::new(&self.table);
         let EvictionScan {
             cursor,
             evicted_this_pass,
+            victims_taken,
         } = scan;
         let mut victims = 0;
         while over() {
             if victims == max_victims {
                 return true;
             }
-            let Some((seq, id)) = eviction.lru.next_victim(cursor) else {
+            let victim = eviction.lru.next_victim_where(cursor, |(seq, id)| {
+                let shard = writer.shard(BlockRef::from_key(seq).shard());
+                let (holders, entry) = shard.holders_and_entry(seq);
+                // A node whose block went (or moved) is left to the check
+                // below: its removal frees it.
+                entry.lru_node() != id || fair.may_evict(*victims_taken, &holders)
+            });
+            let Some((seq, id)) = victim else {
                 // A pass can end over the limit when evicting a leaf made its
                 // parent a leaf behind the cursor: an ancestor older than its
                 // descendants, as a store under an untouched ancestor leaves it.
-                // Another pass then frees it; stop once a pass frees nothing.
+                // Another pass then frees it; once a pass frees nothing, the
+                // next kind of victim is tried, and after the last, stop.
                 if !std::mem::take(evicted_this_pass) {
-                    break;
+                    match victims_taken.next() {
+                        Some(next) => *victims_taken = next,
+                        None => break,
+                    }
                 }
                 *cursor = Cursor::default();
                 continue;

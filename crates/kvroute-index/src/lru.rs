@@ -906,9 +906,22 @@ impl Lru {
         }
     }
 
-    /// The next evictable block (an unpinned leaf) from `cursor` toward the head,
-    /// removed from the order; none when the scan reached the head.
+    /// [`Self::next_victim_where`] with every unpinned leaf evictable.
+    #[cfg(test)]
     pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<Touch> {
+        self.next_victim_where(cursor, |_| true)
+    }
+
+    /// The next evictable block (an unpinned leaf that `evictable` accepts)
+    /// from `cursor` toward the head, removed from the order; none when the
+    /// scan reached the head. `evictable` is asked only about unpinned
+    /// leaves (the index's fair share, see DESIGN.md, "Eviction"); a leaf
+    /// it refuses is skipped as a pinned one is.
+    pub fn next_victim_where(
+        &mut self,
+        cursor: &mut Cursor,
+        mut evictable: impl FnMut(Touch) -> bool,
+    ) -> Option<Touch> {
         self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
@@ -920,8 +933,8 @@ impl Lru {
             self.visited += 1;
             let node = &self.nodes[id];
             let next = (node.newer != NIL).then_some(node.newer);
-            if node.children == 0 {
-                let seq = node.seq();
+            let seq = node.seq();
+            if node.children == 0 && evictable((seq, id)) {
                 self.remove(id);
                 *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
                     id,
