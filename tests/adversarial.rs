@@ -7,9 +7,15 @@
 
 mod common;
 
+#[path = "adversarial/fairness.rs"]
 mod fairness;
+#[path = "adversarial/ingest.rs"]
 mod ingest;
+#[path = "adversarial/peers.rs"]
 mod peers;
+#[path = "adversarial/tokenizer.rs"]
 mod tokenizer;
+#[path = "adversarial/trust.rs"]
 mod trust;
+#[path = "adversarial/upstream.rs"]
 mod upstream;
