@@ -632,8 +632,9 @@ impl<'i> FairShare<'i> {
 }
 
 /// Blocks one eviction call may meet without taking them (moving each to
-/// the head: ~10–50 ns), so that no hand-over over the limit costs more
-/// than ~0.2 ms of the eviction mutex whatever the order holds.
+/// the head: a few cache misses), so that no hand-over over the limit
+/// holds the eviction mutex for more than about half a millisecond
+/// whatever the order holds (DESIGN.md, "Eviction cost bound").
 const MAX_SPARED_PER_EVICTION: usize = 4096;
 
 /// Where an eviction in batches goes on.
