@@ -18,37 +18,6 @@ async fn metrics(router: &RouterProcess) -> String {
         .text()
 }
 
-async fn dry_run(router: &RouterProcess, tokens: &[u32]) -> serde_json::Value {
-    let reply = Http::default()
-        .post(
-            &format!("{}/v1/route", router.http),
-            &completion("m", tokens),
-        )
-        .await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
-    reply.json()
-}
-
-/// The blocks of `tokens` that `worker`'s events cover, as the router scores them.
-async fn event_overlap(router: &RouterProcess, tokens: &[u32], worker: u64) -> u64 {
-    dry_run(router, tokens).await["scores"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["worker_id"] == worker)
-        .map_or(0, |s| s["event_overlap_blocks"].as_u64().unwrap())
-}
-
-async fn connect(router: &RouterProcess, id: u64) -> Result<GrpcWorker, tonic::Status> {
-    let url = format!("http://127.0.0.1:{}", 9000 + id);
-    GrpcWorker::connect(
-        &router.grpc,
-        None,
-        register(id, &url, &["m"], BLOCK_SIZE as u32),
-    )
-    .await
-}
-
 #[tokio::test]
 async fn registrations_streams_and_workers_over_their_limits_are_refused_and_counted() {
     let router = RouterProcess::start("[limits]\nmax_workers = 2\nmax_streams = 2\n");
@@ -427,27 +396,27 @@ async fn a_request_in_flight_keeps_its_path_indexed_past_the_cap() {
     };
     http_worker.set_mode(Mode::Hold);
     let url = format!("{}/v1/completions", router.http);
-    let held = tokio::spawn(async move {
-        Http::default()
-            .post(&url, &completion("m", &prompt))
-            .await
-            .status
-    });
+    let body = completion("m", &prompt);
+    let held = tokio::spawn(async move { Http::default().post(&url, &body).await.status });
     eventually("the request to reach its worker", || async {
         http_worker.inflight() == 1
     })
     .await;
+    // The owner goes over its share of the cap (20 of 40) with 24 newer
+    // blocks, so its oldest, the held request's 8, would go first.
+    owner.store(&tokens(50_000, 24 * BLOCK_SIZE)).await;
     // Twice the cap of newer blocks: the held request's 8 stay.
     for i in 0..10 {
         other.store(&tokens(100_000 + i * 1000, 128)).await;
     }
-    assert_eq!(indexed(1).await, 8);
-    assert!(indexed(2).await <= 32);
+    assert_eq!(indexed(1).await, 20);
+    assert!(indexed(2).await <= 20);
+    assert_eq!(event_overlap(&router, &prompt, 1).await, 8);
     http_worker.release();
     assert_eq!(held.await.unwrap(), 200);
-    // Unpinned, they are the oldest and go first.
-    for i in 10..15 {
-        other.store(&tokens(100_000 + i * 1000, 128)).await;
-    }
-    assert_eq!(indexed(1).await, 0);
+    // Unpinned, they go once the owner is over its share again: before
+    // the 24 newer ones, after the rest of the older chain.
+    owner.store(&tokens(200_000, 24 * BLOCK_SIZE)).await;
+    assert_eq!(indexed(1).await, 20);
+    assert_eq!(event_overlap(&router, &prompt, 1).await, 0);
 }

@@ -517,6 +517,41 @@ pub async fn indexed(router: &RouterProcess, worker: u64) -> (u64, u64) {
     )
 }
 
+/// Worker `id` (one rank, model "m") connected to `router` over gRPC; the
+/// router's refusal comes back as the error.
+pub async fn connect(router: &RouterProcess, id: u64) -> Result<GrpcWorker, tonic::Status> {
+    let url = format!("http://127.0.0.1:{}", 9000 + id);
+    GrpcWorker::connect(
+        &router.grpc,
+        None,
+        register(id, &url, &["m"], BLOCK_SIZE as u32),
+    )
+    .await
+}
+
+/// The router's `/v1/route` answer for a completion over `tokens` (which
+/// touches the path in its index, as routing does).
+pub async fn dry_run(router: &RouterProcess, tokens: &[u32]) -> Value {
+    let reply = Http::default()
+        .post(
+            &format!("{}/v1/route", router.http),
+            &completion("m", tokens),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()
+}
+
+/// The blocks of `tokens` that `worker`'s events cover, as the router scores them.
+pub async fn event_overlap(router: &RouterProcess, tokens: &[u32], worker: u64) -> u64 {
+    dry_run(router, tokens).await["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["worker_id"] == worker)
+        .map_or(0, |s| s["event_overlap_blocks"].as_u64().unwrap())
+}
+
 /// Waits until `n` workers are connected to `router`.
 pub async fn wait_registered(router: &RouterProcess, n: usize) {
     wait_registered_at(&router.http, n).await;

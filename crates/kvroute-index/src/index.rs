@@ -34,7 +34,7 @@ use crate::event::{
     ApplyOutcome, EventKind, EventStatus, EventType, KvEvent, StoredBlock, WorkerKey,
 };
 use crate::flat::FlatMap;
-use crate::lru::{ChainPlace, Change, Cursor, DRAIN_AT, Lru, MAX_PENDING, Touch};
+use crate::lru::{ChainPlace, Change, Cursor, DRAIN_AT, Lru, MAX_PENDING, Spared, Touch};
 use crate::table::{
     BlockRef, HolderSet, NO_PARENT, ShardReader, ShardWriter, Table, bits, path_refs,
 };
@@ -326,6 +326,10 @@ pub(crate) type WorkerHashMap<K, V> = HashMap<K, V, BuildHasherDefault<EngineHas
 struct Indices {
     by_idx: Vec<Option<Arc<WorkerSlot>>>,
     free: BinaryHeap<Reverse<u32>>,
+    /// Slots in `by_idx` that are live (`WorkerSlot::live`): the workers
+    /// `max_blocks` is shared among (see [`FairShare`]). A dump's swap hides
+    /// one and shows another, so only giving out and freeing change it.
+    live: usize,
 }
 
 /// The `max_blocks` limit's state; writers hold it for a whole event.
@@ -338,6 +342,9 @@ struct Eviction {
     /// A stored chain's blocks with their nodes, for its touch; kept across
     /// events.
     chain: Vec<Touch>,
+    /// Eviction calls that stopped over the limit at
+    /// [`MAX_SPARED_PER_EVICTION`] blocks met and not taken.
+    scans_cut: u64,
     /// [`Handover::changes`] as last taken over, emptied into the order.
     changes: Vec<Change>,
     evicted_blocks: u64,
@@ -584,12 +591,88 @@ struct Pace<'f> {
     between: &'f mut dyn FnMut(),
 }
 
+/// The `max_blocks` limit shared among the live workers: a worker holding at
+/// most its share (the limit over the live workers) keeps all of it whoever
+/// stores, so one worker's flood evicts its own blocks and those of workers
+/// over their share, never another's within it (DESIGN.md, "Eviction").
+/// Read live by the evictor, which only lowers counts: a worker within its
+/// share stays so until its own stores (or new workers) move it.
+struct FairShare<'i> {
+    indices: &'i Indices,
+    share: u64,
+}
+
+impl<'i> FairShare<'i> {
+    fn of(limited: &Limited, indices: &'i Indices) -> Self {
+        let workers = indices.live.max(1) as u64;
+        Self {
+            indices,
+            share: limited.max_memberships as u64 / workers,
+        }
+    }
+
+    /// Whether a block with these holders may go in a pass taking
+    /// `victims`. Hidden slots' bits are not counted against the limit, so
+    /// they neither protect a block nor make it go.
+    fn may_evict(&self, victims: Victims, holders: &HolderSet<'_>) -> bool {
+        // Some(true) for a live worker within its share, Some(false) over it.
+        let within = |idx: u32| {
+            self.indices
+                .by_idx
+                .get(idx as usize)
+                .and_then(Option::as_ref)
+                .filter(|slot| slot.live.load(Ordering::Relaxed))
+                .map(|slot| slot.blocks() <= self.share)
+        };
+        match victims {
+            Victims::OverShareOnly => !holders.any(|idx| within(idx) == Some(true)),
+            Victims::AnyOverShare => holders.any(|idx| within(idx) == Some(false)),
+            Victims::Any => true,
+        }
+    }
+}
+
+/// Blocks one eviction call may meet without taking them (moving each to
+/// the head: a few cache misses), so that no hand-over over the limit
+/// holds the eviction mutex for more than about half a millisecond
+/// whatever the order holds (DESIGN.md, "Eviction cost bound").
+const MAX_SPARED_PER_EVICTION: usize = 4096;
+
 /// Where an eviction in batches goes on.
 #[derive(Default)]
 struct EvictionScan {
     cursor: Cursor,
     /// The current pass evicted something: another may free more.
     evicted_this_pass: bool,
+    victims_taken: Victims,
+}
+
+/// Which unpinned leaves an eviction pass may take (see [`FairShare`]), in
+/// the order they are tried: the next only once a whole pass of the one
+/// before freed nothing and the index is still over its limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Victims {
+    /// Blocks no live worker within its share holds.
+    #[default]
+    OverShareOnly,
+    /// Blocks a live worker over its share holds, whoever holds them too:
+    /// the workers over their share hold nothing else that can go (they
+    /// copied blocks of workers within theirs, or hold only ancestors of
+    /// others' leaves).
+    AnyOverShare,
+    /// Any block: no worker is over its share through a leaf (a worker
+    /// holding only ancestors of others' blocks), as without a share.
+    Any,
+}
+
+impl Victims {
+    fn next(self) -> Option<Self> {
+        match self {
+            Victims::OverShareOnly => Some(Victims::AnyOverShare),
+            Victims::AnyOverShare => Some(Victims::Any),
+            Victims::Any => None,
+        }
+    }
 }
 
 /// One worker of a [`KvIndex`], found and locked for a run of its events
@@ -734,6 +817,7 @@ impl KvIndex {
                     chain: Vec::new(),
                     changes: Vec::new(),
                     evicted_blocks: 0,
+                    scans_cut: 0,
                 }),
                 touches: Mutex::new(touch_list()),
                 touches_len: AtomicUsize::new(0),
@@ -1114,7 +1198,11 @@ impl KvIndex {
     fn free_idx(&self, idx: u32) {
         let mut indices = self.indices.lock().unwrap();
         self.cells.change(|cells| cells.free(idx));
-        indices.by_idx[idx as usize] = None;
+        if let Some(slot) = indices.by_idx[idx as usize].take()
+            && slot.live.load(Ordering::Relaxed)
+        {
+            indices.live -= 1;
+        }
         indices.free.push(Reverse(idx));
     }
 
@@ -1437,6 +1525,12 @@ impl KvIndex {
             .map_or(0, |e| e.lock().evicted_blocks)
     }
 
+    /// Hand-overs whose eviction stopped over the `max_blocks` limit, at
+    /// its bound of blocks met and not taken; a later one goes on.
+    pub fn eviction_scans_cut(&self) -> u64 {
+        self.eviction.as_ref().map_or(0, |e| e.lock().scans_cut)
+    }
+
     pub fn stats(&self) -> IndexStats {
         let slots = self.slots();
         let mut counters = self.retired.lock().unwrap().clone();
@@ -1673,6 +1767,7 @@ impl KvIndex {
             state: Mutex::default(),
         });
         indices.by_idx[idx as usize] = Some(slot.clone());
+        indices.live += usize::from(live);
         slot
     }
 
@@ -2010,10 +2105,14 @@ impl KvIndex {
         i64::from(held)
     }
 
-    /// Evicts least-recently-used unpinned leaves until the limit holds, in
+    /// Evicts least-recently-used unpinned leaves that no worker within its
+    /// fair share holds ([`FairShare`]) until the limit holds, in
     /// cursor-resumed scans (one when path-touch order holds), or until
     /// `max_victims` blocks went; returns whether it stopped for that (`scan`
-    /// then says where to go on).
+    /// then says where to go on). Blocks met and not taken are moved to the
+    /// head, at most [`MAX_SPARED_PER_EVICTION`] a call: past them the call
+    /// stops, over the limit, and counts it (DESIGN.md, "Eviction cost
+    /// bound").
     fn evict_over_limit(
         &self,
         eviction: &mut Eviction,
@@ -2026,25 +2125,48 @@ impl KvIndex {
             return false;
         }
         let indices = self.indices.lock().unwrap();
+        let fair = FairShare::of(limited, &indices);
         let mut writer = ShardWriter::new(&self.table);
         let EvictionScan {
             cursor,
             evicted_this_pass,
+            victims_taken,
         } = scan;
         let mut victims = 0;
+        let mut spared = Spared::second_chance(MAX_SPARED_PER_EVICTION);
         while over() {
             if victims == max_victims {
                 return true;
             }
-            let Some((seq, id)) = eviction.lru.next_victim(cursor) else {
+            let victim = eviction
+                .lru
+                .next_victim_where(cursor, &mut spared, |(seq, id)| {
+                    let shard = writer.shard(BlockRef::from_key(seq).shard());
+                    let (holders, entry) = shard.holders_and_entry(seq);
+                    // A node whose block went (or moved) is left to the check
+                    // below: its removal frees it.
+                    entry.lru_node() != id || fair.may_evict(*victims_taken, &holders)
+                });
+            let Some((seq, id)) = victim else {
+                if spared.exhausted() {
+                    // The next hand-over over the limit goes on: what this
+                    // one met was taken or moved out of its way.
+                    eviction.scans_cut += 1;
+                    break;
+                }
                 // A pass can end over the limit when evicting a leaf made its
                 // parent a leaf behind the cursor: an ancestor older than its
                 // descendants, as a store under an untouched ancestor leaves it.
-                // Another pass then frees it; stop once a pass frees nothing.
+                // Another pass then frees it; once a pass frees nothing, the
+                // next kind of victim is tried, and after the last, stop.
                 if !std::mem::take(evicted_this_pass) {
-                    break;
+                    match victims_taken.next() {
+                        Some(next) => *victims_taken = next,
+                        None => break,
+                    }
                 }
                 *cursor = Cursor::default();
+                spared.new_pass();
                 continue;
             };
             *evicted_this_pass = true;
@@ -2375,6 +2497,69 @@ mod tests {
         assert!(held <= LIMIT as u64);
         assert_eq!(eviction.lru.len() as u64, index.table.distinct_blocks());
         assert!(eviction.evicted_blocks > 0, "the limit was reached");
+    }
+
+    /// Issue #36: a flooder's store over the limit walked every block of
+    /// the workers within their share older than its own (~8,000 visits a
+    /// 16-block store here, the whole index at fleet scale). Each store now
+    /// meets at most `MAX_SPARED_PER_EVICTION` blocks it does not take, and
+    /// over the flood fewer than one per live worker per block evicted,
+    /// while every worker within its share keeps all its blocks.
+    #[test]
+    fn a_flooders_store_meets_a_bounded_number_of_protected_blocks() {
+        const HONEST: u64 = 127;
+        const SHARE: u64 = 64;
+        // 128 live workers: a share of 64 each.
+        let index = KvIndex::new(IndexConfig {
+            max_blocks: Some(((HONEST + 1) * SHARE) as usize),
+        });
+        let chain = |first: u64| EventKind::Stored {
+            parent_hash: None,
+            blocks: (first..first + 8)
+                .map(|h| StoredBlock {
+                    block_hash: h,
+                    tokens_hash: h,
+                })
+                .collect(),
+        };
+        let store = |worker: WorkerKey, kind: EventKind| {
+            let event_id = index.last_event_id(worker).map_or(1, |id| id + 1);
+            index.apply(worker, &KvEvent { event_id, kind });
+        };
+        for w in 1..=HONEST {
+            for c in 0..SHARE / 8 {
+                store(WorkerKey::new(w, 0), chain(w << 32 | c << 8));
+            }
+        }
+        let flooder = WorkerKey::new(HONEST + 1, 0);
+        let visited = || index.eviction.as_deref().unwrap().lock().lru.visited;
+        let (mut most, start, evicted_before) = (0, visited(), index.evicted_blocks());
+        for round in 0..2_000u64 {
+            let before = visited();
+            store(flooder, chain(1 << 48 | round << 8));
+            store(flooder, chain(1 << 48 | round << 8 | 8));
+            most = most.max(visited() - before);
+        }
+        for w in 1..=HONEST {
+            assert_eq!(
+                index.worker_blocks(WorkerKey::new(w, 0)),
+                SHARE,
+                "worker {w}"
+            );
+        }
+        let evicted = index.evicted_blocks() - evicted_before;
+        assert!(evicted > 30_000, "{evicted}");
+        // Met and not taken, plus the victims of two 8-block stores; an
+        // event's run evicts after its store and again at its end.
+        assert!(
+            most <= 2 * (MAX_SPARED_PER_EVICTION + 16) as u64,
+            "a store visited {most} blocks"
+        );
+        let per_victim = (visited() - start) as f64 / evicted as f64;
+        assert!(per_victim < (HONEST + 1) as f64, "{per_victim} a victim");
+        // Over the limit by what the cut scans left, not by the flood.
+        let over = index.stats().memberships - (HONEST + 1) * SHARE;
+        assert!(over <= MAX_SPARED_PER_EVICTION as u64 / 8, "{over} over");
     }
 
     /// The blocks whose bit the table sets for `worker`: what its counts must

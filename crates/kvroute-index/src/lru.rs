@@ -23,7 +23,9 @@
 //! the chain the root-side ancestor is newest and the leaf oldest: a tail-to-head
 //! scan meets a chain's leaf before its ancestors. The eviction scan resumes from a
 //! cursor after each victim instead of restarting at the tail, so evicting M blocks
-//! past K skipped ones (pinned or not leaves) visits M + K nodes.
+//! past K skipped ones (pinned or not leaves) visits M + K nodes. The index's
+//! scan moves each skipped block to the head instead (a second chance, see
+//! [`Lru::next_victim_where`]), so that the next scans do not meet it again.
 //!
 //! A lookup's touch is only written down (by the index, outside this order's
 //! lock, then handed over with [`Lru::defer`]) and done before the order is
@@ -280,6 +282,51 @@ struct Gone {
     older: u32,
     /// The newest's parent.
     parent: u32,
+}
+
+/// Blocks an eviction scan met without taking them (skipped or given a
+/// second chance, see [`Lru::next_victim_where`]), against a limit, and the
+/// first block it moved to the head, where its pass ends.
+#[derive(Debug)]
+pub(crate) struct Spared {
+    met: usize,
+    limit: usize,
+    fence: Option<Touch>,
+    second_chance: bool,
+}
+
+impl Spared {
+    /// At most `limit` blocks met without taking them, each moved to the
+    /// head.
+    pub fn second_chance(limit: usize) -> Self {
+        Self {
+            met: 0,
+            limit,
+            fence: None,
+            second_chance: true,
+        }
+    }
+
+    /// Blocks met without taking them are skipped in place, with no limit.
+    #[cfg(test)]
+    pub fn unlimited() -> Self {
+        Self {
+            met: 0,
+            limit: usize::MAX,
+            fence: None,
+            second_chance: false,
+        }
+    }
+
+    /// The scan met its limit of blocks it did not take.
+    pub fn exhausted(&self) -> bool {
+        self.met >= self.limit
+    }
+
+    /// A new pass (from the tail): blocks moved before are met again.
+    pub fn new_pass(&mut self) {
+        self.fence = None;
+    }
 }
 
 /// Where an eviction scan resumes.
@@ -907,9 +954,34 @@ impl Lru {
         }
     }
 
-    /// The next evictable block (an unpinned leaf) from `cursor` toward the head,
-    /// removed from the order; none when the scan reached the head.
+    /// [`Self::next_victim_where`] with every unpinned leaf evictable.
+    #[cfg(test)]
     pub fn next_victim(&mut self, cursor: &mut Cursor) -> Option<Touch> {
+        self.next_victim_where(cursor, &mut Spared::unlimited(), |_| true)
+    }
+
+    /// The next evictable block (an unpinned leaf that `evictable` accepts)
+    /// from `cursor` toward the head, removed from the order; none when the
+    /// scan reached the head, or the blocks met since then `spared` was
+    /// made number its limit ([`Spared::exhausted`]).
+    ///
+    /// `evictable` is asked only about unpinned leaves (the index's fair
+    /// share, see DESIGN.md, "Eviction"). With [`Spared::second_chance`],
+    /// every block met and not taken (refused, pinned, or not a leaf) is
+    /// moved to the head with the ancestors right newer than it (a chain as
+    /// a touch leaves it, whole), so that no later scan from the tail walks
+    /// it again before every block that was newer is gone or moved too: a
+    /// block no scan may take costs one visit a cycle of the order, not one
+    /// a scan, and every block a scan meets is taken or moved out of the
+    /// next scan's way. The pass then ends at the first block it moved
+    /// (what lies above it this pass met already). Without it, such blocks
+    /// are skipped in place and the order stays exact LRU.
+    pub fn next_victim_where(
+        &mut self,
+        cursor: &mut Cursor,
+        spared: &mut Spared,
+        mut evictable: impl FnMut(Touch) -> bool,
+    ) -> Option<Touch> {
         self.apply_pending();
         let mut at = match *cursor {
             Cursor::Tail => self.tail,
@@ -918,11 +990,21 @@ impl Lru {
             Cursor::Done => None,
         };
         while let Some(id) = at {
+            if spared.exhausted() {
+                *cursor = Cursor::At {
+                    id,
+                    seq: self.nodes[id].seq(),
+                };
+                return None;
+            }
+            let seq = self.nodes[id].seq();
+            if spared.fence == Some((seq, id)) {
+                break;
+            }
             self.visited += 1;
             let node = &self.nodes[id];
             let next = (node.newer != NIL).then_some(node.newer);
-            if node.children == 0 {
-                let seq = node.seq();
+            if node.children == 0 && evictable((seq, id)) {
                 self.remove(id);
                 *cursor = next.map_or(Cursor::Done, |id| Cursor::At {
                     id,
@@ -930,10 +1012,41 @@ impl Lru {
                 });
                 return Some((seq, id));
             }
-            at = next;
+            at = match spared.second_chance {
+                true => self.spare(id, spared),
+                false => {
+                    spared.met += 1;
+                    next
+                }
+            };
         }
         *cursor = Cursor::Done;
         None
+    }
+
+    /// Moves block `leaf`, met and not taken, to the head with the ancestors right
+    /// newer than it, each the parent of the one below (as many as `spared`
+    /// allows); returns the node the scan goes on at (the piece's newer
+    /// neighbour before the move).
+    fn spare(&mut self, leaf: u32, spared: &mut Spared) -> Option<u32> {
+        let mut newest = leaf;
+        spared.met += 1;
+        loop {
+            let node = &self.nodes[newest];
+            if node.newer == NIL || node.newer != node.parent || spared.exhausted() {
+                break;
+            }
+            newest = node.newer;
+            self.visited += 1;
+            spared.met += 1;
+        }
+        let next = self.nodes[newest].newer;
+        if next == NIL {
+            return None;
+        }
+        self.move_run_to_head(leaf, newest);
+        spared.fence.get_or_insert((self.nodes[leaf].seq(), leaf));
+        Some(next)
     }
 
     /// The eviction scan's last victim, node `id`, whose block's removal is
@@ -1227,6 +1340,56 @@ mod tests {
             "visited {} nodes for {M} evictions",
             lru.lru.visited
         );
+    }
+
+    /// Blocks a scan may not take (chains of two touched leaf first, below
+    /// blocks it may take) move to the head whole, so that the next scans
+    /// from the tail meet only the blocks that were newer; a pass ends at
+    /// the first block it moved; a scan stops at its limit with its cursor
+    /// in place.
+    #[test]
+    fn refused_blocks_get_a_second_chance_at_the_head() {
+        const M: u64 = 500;
+        let mut lru = Keyed::default();
+        for i in 0..M {
+            let (root, leaf) = (1000 + 2 * i, 1001 + 2 * i);
+            lru.insert(root, NO_PARENT);
+            lru.insert(leaf, root);
+            lru.touch([root, leaf].into_iter());
+        }
+        for seq in 5000..5000 + M {
+            lru.insert(seq, NO_PARENT);
+        }
+        let take = |lru: &mut Keyed| {
+            lru.lru
+                .next_victim_where(
+                    &mut Cursor::default(),
+                    &mut Spared::second_chance(usize::MAX),
+                    |(seq, _)| seq >= 5000,
+                )
+                .map(|(seq, _)| seq)
+        };
+        assert_eq!(take(&mut lru), Some(5000));
+        assert_eq!(lru.lru.visited, 2 * M + 1, "each chain met once");
+        for seq in 5001..5000 + M {
+            let visited = lru.lru.visited;
+            assert_eq!(take(&mut lru), Some(seq));
+            assert_eq!(lru.lru.visited - visited, 1, "{seq}");
+        }
+        // Only the refused chains are left: the pass ends at the first it
+        // moves, and they lie leaf first, as a touch leaves them.
+        assert_eq!(take(&mut lru), None);
+        let mut cursor = Cursor::default();
+        let mut spared = Spared::second_chance(3);
+        assert_eq!(
+            lru.lru
+                .next_victim_where(&mut cursor, &mut spared, |_| false),
+            None
+        );
+        assert!(spared.exhausted());
+        // The third block met (the second chain's leaf) moved alone.
+        let (seq, id) = lru.found(1002).unwrap();
+        assert_eq!(cursor, Cursor::At { id, seq });
     }
 
     #[test]

@@ -392,6 +392,16 @@ impl HolderSet<'_> {
         }
     }
 
+    /// Whether any holder passes `f`.
+    #[inline]
+    pub fn any(&self, mut f: impl FnMut(u32) -> bool) -> bool {
+        match self {
+            HolderSet::Bits(b) => bits(*b, 0).any(f),
+            HolderSet::List(h) => h.listed().any(f),
+            HolderSet::Spilled(ids) => ids.iter().any(|&id| f(id)),
+        }
+    }
+
     /// How many hold the block.
     pub fn len(&self) -> usize {
         match self {

@@ -111,14 +111,13 @@ fn a_pin_taken_before_its_blocks_came_never_releases_a_later_pin() {
 
 #[test]
 fn evicted_blocks_drop_for_every_worker_and_later_events_still_apply() {
-    let index = limited(4);
+    let index = limited(3);
     let other = WorkerKey::new(2, 0);
     feed(&index, W, vec![stored(None, &[(1, 11), (2, 12)])]);
     feed(&index, other, vec![stored(None, &[(101, 11), (102, 12)])]);
-    assert_eq!(index.stats().memberships, 4);
-    feed(&index, W, vec![stored(None, &[(3, 21)])]);
-    // Block 12 is held by both workers: evicting it frees two memberships.
-    assert_eq!(index.stats().memberships, 3);
+    // Block 12 is held by both workers, each over its share of 1: evicting
+    // it frees two memberships.
+    assert_eq!(index.stats().memberships, 2);
     assert_eq!(index.worker_blocks(other), 1);
     assert_eq!(depth(&index, &[11, 12]), 1);
     // The engine still reports removing what the index evicted: applied, and
@@ -140,7 +139,7 @@ fn evicted_blocks_drop_for_every_worker_and_later_events_still_apply() {
         }
     ));
     assert_eq!(index.worker_blocks(other), 0);
-    assert_eq!(index.stats().memberships, 2);
+    assert_eq!(index.stats().memberships, 1);
 }
 
 #[test]
@@ -164,4 +163,83 @@ fn memberships_stay_under_the_limit_through_churn_and_memory_is_reclaimed() {
         "{full} vs {}",
         unbounded.heap_bytes()
     );
+}
+
+/// How deep `worker` matches `path` in `index`.
+fn depth_of(index: &KvIndex, path: &[u64], worker: WorkerKey) -> u32 {
+    index
+        .find_matches(path)
+        .iter()
+        .find(|m| m.worker == worker)
+        .map_or(0, |m| m.depth)
+}
+
+/// A chain of `len` blocks whose engine and token hashes start at `first`.
+fn chain(first: u64, len: u64) -> EventKind {
+    let blocks: Vec<(u64, u64)> = (first..first + len).map(|h| (h, h)).collect();
+    stored(None, &blocks)
+}
+
+/// One worker flooding a bounded index (issue #36, attack 10): its stores
+/// evict its own oldest blocks, never those of a worker within its share
+/// (the limit over the live workers), and every count and digest stays
+/// exact. On the old, global order the flood took the honest worker's
+/// chain down to nothing and marked its digest trimmed.
+#[test]
+fn a_flooding_worker_never_evicts_a_worker_within_its_share() {
+    let index = limited(256);
+    let honest = WorkerKey::new(7, 0);
+    let flooder = WorkerKey::new(8, 0);
+    // The same events in an unbounded index: the honest worker's digest
+    // there is what it must stay.
+    let reference = KvIndex::new(IndexConfig::default());
+    let honest_path: Vec<u64> = (1..=64).collect();
+    feed(&index, honest, vec![chain(1, 64)]);
+    feed(&reference, honest, vec![chain(1, 64)]);
+    for round in 0..125u64 {
+        let first = 1_000_000 + round * 16;
+        feed(&index, flooder, vec![chain(first, 16)]);
+        // Counted, not looked up: a lookup would touch the honest chain
+        // and keep it recent.
+        assert_eq!(index.worker_blocks(honest), 64, "round {round}");
+        let stats = index.stats();
+        assert!(stats.memberships <= 256, "{}", stats.memberships);
+        assert_eq!(
+            stats.memberships,
+            index.worker_blocks(honest) + index.worker_blocks(flooder)
+        );
+    }
+    assert_eq!(depth_of(&index, &honest_path, honest), 64);
+    // The flood's newest chain is whole: its oldest went first.
+    let newest: Vec<u64> = (1_000_000 + 124 * 16..1_000_000 + 125 * 16).collect();
+    assert_eq!(depth_of(&index, &newest, flooder), 16);
+    assert_eq!(index.worker_blocks(flooder), 256 - 64);
+    assert_eq!(index.evicted_blocks(), 2000 - (256 - 64));
+    let oldest: Vec<u64> = (1_000_000..1_000_016).collect();
+    assert_eq!(depth_of(&index, &oldest, flooder), 0);
+    assert_eq!(index.digest(honest), reference.digest(honest));
+}
+
+/// A worker over its share loses its own least recently used blocks first,
+/// even when another worker's blocks are older; once within its share it
+/// keeps them, and the index evicts from whoever is over.
+#[test]
+fn eviction_takes_the_least_recently_used_of_the_workers_over_their_share() {
+    let index = limited(8);
+    let a = WorkerKey::new(1, 0);
+    let b = WorkerKey::new(2, 0);
+    // a: 3 blocks, the oldest in the index, within its share of 4.
+    feed(&index, a, vec![chain(1, 3)]);
+    feed(&index, b, vec![chain(100, 2)]);
+    feed(&index, b, vec![chain(200, 2)]);
+    // b holds 6 of the 9: its oldest leaf goes, not a's older one.
+    feed(&index, b, vec![chain(300, 2)]);
+    assert_eq!(index.stats().memberships, 8);
+    assert_eq!(index.worker_blocks(a), 3);
+    // (No lookup until the end: a lookup touches its path.)
+    feed(&index, b, vec![chain(400, 1)]);
+    assert_eq!(depth_of(&index, &[1, 2, 3], a), 3);
+    assert_eq!(depth_of(&index, &[100, 101], b), 0);
+    assert_eq!(depth_of(&index, &[200, 201], b), 2);
+    assert_eq!(index.worker_blocks(b), 5);
 }

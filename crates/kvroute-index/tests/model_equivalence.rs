@@ -340,8 +340,120 @@ fn run_limited(ops: Vec<Op>, max_blocks: usize) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// An op of [`run_fair`]: an event of the honest worker or of the flooding
+/// one, or a lookup (which touches its path).
+#[derive(Clone, Debug)]
+enum FairOp {
+    Honest(EventKind),
+    Flood(EventKind),
+    Lookup(Vec<u64>),
+}
+
+/// The honest worker stores chains of one or two blocks from the root over
+/// two of the tokens, content-named, and never removes: it holds at most six
+/// blocks, with every prefix of each, so it is within its share of any limit
+/// of twelve or more between two workers.
+fn fair_op() -> impl Strategy<Value = FairOp> {
+    let honest = prop::collection::vec(1..=2u64, 1..=2).prop_map(|tokens| {
+        let blocks = tokens
+            .into_iter()
+            .map(|tokens_hash| StoredBlock {
+                block_hash: 0,
+                tokens_hash,
+            })
+            .collect();
+        let kind = EventKind::Stored {
+            parent_hash: None,
+            blocks,
+        };
+        FairOp::Honest(content_named(kind, &[]))
+    });
+    prop_oneof![
+        1 => honest,
+        6 => kind_strategy().prop_map(FairOp::Flood),
+        2 => prop::collection::vec(1..=TOKENS, 1..4).prop_map(FairOp::Lookup),
+    ]
+}
+
+/// A bounded index shared by a worker within its share and one storing,
+/// removing and clearing at will over the same tokens: the honest worker
+/// matches exactly as in the model (nothing of it is ever evicted), its
+/// count and digest are exact (the digest as an unbounded index's, not
+/// trimmed), the flooder never matches deeper than in the model, and the
+/// index holds the limit.
+fn run_fair(ops: Vec<FairOp>, max_blocks: usize) -> Result<(), TestCaseError> {
+    let index = KvIndex::new(IndexConfig {
+        max_blocks: Some(max_blocks),
+    });
+    let unbounded = KvIndex::new(IndexConfig::default());
+    let mut model = Model::default();
+    let (honest, flooder) = (worker(0), worker(1));
+    let paths = probe_paths();
+    let next_id = |model: &Model, key| model.last_event_id(key).map_or(1, |l| l + 1);
+    for op in ops {
+        match op {
+            FairOp::Honest(kind) => {
+                let event = KvEvent {
+                    event_id: next_id(&model, honest),
+                    kind,
+                };
+                index.apply(honest, &event);
+                unbounded.apply(honest, &event);
+                model.apply(honest, &event);
+            }
+            FairOp::Flood(kind) => {
+                let known = model.engine_hashes(flooder);
+                let event = KvEvent {
+                    event_id: next_id(&model, flooder),
+                    kind: content_named(kind, &known),
+                };
+                index.apply(flooder, &event);
+                model.apply(flooder, &event);
+            }
+            FairOp::Lookup(path) => {
+                let _pinned = index.pin_path(&path);
+                index.find_matches(&path);
+            }
+        }
+        let stats = index.stats();
+        prop_assert!(stats.memberships <= max_blocks as u64);
+        prop_assert_eq!(
+            stats.memberships,
+            index.worker_blocks(honest) + index.worker_blocks(flooder)
+        );
+        prop_assert_eq!(index.worker_blocks(honest), model.held(honest));
+        prop_assert_eq!(index.digest(honest), unbounded.digest(honest));
+        for path in &paths {
+            let expected = model.find_matches(path);
+            let depth = |matches: &[WorkerMatch], key| {
+                matches
+                    .iter()
+                    .find(|m| m.worker == key)
+                    .map_or(0, |m| m.depth)
+            };
+            let found = index.find_matches(path);
+            prop_assert_eq!(
+                depth(&found, honest),
+                depth(&expected, honest),
+                "path {:?}",
+                path
+            );
+            prop_assert!(depth(&found, flooder) <= depth(&expected, flooder));
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_flood_never_evicts_a_worker_within_its_share(
+        ops in prop::collection::vec(fair_op(), 1..60),
+        max_blocks in 12..24usize,
+    ) {
+        run_fair(ops, max_blocks)?;
+    }
 
     #[test]
     fn index_matches_model(ops in prop::collection::vec(op_strategy(), 1..40)) {

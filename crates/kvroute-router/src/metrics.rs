@@ -48,6 +48,7 @@ pub const IDLE_TIMEOUTS: &str = "kvroute_upstream_idle_timeouts_total";
 pub const UNTOKENIZED: &str = "kvroute_untokenized_requests_total";
 pub const LIMIT_REFUSALS: &str = "kvroute_limit_refusals_total";
 pub const INDEX_EVICTED: &str = "kvroute_index_evicted_blocks_total";
+pub const INDEX_EVICTION_SCANS_CUT: &str = "kvroute_index_eviction_scans_cut_total";
 pub const STALE_DUMPS: &str = "kvroute_stale_dumps_total";
 pub const DUMP_ORPHANS: &str = "kvroute_dump_orphan_blocks_total";
 pub const INDEX_DIGESTS: &str = "kvroute_index_digests_total";
@@ -181,6 +182,10 @@ pub const FAMILIES: &[(&str, &str)] = &[
     (
         INDEX_EVICTED,
         "Blocks evicted from the index by its index.max_blocks bound",
+    ),
+    (
+        INDEX_EVICTION_SCANS_CUT,
+        "Evictions that stopped over index.max_blocks at their bound of blocks met and not taken",
     ),
     (
         STALE_DUMPS,

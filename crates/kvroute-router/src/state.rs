@@ -452,6 +452,8 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
+        ::metrics::counter!(metrics::INDEX_EVICTION_SCANS_CUT)
+            .absolute(self.index.eviction_scans_cut());
         if let Some(replica) = self.replica.get() {
             let flag = |on: bool| f64::from(u8::from(on));
             ::metrics::gauge!(metrics::CLUSTER_CONNECTED).set(flag(replica.connected()));
