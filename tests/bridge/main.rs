@@ -391,13 +391,8 @@ async fn admin_get(http: &Http, url: &str) -> common::Reply {
 /// `/v1/route` as an operator asks it: only the admin sees overlaps.
 async fn admin_route(http: &Http, url: &str, body: &serde_json::Value) -> common::Reply {
     let bearer = format!("Bearer {ADMIN_TOKEN}");
-    http.call(
-        "POST",
-        url,
-        &[("authorization", &bearer)],
-        &body.to_string(),
-    )
-    .await
+    http.call("POST", url, &[("authorization", &bearer)], body.to_string())
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
