@@ -205,9 +205,12 @@ fn hostport(url: &str) -> String {
         .to_string()
 }
 
-/// The router with its picker on, `n` sim workers, and Envoy in front.
+/// The router with its picker on and the sim's tokenizer, `n` sim workers,
+/// and Envoy in front.
 async fn gateway(n: usize, config: &str) -> (RouterProcess, SimFleet, Envoy) {
-    let router = RouterProcess::start(&format!("{config}\n[epp]\naddr = \"127.0.0.1:0\"\n"));
+    let router = RouterProcess::start(&format!(
+        "tokenizer = \"tiktoken:cl100k_base\"\n{config}\n[epp]\naddr = \"127.0.0.1:0\"\n"
+    ));
     let sim = SimFleet::start(Some(&router.grpc), n);
     common::wait_registered(&router, n).await;
     let pool: Vec<String> = sim.workers.iter().map(|(_, url)| hostport(url)).collect();
