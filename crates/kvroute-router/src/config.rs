@@ -185,8 +185,8 @@ pub enum QueueOrder {
     /// Arrival order.
     Fifo,
     /// The deepest cached prefix on a rank that can take it first, starvation
-    /// bounded by `queue_max_bypass` (measured in the README: under load it
-    /// keeps the hit rate FIFO loses).
+    /// bounded by `queue_max_bypass`. Under load it keeps the hit rate FIFO
+    /// loses (docs/measurements/e2e.md, "The router's queue in prefix order").
     #[default]
     LongestPrefix,
 }
@@ -218,7 +218,8 @@ pub struct SchedulerConfig {
     pub cost: Cost,
     /// Weight of prefill blocks against decode blocks in the `blocks` cost.
     /// Dynamo's default is 1; 32 is measured here: on the Mooncake conversation
-    /// trace it hits more of the cache with lower TTFT and the same fairness (README).
+    /// trace it hits more of the cache with lower TTFT and the same fairness
+    /// (docs/measurements/e2e.md).
     pub overlap_weight: f64,
     /// `seconds` cost: prefill seconds per token until a rank's rate is measured.
     pub prefill_seconds_per_token: f64,
@@ -669,7 +670,7 @@ impl Default for IngestConfig {
 impl Default for IndexConfig {
     fn default() -> Self {
         // 32 Mi entries, about 2.5 GiB of heap at ~75–85 bytes per entry with the
-        // eviction order (kvroute-index's MEASUREMENTS.md): 160 engines holding
+        // eviction order (docs/measurements/index-vs-dynamo.md): 160 engines holding
         // 200k blocks each.
         Self {
             max_blocks: 32 << 20,

@@ -2,7 +2,7 @@
 //! connection, told to finish gracefully when the router stops.
 //!
 //! Not `axum::serve`, whose layers cost a small proxied request ~2.7k
-//! instructions of the router's ~55k (callgrind, README's proxy section): it
+//! instructions of the router's ~55k (callgrind; docs/measurements/proxy-vs-nginx.md): it
 //! serves through hyper-util's auto builder, which sniffs every connection for
 //! HTTP/2 (this build serves HTTP/1 only) and passes every read through a
 //! rewinding wrapper; it boxes every request's body into axum's `Body`; and

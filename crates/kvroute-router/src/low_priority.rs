@@ -11,7 +11,7 @@
 //! kept ~90% of a shared core for the runtime but not its wake-up latency: a
 //! woken runtime thread still waited for the tokenizer's time slice, and
 //! event-ingest p99 at saturation rose from ~0.4 ms idle to 1.9–4.8 ms
-//! (`SCHED_IDLE`: 0.3–0.35 ms; README, "the proxy hop").
+//! (`SCHED_IDLE`: 0.3–0.35 ms; docs/measurements/proxy-vs-nginx.md).
 //!
 //! `SCHED_IDLE` ranks a thread below its siblings in the same cgroup only; a
 //! container's share of the machine against other containers is unchanged.

@@ -3,7 +3,7 @@
 //!
 //! Every figure is kept per policy and counts only while that policy was the
 //! engine's (a policy switched in at run time starts its own column, or
-//! resumes its old one). The definitions, also in the README:
+//! resumes its old one). The definitions, also in docs/measurements/cache-policy.md:
 //!
 //! - **evictions**: cached blocks the policy dropped.
 //! - **decision time**: wall time of one eviction decision (the policy choosing

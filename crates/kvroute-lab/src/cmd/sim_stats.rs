@@ -1,6 +1,6 @@
 //! `kvroute-lab sim stats --url URL`: a running simulated engine's eviction
 //! figures per policy (`GET /admin/eviction`), each goal marked met or missed.
-//! The figures are defined in `crates/kvroute-sim/src/eviction.rs` and the README.
+//! The figures are defined in `crates/kvroute-sim/src/eviction.rs` and docs/measurements/cache-policy.md.
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
