@@ -485,7 +485,7 @@ async fn a_replica_killed_mid_replay_cold_starts_from_a_snapshot_and_agrees_with
 #[ignore]
 async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
     use futures_util::StreamExt;
-    use kvroute_proto::{Dump, Stored, StoredBlock, worker_message};
+    use kvroute_proto::{Stored, StoredBlock};
 
     let total: u64 = std::env::var("KVROUTE_BENCH_BLOCKS")
         .ok()
@@ -524,15 +524,7 @@ async fn a_replica_joining_a_fleet_of_a_million_blocks_is_ready_within_5_s() {
                     .collect(),
             })
             .collect();
-        worker
-            .send(worker_message::Body::Dump(Dump {
-                dp_rank: 0,
-                last_event_id: 0,
-                chains,
-                more: false,
-                offload_chains: Vec::new(),
-            }))
-            .await;
+        send_dump(&worker, 0, chains, false).await;
         streams.push(worker);
     }
     for worker in &mut streams {

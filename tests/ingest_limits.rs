@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::*;
-use kvroute_proto::{Dump, EventBatch, KvEvent, Stored, StoredBlock, kv_event, worker_message};
+use kvroute_proto::{EventBatch, KvEvent, Stored, StoredBlock, kv_event, worker_message};
 use serde_json::json;
 
 async fn metrics(router: &RouterProcess) -> String {
@@ -201,18 +201,6 @@ fn chain(parent: Option<u64>, hashes: std::ops::Range<u64>, tokens: &[u32]) -> S
             })
             .collect(),
     }
-}
-
-async fn send_dump(worker: &GrpcWorker, last_event_id: u64, chains: Vec<Stored>, more: bool) {
-    worker
-        .send(worker_message::Body::Dump(Dump {
-            dp_rank: 0,
-            last_event_id,
-            chains,
-            more,
-            offload_chains: Vec::new(),
-        }))
-        .await;
 }
 
 #[tokio::test]

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvroute_proto::{Dump, kv_event, worker_message};
+use kvroute_proto::{kv_event, worker_message};
 use serde_json::json;
 
 /// Registers `n` HTTP test workers over gRPC (no events); ids 1..=n.
@@ -119,15 +119,7 @@ async fn a_gap_triggers_a_resync_that_restores_the_index() {
     assert_eq!(resync.from_event_id, 1);
     // The worker answers with a full dump, which replaces its state.
     let (stored_a, _) = worker.chain(&a);
-    worker
-        .send(worker_message::Body::Dump(Dump {
-            dp_rank: 0,
-            last_event_id: 2,
-            chains: vec![stored_a, stored_b, stored_c],
-            more: false,
-            offload_chains: Vec::new(),
-        }))
-        .await;
+    send_dump(worker, 2, vec![stored_a, stored_b, stored_c], false).await;
     worker.wait_ack(2).await;
     for t in [&a, &b, &c] {
         let route = dry_run(&router, &prompt(t, 1)).await;

@@ -4,7 +4,7 @@
 //! registrations of ids that are in use, and base URLs that point the router
 //! elsewhere.
 
-use kvroute_proto::{Dump, EventBatch, KvEvent, kv_event, worker_message};
+use kvroute_proto::{EventBatch, KvEvent, kv_event, worker_message};
 
 use crate::common::*;
 
@@ -131,13 +131,7 @@ async fn a_flood_of_bad_events_writes_a_bounded_log_with_the_count_left_out() {
 async fn send_endless_parts(worker: &mut GrpcWorker, n: u32) {
     for i in 0..n {
         let (chain, _) = worker.chain(&tokens(10_000 * (i + 1), BLOCK_SIZE * 100));
-        let part = worker_message::Body::Dump(Dump {
-            dp_rank: 0,
-            last_event_id: 1,
-            chains: vec![chain],
-            more: true,
-            offload_chains: Vec::new(),
-        });
+        let part = dump(1, vec![chain], true);
         if !worker.try_send(part).await {
             return;
         }
@@ -190,14 +184,7 @@ async fn dump_parts_that_never_finish_are_refused_past_the_budgets() {
     assert_eq!(refusals(&router, "dump_parts_bytes").await, 1.0);
     // Worker 2's dump finishes and applies: its parts and the last one.
     let (chain, _) = two.chain(&tokens(900_000, BLOCK_SIZE * 4));
-    two.send(worker_message::Body::Dump(Dump {
-        dp_rank: 0,
-        last_event_id: 1,
-        chains: vec![chain],
-        more: false,
-        offload_chains: Vec::new(),
-    }))
-    .await;
+    send_dump(&two, 1, vec![chain], false).await;
     two.wait_ack(1).await;
     assert_eq!(indexed(&router, 2).await.0, 20 * 100 + 4);
 }

@@ -3,8 +3,6 @@
 //! A worker's KV events are claims the router routes on; a client's dry run
 //! (`/v1/route`) reads what the router believes the caches hold.
 
-use kvroute_proto::{Dump, worker_message};
-
 use crate::common::*;
 
 /// Demotion after 3 failed claims of the last 4 judged, so that each attack
@@ -107,15 +105,7 @@ async fn a_worker_claiming_blocks_it_does_not_hold_is_demoted_until_a_dump() {
     // credit: a prompt only it claims goes to it again.
     let other = tokens(50_000, 8 * BLOCK_SIZE);
     let (chain, _) = liar_grpc.chain(&other);
-    liar_grpc
-        .send(worker_message::Body::Dump(Dump {
-            dp_rank: 0,
-            last_event_id: 1,
-            chains: vec![chain],
-            more: false,
-            offload_chains: Vec::new(),
-        }))
-        .await;
+    send_dump(&liar_grpc, 1, vec![chain], false).await;
     liar_grpc.wait_ack(1).await;
     eventually("the dump to restore the claimant", || async {
         worker_metric(&router, "kvroute_worker_demoted", 7).await == 0.0

@@ -31,8 +31,8 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_index::BlockHasher;
 use kvroute_proto::kv_router_client::KvRouterClient;
 use kvroute_proto::{
-    KvEvent, Register, RouterMessage, Stored, StoredBlock, WorkerMessage, kv_event, router_message,
-    worker_message,
+    Dump, KvEvent, Register, RouterMessage, Stored, StoredBlock, WorkerMessage, kv_event,
+    router_message, worker_message,
 };
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
@@ -981,6 +981,22 @@ pub struct GrpcWorker {
     next_event_ids: HashMap<u32, u64>,
     /// Every event logged, by (dp rank, id): what a resync is answered from.
     log: std::collections::BTreeMap<(u32, u64), kv_event::Kind>,
+}
+
+/// A `Dump` of rank 0: `chains` as the rank's whole state as of
+/// `last_event_id`, or a part of it when `more` is set.
+pub fn dump(last_event_id: u64, chains: Vec<Stored>, more: bool) -> worker_message::Body {
+    worker_message::Body::Dump(Dump {
+        dp_rank: 0,
+        last_event_id,
+        chains,
+        more,
+        offload_chains: Vec::new(),
+    })
+}
+
+pub async fn send_dump(worker: &GrpcWorker, last_event_id: u64, chains: Vec<Stored>, more: bool) {
+    worker.send(dump(last_event_id, chains, more)).await;
 }
 
 pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Register {
