@@ -225,7 +225,8 @@ struct NameUse {
 }
 
 /// Fx-hashed maps: the request path looks ranks, workers and names up several
-/// times per decision, and SipHash was a tenth of a decision's instructions.
+/// times per decision, and the keys are the fleet's, not clients', so SipHash's
+/// flood resistance buys nothing here.
 pub struct Fleet {
     pub workers: FxHashMap<u64, Worker>,
     pub ranks: FxHashMap<WorkerKey, Rank>,

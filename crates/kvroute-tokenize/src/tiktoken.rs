@@ -11,9 +11,9 @@
 //! itself does first; each thread remembers the ids of recent pieces of
 //! several tokens (`pieces` module); and only the rest is merged, by this
 //! crate's BPE (`merges` module; `bpe-openai`'s for pieces longer than it
-//! takes). On the router bench's prompts that is 2.0M instructions per
-//! 8.2k-token prompt, from 4.2M with `bpe-openai` merging the pieces the cache
-//! missed (callgrind). The tables are megabytes, and most of the time went
+//! takes), where the merges of pieces the cache missed are a third of a
+//! request's CPU (docs/measurements/tokenize.md, "Where a request's CPU
+//! goes"). The tables are megabytes, and most of the time went
 //! to waiting for them, so pieces are split a batch ahead of their lookups,
 //! which prefetch (`encode` module).
 //!
