@@ -407,6 +407,15 @@ impl Default for Http {
 }
 
 impl Http {
+    /// A client that speaks HTTP/2 only, by prior knowledge (h2c).
+    pub fn http2() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build(HttpConnector::new()),
+        }
+    }
+
     pub async fn send(
         &self,
         method: &str,

@@ -2,7 +2,6 @@
 //! the proxy and the `Route` RPC all use, so that a dry run and a proxied request
 //! decide the same way.
 
-use std::cell::Cell;
 use std::sync::Arc;
 
 use kvroute_index::{
@@ -77,22 +76,6 @@ pub struct Routed<B = ()> {
     pub booking: B,
     /// The clock reading the decision was made as of.
     pub decided_at: tokio::time::Instant,
-}
-
-thread_local! {
-    /// A routed request's block hashes, given back by [`keep_hashes`] once
-    /// its path is pinned: the next prompt hashed on the thread fills it
-    /// rather than a new vector (an allocation per proxied request).
-    static KEPT_HASHES: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
-}
-
-/// Blocks of the longest hash list kept for the thread's next prompt (64 KiB);
-/// a longer one is let go.
-const KEPT_HASHES_MAX: usize = 8192;
-
-/// Gives a [`Routed`]'s block hashes back for the thread's next prompt.
-pub fn keep_hashes(hashes: Vec<u64>) {
-    crate::kept::keep(&KEPT_HASHES, hashes, KEPT_HASHES_MAX);
 }
 
 impl AppState {
@@ -270,7 +253,7 @@ impl AppState {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
             NameKind::Model => BlockHasher::new(block_size),
         };
-        let mut hashes = crate::kept::take(&KEPT_HASHES);
+        let mut hashes = Vec::new();
         let prompt_tokens = match input {
             RouteInput::Tokens(tokens) => {
                 hasher.local_hashes_into(tokens, &mut hashes);
