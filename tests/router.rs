@@ -443,7 +443,12 @@ async fn an_http2_client_gets_answers_streams_and_json_errors() {
     let url = format!("{}/v1/completions", router.http);
 
     let response = http
-        .send("POST", &url, &[], completion("m", &tokens(0, 40)).to_string())
+        .send(
+            "POST",
+            &url,
+            &[],
+            completion("m", &tokens(0, 40)).to_string(),
+        )
         .await;
     assert_eq!(response.version(), http::Version::HTTP_2);
     assert_eq!(response.status(), 200);
@@ -457,7 +462,10 @@ async fn an_http2_client_gets_answers_streams_and_json_errors() {
     assert_eq!(reply.text(), expected);
     assert_eq!(workers[0].received(), 2);
 
-    assert_eq!(http.get(&format!("{}/healthz", router.http)).await.status, 200);
+    assert_eq!(
+        http.get(&format!("{}/healthz", router.http)).await.status,
+        200
+    );
     http.get(&url).await.assert_error(405, "invalid_request");
 }
 
