@@ -146,6 +146,7 @@ impl<'a> Session<'a> {
             lora_names: Vec::new(),
             tokenizer,
             instance_id: self.instance_id,
+            ..Default::default()
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
         let mut request = tonic::Request::new(ReceiverStream::new(rx));
