@@ -151,6 +151,7 @@ struct Seq {
     /// Leading block hashes whose KV a prefill engine sent (see [`Handoff`]);
     /// emptied at the first admission.
     transferred: Vec<u64>,
+    transferred_tokens: usize,
 }
 
 impl Seq {
@@ -170,10 +171,13 @@ impl Seq {
 pub struct Handoff {
     /// A prefill leg: its blocks stay held once it finishes, until released.
     pub hold: bool,
-    /// A decode leg: the block hashes a prefill engine computed. The prompt's
-    /// leading blocks that match them count as cached, less the prompt's last
-    /// token (the first output token needs a forward pass).
+    /// A decode leg: the full block hashes a prefill engine computed. The
+    /// prompt's leading blocks that match them count as cached, less the
+    /// prompt's last token (the first output token needs a forward pass).
     pub transferred: Vec<u64>,
+    /// The prefill's prompt length: when every full block matched, its
+    /// partial last block came too.
+    pub transferred_tokens: usize,
 }
 
 pub struct Engine {
@@ -361,14 +365,16 @@ impl Engine {
             priority,
             hold: handoff.hold,
             transferred: handoff.transferred,
+            transferred_tokens: handoff.transferred_tokens,
         });
         Ok(id)
     }
 
-    /// The full prompt blocks' hashes of a held (finished prefill) request.
-    pub fn held_hashes(&self, id: SeqId) -> Option<Vec<u64>> {
+    /// The full prompt blocks' hashes and the prompt length of a held
+    /// (finished prefill) request.
+    pub fn held_prompt(&self, id: SeqId) -> Option<(Vec<u64>, usize)> {
         let seq = self.held.get(&id)?;
-        Some(seq.blocks.iter().map(|b| b.hash).collect())
+        Some((seq.blocks.iter().map(|b| b.hash).collect(), seq.prompt_len))
     }
 
     /// Gives a held request's blocks back to the cache, tail first; returns
@@ -575,16 +581,23 @@ impl Engine {
         seq.holds_blocks = true;
         seq.published = hit + loaded;
         // Received blocks are published as the next step computes past them.
-        let transferred = seq
+        let sent = seq.transferred.len();
+        let matched = seq
             .blocks
             .iter()
             .zip(std::mem::take(&mut seq.transferred))
             .take_while(|(block, hash)| block.hash == *hash)
             .count();
+        // The partial last block is the prefill's only if the full ones all are.
+        let transferred = if matched > 0 && matched == seq.blocks.len() && matched == sent {
+            std::mem::take(&mut seq.transferred_tokens).min(seq.prompt_len)
+        } else {
+            matched * bs
+        };
         let cap = seq.prefill_target() - 1;
         let computed = ((hit + loaded) * bs).min(cap);
         let loaded_tokens = computed.saturating_sub(hit * bs);
-        let received = (transferred * bs).min(cap).saturating_sub(computed);
+        let received = transferred.min(cap).saturating_sub(computed);
         if first_admission {
             self.stats.offload_tokens += loaded_tokens as u64;
             self.stats.transferred_tokens += received as u64;

@@ -209,6 +209,18 @@ struct Parsed {
 fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     let json: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
+    let present = |name: &str| json.get(name).is_some_and(|v| !v.is_null());
+    let stream = json.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if present("stream_options") && !stream {
+        return Err(ApiError::bad(
+            "stream_options can only be defined when stream is true",
+        ));
+    }
+    if present("max_tokens") && present("max_completion_tokens") {
+        return Err(ApiError::bad(
+            "max_tokens and max_completion_tokens cannot both be set; use max_completion_tokens",
+        ));
+    }
     let model = json
         .get("model")
         .and_then(Value::as_str)
@@ -257,18 +269,6 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
         Some(Value::String(salt)) => Some(salt.clone()),
         Some(_) => return Err(ApiError::bad("`cache_salt` must be a string")),
     };
-    let present = |name: &str| json.get(name).is_some_and(|v| !v.is_null());
-    let stream = json.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    if present("stream_options") && !stream {
-        return Err(ApiError::bad(
-            "stream_options can only be defined when stream is true",
-        ));
-    }
-    if present("max_tokens") && present("max_completion_tokens") {
-        return Err(ApiError::bad(
-            "max_tokens and max_completion_tokens cannot both be set; use max_completion_tokens",
-        ));
-    }
     let max_tokens = match json
         .get("max_completion_tokens")
         .or_else(|| json.get("max_tokens"))

@@ -12,7 +12,9 @@
 //!   once and meet here, keyed by `bootstrap_room`; the decode waits for a
 //!   prefill not yet finished).
 //!
-//! Both answer `{"block_hashes": [...]}`, or 404 when there is no such lease.
+//! Both answer `{"block_hashes": [...], "prompt_tokens": N}` (the full
+//! blocks' hashes; the partial last block comes with them), or 404 when there
+//! is no such lease.
 //! The lease is released as it is taken, so a decode that goes away during
 //! the transfer strands nothing; the decode then waits the transfer time
 //! ([`crate::CostModel::transfer_time`]) and queues the request with the
@@ -135,6 +137,7 @@ struct Lease {
     /// The ids named in `kv_transfer_params.remote_block_ids`.
     block_ids: Vec<u64>,
     hashes: Vec<u64>,
+    prompt_tokens: usize,
 }
 
 /// Handoff counters of one engine.
@@ -186,13 +189,14 @@ pub(crate) fn finished(shared: &Arc<Shared>, core: &mut Core, seq: SeqId) {
     let Some(key) = core.pd.running.remove(&seq) else {
         return;
     };
-    let hashes = core.engine.held_hashes(seq).unwrap_or_default();
+    let (hashes, prompt_tokens) = core.engine.held_prompt(seq).unwrap_or_default();
     let first = core.pd.next_block_id;
     core.pd.next_block_id += hashes.len() as u64;
     let lease = Lease {
         seq,
         block_ids: (first..core.pd.next_block_id).collect(),
         hashes,
+        prompt_tokens,
     };
     if let Some(old) = core.pd.held.insert(key.clone(), lease) {
         // A client reused a room or request id: the older lease is dropped.
@@ -225,8 +229,8 @@ fn expire(shared: &Shared, key: &LeaseKey, seq: SeqId) {
     );
 }
 
-/// Takes a lease: its blocks go back to the cache; returns their hashes.
-fn take(shared: &Shared, key: &LeaseKey, block_ids: Option<&[u64]>) -> Option<Vec<u64>> {
+/// Takes a lease: its blocks go back to the cache; returns what the decode receives.
+fn take(shared: &Shared, key: &LeaseKey, block_ids: Option<&[u64]>) -> Option<Lease> {
     let mut core = shared.core();
     let lease = core.pd.held.get(key)?;
     if block_ids.is_some_and(|ids| ids != lease.block_ids) {
@@ -235,7 +239,7 @@ fn take(shared: &Shared, key: &LeaseKey, block_ids: Option<&[u64]>) -> Option<Ve
     let lease = core.pd.held.remove(key)?;
     core.engine.release_held(lease.seq);
     core.pd.stats.handoffs += 1;
-    Some(lease.hashes)
+    Some(lease)
 }
 
 /// Serves a prefill engine's side channel until the worker stops.
@@ -259,8 +263,9 @@ fn no_lease(what: String) -> Response {
     (StatusCode::NOT_FOUND, Json(json!({"error": what}))).into_response()
 }
 
-fn hashes_response(hashes: Vec<u64>) -> Response {
-    Json(json!({"block_hashes": hashes})).into_response()
+fn lease_response(lease: Lease) -> Response {
+    Json(json!({"block_hashes": lease.hashes, "prompt_tokens": lease.prompt_tokens}))
+        .into_response()
 }
 
 async fn pull(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
@@ -273,7 +278,7 @@ async fn pull(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         .and_then(Value::as_array)
         .map(|ids| ids.iter().filter_map(Value::as_u64).collect());
     match take(&shared, &LeaseKey::Vllm(id.to_string()), ids.as_deref()) {
-        Some(hashes) => hashes_response(hashes),
+        Some(lease) => lease_response(lease),
         None => no_lease(format!("no KV held for request `{id}` with these blocks")),
     }
 }
@@ -296,8 +301,8 @@ async fn rendezvous(State(shared): State<Arc<Shared>>, body: Bytes) -> Response 
         let added = shared.lease_added.notified();
         tokio::pin!(added);
         added.as_mut().enable();
-        if let Some(hashes) = take(&shared, &key, None) {
-            return hashes_response(hashes);
+        if let Some(lease) = take(&shared, &key, None) {
+            return lease_response(lease);
         }
         if tokio::time::timeout_at(deadline, added).await.is_err() {
             return no_lease(format!("no prefill for bootstrap room {room}"));
@@ -406,18 +411,23 @@ pub(crate) async fn receive(
     }
     // The rendezvous waits for its prefill; a pull answers at once.
     let wait = shared.config.pd.bootstrap_timeout + Duration::from_secs(5);
-    let hashes = match post_json(&shared.client, url, request, wait).await? {
-        (StatusCode::OK, json) => json
-            .get("block_hashes")
-            .and_then(Value::as_array)
-            .map(|hashes| hashes.iter().filter_map(Value::as_u64).collect::<Vec<_>>())
-            .ok_or_else(|| format!("{url} answered without block_hashes"))?,
+    let (hashes, tokens) = match post_json(&shared.client, url, request, wait).await? {
+        (StatusCode::OK, json) => (
+            json.get("block_hashes")
+                .and_then(Value::as_array)
+                .map(|hashes| hashes.iter().filter_map(Value::as_u64).collect::<Vec<_>>())
+                .ok_or_else(|| format!("{url} answered without block_hashes"))?,
+            json.get("prompt_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or_default() as usize,
+        ),
         (status, json) => return Err(format!("{url} answered {status}: {json}")),
     };
     let config = &shared.config;
+    let bs = config.engine.block_size;
     let pause = config.engine.cost.transfer_time(
-        hashes.len(),
-        config.engine.block_size,
+        tokens.div_ceil(bs).max(hashes.len()),
+        bs,
         config.pd.kv_transfer_gbps,
     );
     tokio::time::sleep(pause).await;
@@ -425,6 +435,7 @@ pub(crate) async fn receive(
     Ok(Handoff {
         hold: false,
         transferred: hashes,
+        transferred_tokens: tokens,
     })
 }
 
