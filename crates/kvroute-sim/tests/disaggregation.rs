@@ -164,6 +164,9 @@ async fn sglang_legs_sent_at_once_meet_at_the_rendezvous() {
     assert_eq!(prefilled.0, 200, "{}", prefilled.1);
     assert_eq!(decoded.0, 200, "{}", decoded.1);
     assert_eq!(cached(&decoded.1), 599, "{}", decoded.1);
+    // The prefill stops at the first token; the decode generates what was asked.
+    assert_eq!(prefilled.1["usage"]["completion_tokens"], 1);
+    assert_eq!(decoded.1["usage"]["completion_tokens"], 3);
     assert_eq!(decode.pd_stats().handoffs, 1);
     assert_eq!(prefill.pd_stats().handoffs, 1);
     assert_eq!(prefill.pd_stats().lease_expired_blocks, 0);
