@@ -1,5 +1,5 @@
 //! The HTTP API: OpenAI-compatible endpoints (parsed here, routed and forwarded
-//! by [`crate::proxy`]), the dry run, admin endpoints over the registry, health
+//! by [`crate::http::proxy`]), the dry run, admin endpoints over the registry, health
 //! and metrics.
 
 use std::borrow::Cow;
@@ -23,13 +23,13 @@ use serde_json::{Value, json};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
+use crate::http::proxy::Forward;
 use crate::limits;
 use crate::metrics;
-use crate::proxy::Forward;
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Prompt;
 
-pub use crate::proxy::WORKER_HEADER;
+pub use crate::http::proxy::WORKER_HEADER;
 
 /// The HTTP API, every response counted by status ([`metrics::HTTP_RESPONSES`]).
 pub fn service(state: Arc<AppState>) -> Router {
@@ -457,7 +457,7 @@ fn parse_body<'a>(
             }
         },
     };
-    let pin = match headers.get(crate::proxy::WORKER_HEADER_NAME) {
+    let pin = match headers.get(crate::http::proxy::WORKER_HEADER_NAME) {
         None => None,
         Some(value) => Some(
             value
@@ -493,7 +493,7 @@ fn parse_body<'a>(
     Ok((parsed, source))
 }
 
-/// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
+/// Reads and parses an OpenAI request, then hands it to [`crate::http::proxy`].
 async fn proxy(
     state: Arc<AppState>,
     inflight: Inflight,
@@ -506,7 +506,7 @@ async fn proxy(
         // Only now: a client that is slow to send its body holds no place.
         let permit = inflight.admit()?;
         let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
-        crate::proxy::forward(
+        crate::http::proxy::forward(
             &state,
             Forward {
                 model: &parsed.model,
