@@ -15,7 +15,9 @@
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
 //! (the NATS side lives in `kvroute-cluster`). With `[epp]`, [`epp`] answers
-//! a gateway's ext_proc stream with the same routing instead of proxying. [`config`], [`error`],
+//! a gateway's ext_proc stream with the same routing instead of proxying.
+//! [`responses`] keeps an OpenAI Responses conversation on the worker that
+//! stores it. [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 
 pub mod api;
@@ -41,6 +43,7 @@ pub mod proxy;
 pub mod queue;
 pub mod registry;
 pub mod replica;
+pub mod responses;
 pub mod scheduler;
 pub mod series;
 pub mod server;

@@ -17,12 +17,14 @@
 //!   bounded cache (`cache` module) because prompts repeat, chunk by chunk
 //!   (`chunks` module) because conversations grow.
 //! - [`parse_completion_prompt`] and [`ChatMessage`] read the prompt shapes
-//!   OpenAI clients send.
+//!   OpenAI clients send; [`responses_messages`] and [`anthropic_messages`]
+//!   turn Responses and Messages prompts into chat messages (`apis` module).
 //! - [`Tokenizer::fingerprint`] names what decides the ids (vocabulary, rules,
 //!   chat template), so that a router and its workers can check that they
 //!   tokenize alike before any prompt is routed.
 //! - [`TokenizeError`] is the one error type; no input makes this crate panic.
 
+mod apis;
 mod cache;
 mod chat_template;
 mod chunks;
@@ -37,6 +39,7 @@ mod split;
 mod tiktoken;
 mod vocab;
 
+pub use apis::{anthropic_messages, responses_input, responses_messages};
 pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;
 pub use hf::byte_chars;
