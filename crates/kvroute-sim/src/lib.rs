@@ -16,7 +16,8 @@
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
+//!   OpenAI-compatible HTTP server ([`http`]), with the Responses API
+//!   ([`responses`]), and the faults tests inject;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -29,6 +30,7 @@ pub mod host;
 pub mod http;
 pub mod pool;
 pub mod publisher;
+pub mod responses;
 pub mod trace;
 pub mod view;
 pub mod worker;
