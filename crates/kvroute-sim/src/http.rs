@@ -100,6 +100,11 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
             get(crate::responses::retrieve).delete(crate::responses::delete),
         )
         .route("/v1/responses/{id}/cancel", post(crate::responses::cancel))
+        .route("/v1/messages", post(crate::messages::create))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::messages::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))

@@ -365,3 +365,159 @@ async fn bad_responses_requests_get_openai_errors() {
     }
     worker.shutdown().await;
 }
+
+fn conversation() -> Value {
+    json!([
+        {"role": "user", "content": "What does the fox jump over?"},
+    ])
+}
+
+#[tokio::test]
+async fn messages_answer_with_the_message_and_report_cache_reads() {
+    let worker = engine().await;
+    let url = format!("{}/v1/messages", worker.base_url());
+    let http = Http::new();
+    let tools = json!([{"name": "lookup", "description": "Look it up",
+                        "input_schema": {"type": "object"}}]);
+    let first = json!({"model": "sim-model", "max_tokens": 4, "system": instructions(),
+                       "tools": tools, "messages": conversation()});
+    let (status, reply) = http.json("POST", &url, &first).await;
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["type"], "message");
+    assert_eq!(reply["role"], "assistant");
+    assert!(reply["id"].as_str().unwrap().starts_with("msg_"), "{reply}");
+    assert_eq!(reply["stop_reason"], "end_turn");
+    assert_eq!(reply["content"][0]["type"], "text");
+    let text = reply["content"][0]["text"].as_str().unwrap();
+    assert_eq!(text.split_whitespace().count(), 4, "{text}");
+    assert_eq!(reply["usage"]["output_tokens"], 4);
+    assert_eq!(reply["usage"]["cache_read_input_tokens"], 0);
+    let first_prompt = reply["usage"]["input_tokens"].as_u64().unwrap();
+
+    // count_tokens counts the prompt the request runs.
+    let (status, count) = http
+        .json("POST", &format!("{url}/count_tokens"), &first)
+        .await;
+    assert_eq!(status, 200, "{count}");
+    assert_eq!(count, json!({"input_tokens": first_prompt}));
+
+    // The follow-up turn, with the assistant's reply as content blocks and a
+    // tool call and its result, reads the first turn from the cache.
+    let mut turns = conversation().as_array().unwrap().clone();
+    turns.push(
+        json!({"role": "assistant", "content": [{"type": "text", "text": text},
+        {"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "fox"}}]}),
+    );
+    turns.push(json!({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "a lazy dog"},
+        {"type": "text", "text": "So?"}]}));
+    let second = json!({"model": "sim-model", "max_tokens": 4, "system": instructions(),
+                        "tools": tools, "messages": turns});
+    let (status, reply) = http.json("POST", &url, &second).await;
+    assert_eq!(status, 200, "{reply}");
+    let cached = reply["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    let uncached = reply["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(cached >= first_prompt / 16 * 16 - 16, "{reply}");
+    let (_, count) = http
+        .json("POST", &format!("{url}/count_tokens"), &second)
+        .await;
+    assert_eq!(count["input_tokens"], cached + uncached);
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn messages_stream_the_messages_events() {
+    let worker = engine().await;
+    let url = format!("{}/v1/messages", worker.base_url());
+    let body = json!({"model": "sim-model", "max_tokens": 3, "stream": true,
+                      "messages": conversation()});
+    let events = Http::new().events(&url, &body).await;
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_deref().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    let data = data(&events);
+    for (event, name) in data.iter().zip(&names) {
+        assert_eq!(event["type"], *name);
+    }
+    assert_eq!(data[0]["message"]["content"], json!([]));
+    assert_eq!(data[0]["message"]["usage"]["output_tokens"], 0);
+    assert!(
+        data[0]["message"]["usage"]["input_tokens"]
+            .as_u64()
+            .unwrap()
+            > 5
+    );
+    assert_eq!(data[3]["delta"]["type"], "text_delta");
+    assert_eq!(data[7]["delta"]["stop_reason"], "end_turn");
+    assert_eq!(data[7]["usage"]["output_tokens"], 3);
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_messages_requests_get_anthropic_errors() {
+    let worker = engine().await;
+    let url = format!("{}/v1/messages", worker.base_url());
+    let http = Http::new();
+    let cases = [
+        (
+            json!({"max_tokens": 1, "messages": []}),
+            400,
+            "invalid_request_error",
+            "`model`",
+        ),
+        (
+            json!({"model": "other", "max_tokens": 1, "messages": []}),
+            404,
+            "not_found_error",
+            "not served",
+        ),
+        (
+            json!({"model": "sim-model", "messages": conversation()}),
+            400,
+            "invalid_request_error",
+            "missing field `max_tokens`",
+        ),
+        (
+            json!({"model": "sim-model", "max_tokens": 1}),
+            400,
+            "invalid_request_error",
+            "`messages`",
+        ),
+        (
+            json!({"model": "sim-model", "max_tokens": 1,
+                   "messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+            400,
+            "invalid_request_error",
+            "messages.0.content.0",
+        ),
+    ];
+    for (body, status, kind, message) in cases {
+        for path in ["", "/count_tokens"] {
+            if path == "/count_tokens" && message.contains("max_tokens") {
+                continue;
+            }
+            let (got, error) = http.json("POST", &format!("{url}{path}"), &body).await;
+            assert_eq!(got, status, "{path} {body}: {error}");
+            assert_eq!(error["type"], "error", "{error}");
+            assert_eq!(error["error"]["type"], kind, "{error}");
+            let text = error["error"]["message"].as_str().unwrap();
+            assert!(text.contains(message), "{path} {body}: {text}");
+        }
+    }
+    let (status, error) = http.text("POST", &url, "[").await;
+    assert_eq!(status, 400, "{error}");
+    assert!(error.contains("\"invalid_request_error\""), "{error}");
+    worker.shutdown().await;
+}
