@@ -105,6 +105,11 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
             "/v1/messages/count_tokens",
             post(crate::messages::count_tokens),
         )
+        .route("/v1/embeddings", post(crate::passthrough::embeddings))
+        .route("/v1/rerank", post(crate::passthrough::rerank))
+        .route("/v1/score", post(crate::passthrough::score))
+        .route("/tokenize", post(crate::passthrough::tokenize))
+        .route("/detokenize", post(crate::passthrough::detokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))

@@ -17,8 +17,8 @@
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`publisher`], with the digests of [`view`]), the
 //!   OpenAI-compatible HTTP server ([`http`]), with the Responses API
-//!   ([`responses`]), the Anthropic Messages API ([`messages`]), and the
-//!   faults tests inject;
+//!   ([`responses`]), the Anthropic Messages API ([`messages`]), vLLM's
+//!   endpoints without KV cache ([`passthrough`]), and the faults tests inject;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -30,6 +30,7 @@ pub mod eviction;
 pub mod host;
 pub mod http;
 pub mod messages;
+pub mod passthrough;
 pub mod pool;
 pub mod publisher;
 pub mod responses;

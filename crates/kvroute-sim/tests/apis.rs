@@ -521,3 +521,209 @@ async fn bad_messages_requests_get_anthropic_errors() {
     assert!(error.contains("\"invalid_request_error\""), "{error}");
     worker.shutdown().await;
 }
+
+#[tokio::test]
+async fn embeddings_score_and_rerank_have_vllms_shapes() {
+    let worker = engine().await;
+    let base = worker.base_url().to_string();
+    let http = Http::new();
+    let (status, body) = http
+        .json(
+            "POST",
+            &format!("{base}/v1/embeddings"),
+            &json!({"model": "sim-model", "input": ["the quick fox", [1, 2, 3]], "dimensions": 8}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["object"], "list");
+    assert_eq!(body["data"].as_array().unwrap().len(), 2);
+    assert_eq!(body["data"][1]["index"], 1);
+    assert_eq!(body["data"][0]["object"], "embedding");
+    let vector: Vec<f32> = serde_json::from_value(body["data"][0]["embedding"].clone()).unwrap();
+    assert_eq!(vector.len(), 8);
+    let norm: f32 = vector.iter().map(|v| v * v).sum();
+    assert!((norm - 1.0).abs() < 1e-4, "{vector:?}");
+    // 3 tokens of text, 3 ids.
+    assert_eq!(body["usage"]["prompt_tokens"], 6);
+    // Deterministic, and base64 is the same floats.
+    let (_, again) = http
+        .json(
+            "POST",
+            &format!("{base}/v1/embeddings"),
+            &json!({"model": "sim-model", "input": "the quick fox", "dimensions": 8,
+                    "encoding_format": "base64"}),
+        )
+        .await;
+    let encoded = again["data"][0]["embedding"].as_str().unwrap();
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .unwrap();
+    let decoded: Vec<f32> = bytes
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(decoded, vector);
+
+    let (status, body) = http
+        .json(
+            "POST",
+            &format!("{base}/v1/score"),
+            &json!({"model": "sim-model", "text_1": "the quick brown fox",
+                    "text_2": ["the quick brown fox", "an unrelated sentence entirely"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"][0]["object"], "score");
+    let (same, other) = (
+        body["data"][0]["score"].as_f64().unwrap(),
+        body["data"][1]["score"].as_f64().unwrap(),
+    );
+    assert!((same - 1.0).abs() < 1e-6 && other < same, "{body}");
+
+    let (status, body) = http
+        .json(
+            "POST",
+            &format!("{base}/v1/rerank"),
+            &json!({"model": "sim-model", "query": "brown fox", "top_n": 2,
+                    "documents": ["a red car", "the brown fox", "blue sky", "fox"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let results = body["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[0]["index"], 1, "{body}");
+    assert_eq!(results[0]["document"]["text"], "the brown fox");
+    assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
+    assert!(body["usage"]["total_tokens"].as_u64().unwrap() > 0);
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn tokenize_gives_the_prompts_tokens_and_detokenize_the_text() {
+    let worker = engine().await;
+    let base = worker.base_url().to_string();
+    let http = Http::new();
+    let (status, body) = http
+        .json(
+            "POST",
+            &format!("{base}/tokenize"),
+            &json!({"model": "sim-model", "prompt": "Hello world"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["count"], 2);
+    assert!(body["max_model_len"].as_u64().unwrap() > 0);
+    let (status, text) = http
+        .json(
+            "POST",
+            &format!("{base}/detokenize"),
+            &json!({"tokens": body["tokens"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text, json!({"prompt": "Hello world"}));
+
+    // A chat's tokens are what the chat request is charged.
+    let messages = json!([{"role": "user", "content": "Hello world"}]);
+    let (_, chat_tokens) = http
+        .json(
+            "POST",
+            &format!("{base}/tokenize"),
+            &json!({"messages": messages}),
+        )
+        .await;
+    let (_, chat) = http
+        .json(
+            "POST",
+            &format!("{base}/v1/chat/completions"),
+            &json!({"model": "sim-model", "messages": messages, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(chat_tokens["count"], chat["usage"]["prompt_tokens"]);
+    let (_, rendered) = http
+        .json(
+            "POST",
+            &format!("{base}/detokenize"),
+            &json!({"tokens": chat_tokens["tokens"]}),
+        )
+        .await;
+    assert_eq!(
+        rendered["prompt"],
+        "<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n"
+    );
+    worker.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_pass_through_requests_get_openai_errors() {
+    let worker = engine().await;
+    let base = worker.base_url().to_string();
+    let http = Http::new();
+    let many: Vec<String> = (0..2049).map(|i| i.to_string()).collect();
+    let cases = [
+        (
+            "/v1/embeddings",
+            json!({"model": "sim-model"}),
+            400,
+            "missing field `input`",
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "sim-model", "input": "x", "dimensions": 0}),
+            400,
+            "`dimensions`",
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "sim-model", "input": many}),
+            400,
+            "at most 2048",
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "other", "input": "x"}),
+            404,
+            "not served",
+        ),
+        (
+            "/v1/score",
+            json!({"model": "sim-model", "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}),
+            400,
+            "`text_1` has 2 texts",
+        ),
+        (
+            "/v1/score",
+            json!({"model": "sim-model", "text_1": "a"}),
+            400,
+            "`text_2`",
+        ),
+        (
+            "/v1/rerank",
+            json!({"model": "sim-model", "query": "q", "documents": "d"}),
+            400,
+            "`documents`",
+        ),
+        (
+            "/tokenize",
+            json!({"model": "sim-model"}),
+            400,
+            "either `prompt`",
+        ),
+        ("/tokenize", json!({"prompt": {}}), 400, "prompt must be"),
+        ("/detokenize", json!({"tokens": [-1]}), 400, "token ids"),
+        (
+            "/detokenize",
+            json!({"tokens": [4000000]}),
+            400,
+            "not in the vocabulary",
+        ),
+    ];
+    for (path, body, status, message) in cases {
+        let (got, error) = http.json("POST", &format!("{base}{path}"), &body).await;
+        assert_eq!(got, status, "{path} {body}: {error}");
+        let text = error["error"]["message"].as_str().unwrap();
+        assert!(text.contains(message), "{path} {body}: {text}");
+    }
+    worker.shutdown().await;
+}
