@@ -16,7 +16,9 @@
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
+//!   OpenAI-compatible HTTP server ([`http`]), with the Responses API
+//!   ([`responses`]), the Anthropic Messages API ([`messages`]), vLLM's
+//!   endpoints without KV cache ([`passthrough`]), and the faults tests inject;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -27,8 +29,11 @@ pub mod events;
 pub mod eviction;
 pub mod host;
 pub mod http;
+pub mod messages;
+pub mod passthrough;
 pub mod pool;
 pub mod publisher;
+pub mod responses;
 pub mod trace;
 pub mod view;
 pub mod worker;

@@ -24,11 +24,14 @@ use crate::SimError;
 use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
 use crate::http::SharedTokenizer;
+use crate::responses::ResponseStore;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
 /// Longest time between two digests, by default.
 pub const DEFAULT_DIGEST_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a stored response is kept by default (`--responses-ttl-s`).
+pub const DEFAULT_RESPONSES_TTL: Duration = Duration::from_secs(3600);
 
 /// How to run one simulated worker.
 #[derive(Clone, Debug)]
@@ -60,6 +63,9 @@ pub struct WorkerConfig {
     pub digest_interval: Duration,
     /// Log one line per eviction decision (time, policy, blocks freed, why).
     pub log_evictions: bool,
+    /// How long a stored Responses API response (`/v1/responses`) is kept,
+    /// for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses_ttl: Duration,
 }
 
 impl WorkerConfig {
@@ -81,6 +87,7 @@ impl WorkerConfig {
             digest_events: DEFAULT_DIGEST_EVENTS,
             digest_interval: DEFAULT_DIGEST_INTERVAL,
             log_evictions: false,
+            responses_ttl: DEFAULT_RESPONSES_TTL,
         }
     }
 }
@@ -153,6 +160,8 @@ pub(crate) struct Shared {
     pub events_ready: Notify,
     pub stop: watch::Sender<bool>,
     pub tokenizer: SharedTokenizer,
+    /// The stored Responses API responses.
+    pub responses: ResponseStore,
 }
 
 impl Shared {
@@ -250,6 +259,7 @@ impl Worker {
                 None => format!("http://{http_addr}"),
             },
             tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
+            responses: ResponseStore::new(config.responses_ttl),
             config,
             core: Mutex::new(Core {
                 engine,
@@ -345,6 +355,8 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
             }
             core.log.restart();
             core.instance_id = rand::random();
+            // A new engine process has none of the old one's stored responses.
+            shared.responses.clear();
             shared.log_events(&mut core);
             // The publisher registers the new instance even if no event follows.
             shared.events_ready.notify_one();

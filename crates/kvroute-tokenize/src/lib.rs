@@ -132,6 +132,15 @@ impl Tokenizer {
         }
     }
 
+    /// The text of token ids (`/detokenize`); an id outside the vocabulary,
+    /// or ids that end inside a character, are refused.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        match &self.backend {
+            Backend::Tiktoken(tiktoken) => tiktoken.decode(ids),
+            Backend::HuggingFace(hf) => hf.decode(ids),
+        }
+    }
+
     /// What the cache of recent tokenizations holds and has saved.
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
