@@ -428,7 +428,9 @@ pub async fn send(
         buffer.push_str(std::str::from_utf8(data).ok()?);
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
+            // Typed events (Responses, Messages) name their type on an
+            // `event:` line first.
+            let Some(data) = event.lines().find_map(|line| line.strip_prefix("data: ")) else {
                 continue;
             };
             if data == "[DONE]" {

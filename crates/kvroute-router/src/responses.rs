@@ -75,7 +75,8 @@ impl ResponseOwners {
     pub fn new(ttl: Duration, capacity: usize) -> Self {
         Self {
             owners: quick_cache::sync::Cache::with(
-                capacity,
+                // Grown as ids come, not allocated for the cap up front.
+                capacity.min(1 << 16),
                 capacity as u64,
                 quick_cache::UnitWeighter,
                 quick_cache::DefaultHashBuilder::default(),

@@ -13,7 +13,9 @@
 //! by side: `blocks` is Dynamo's cost as it was (`overlap_weight`, no slack),
 //! `seconds` the time cost with the configuration's knobs. `--rate 1,2,3` runs
 //! everything at each rate. With `round_robin` among the policies, every `kv`
-//! run is checked against issue 13's routing goals (see [`goals`]).
+//! run is checked against issue 13's routing goals (see [`goals`]). `--api
+//! chat|responses|messages` replays the trace as text through that API
+//! instead of token ids through completions.
 
 mod goals;
 mod replicas;
