@@ -126,6 +126,8 @@ async fn a_streamed_response_is_passed_through_and_its_id_recorded() {
     let next = post(&http, &router, "/v1/responses", &next).await;
     assert_eq!(next.status, 200, "{}", next.text());
     assert_eq!(next.worker(), worker);
+    // Sent there for its id, not by a tie-break that happened to agree.
+    assert_eq!(lookups(&metrics(&http, &router).await, "owner"), 1.0);
 }
 
 #[tokio::test]
