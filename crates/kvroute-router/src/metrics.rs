@@ -71,6 +71,8 @@ pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
 pub const RESPONSE_OWNERS: &str = "kvroute_response_owners";
 pub const RESPONSE_OWNER_LOOKUPS: &str = "kvroute_response_owner_lookups_total";
+/// The `outcome`s of [`RESPONSE_OWNER_LOOKUPS`] (see `http::responses`).
+pub const RESPONSE_OWNER_OUTCOMES: [&str; 3] = ["owner", "owner_gone", "unknown"];
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -381,16 +383,13 @@ fn install() -> Renderer {
     for phase in PHASES {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
     }
-    for &limit in crate::limits::ALL {
-        let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
-    }
     for listener in ["http", "grpc"] {
         let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
     }
-    for outcome in crate::responses::OUTCOMES {
+    for outcome in RESPONSE_OWNER_OUTCOMES {
         let _ = metrics::counter!(RESPONSE_OWNER_LOOKUPS, "outcome" => outcome);
     }
     for name in [

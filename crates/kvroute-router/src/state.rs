@@ -10,19 +10,19 @@ use kvroute_index::{
 };
 
 use crate::auth::Credentials;
-use crate::booking::Booking;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
+use crate::fleet::booking::Booking;
+use crate::fleet::shared_load::SharedPrediction;
+use crate::fleet::{Limits, NameKind, Registration, Registry, Source};
+use crate::http::upstream::Upstream;
+use crate::ingest::writers::Writers;
 use crate::metrics;
-use crate::queue::WaitQueue;
-use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
-use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::schedule::queue::WaitQueue;
+use crate::schedule::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
-use crate::shared_load::SharedPrediction;
 use crate::tokenize::RouterTokenizer;
-use crate::upstream::Upstream;
-use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -42,7 +42,7 @@ pub struct AppState {
     /// Set once at start with `[cluster]`: this replica's side of the shared log.
     pub replica: std::sync::OnceLock<Arc<Replica>>,
     /// Set once at start with `[cluster]` sharing load: where this replica's
-    /// predictions go for the others ([`crate::shared_load`]).
+    /// predictions go for the others ([`crate::fleet::shared_load`]).
     pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
     /// Requests waiting for a non-busy worker.
     queue: WaitQueue<Waiting>,
@@ -55,7 +55,7 @@ pub struct AppState {
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
     pub faults: crate::faults::Faults,
     /// Which worker created each OpenAI response id.
-    pub response_owners: Arc<crate::responses::ResponseOwners>,
+    pub response_owners: Arc<crate::http::responses::ResponseOwners>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -100,6 +100,9 @@ pub fn keep_hashes(hashes: Vec<u64>) {
 impl AppState {
     /// Loads the configured tokenizers (an error if one does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
+        if metrics.is_some() {
+            crate::limits::count_from_zero();
+        }
         let tokenizer = RouterTokenizer::new(
             &config.tokenizer.0,
             config.tokenizer_cache_tokens,
@@ -153,7 +156,7 @@ impl AppState {
             config.scheduler.queue_max_bypass,
         );
         let dump_parts = Arc::new(tokio::sync::Semaphore::new(config.ingest.dump_parts_bytes));
-        let response_owners = Arc::new(crate::responses::ResponseOwners::new(
+        let response_owners = Arc::new(crate::http::responses::ResponseOwners::new(
             std::time::Duration::from_secs(config.responses.owner_ttl_s),
             config.limits.max_response_owners,
         ));
@@ -326,7 +329,7 @@ impl AppState {
         .await
     }
 
-    /// Routes with `choose`, waiting in the queue ([`crate::queue`]) while
+    /// Routes with `choose`, waiting in the queue ([`crate::schedule::queue`]) while
     /// every worker is busy: a waiter tries again on its turn, which comes
     /// when load is released or a breaker's cool-down ends, until the queue
     /// timeout. `choose` gets the time of its attempt: a request's first

@@ -23,9 +23,13 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::engine::Emitted;
-use crate::http::{AbortGuard, ApiError, ended_early, filler, json_body, reply, served_model};
-use crate::responses::{encode_chat, new_id, submit_chat, token_budget, tokenize_error};
 use crate::worker::Shared;
+use crate::worker::http::responses::{
+    encode_chat, new_id, submit_chat, token_budget, tokenize_error,
+};
+use crate::worker::http::{
+    AbortGuard, ApiError, ended_early, filler, json_body, reply, served_model,
+};
 
 /// An error in Anthropic's shape, its type named by its status as Anthropic names it.
 pub(crate) fn anthropic_error(error: ApiError) -> Response {

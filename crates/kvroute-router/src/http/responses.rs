@@ -24,14 +24,12 @@ use http_body::{Body, Frame, SizeHint};
 use crate::limits;
 use crate::metrics;
 
-/// Outcomes of a lookup, the values of `kvroute_response_owner_lookups_total{outcome}`.
-pub const OUTCOMES: [&str; 3] = [OWNER, OWNER_GONE, UNKNOWN];
 /// The id's worker serves it.
-pub const OWNER: &str = "owner";
+pub const OWNER: &str = metrics::RESPONSE_OWNER_OUTCOMES[0];
 /// The id's worker has left routing: the request is routed like any other.
-pub const OWNER_GONE: &str = "owner_gone";
+pub const OWNER_GONE: &str = metrics::RESPONSE_OWNER_OUTCOMES[1];
 /// The router has no record of the id (never seen, expired or forgotten).
-pub const UNKNOWN: &str = "unknown";
+pub const UNKNOWN: &str = metrics::RESPONSE_OWNER_OUTCOMES[2];
 
 /// Longest response id recorded; engines make ids of a few dozen bytes.
 const MAX_ID_BYTES: usize = 256;
@@ -118,7 +116,7 @@ impl ResponseOwners {
     }
 }
 
-/// Counts one lookup of a response id's owner by `outcome` (one of [`OUTCOMES`]).
+/// Counts one lookup of a response id's owner by `outcome` ([`OWNER`], [`OWNER_GONE`] or [`UNKNOWN`]).
 pub fn count_lookup(outcome: &'static str) {
     ::metrics::counter!(metrics::RESPONSE_OWNER_LOOKUPS, "outcome" => outcome).increment(1);
 }

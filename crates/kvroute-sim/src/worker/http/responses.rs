@@ -29,10 +29,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::engine::{Emitted, SeqId};
-use crate::http::{
+use crate::worker::Shared;
+use crate::worker::http::{
     AbortGuard, ApiError, cache_salt, ended_early, filler, json_body, priority, reply, served_model,
 };
-use crate::worker::Shared;
 
 /// Stored responses, each kept for the store's TTL from its creation.
 pub(crate) struct ResponseStore {

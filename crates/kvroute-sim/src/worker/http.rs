@@ -21,6 +21,12 @@
 //!   `/admin/fault`, these have no token: the simulator is a test fixture.
 //! - A request's `priority_class` (0 low, 1 normal, 2 high; default 1) is its
 //!   class under the `qos` eviction policy; the router forwards the body as is.
+//! - The OpenAI Responses API ([`responses`]), the Anthropic Messages API
+//!   ([`messages`]) and vLLM's endpoints without KV cache ([`passthrough`]).
+
+pub mod messages;
+pub mod passthrough;
+pub mod responses;
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -94,22 +100,19 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let app = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/responses", post(crate::responses::create))
+        .route("/v1/responses", post(responses::create))
         .route(
             "/v1/responses/{id}",
-            get(crate::responses::retrieve).delete(crate::responses::delete),
+            get(responses::retrieve).delete(responses::delete),
         )
-        .route("/v1/responses/{id}/cancel", post(crate::responses::cancel))
-        .route("/v1/messages", post(crate::messages::create))
-        .route(
-            "/v1/messages/count_tokens",
-            post(crate::messages::count_tokens),
-        )
-        .route("/v1/embeddings", post(crate::passthrough::embeddings))
-        .route("/v1/rerank", post(crate::passthrough::rerank))
-        .route("/v1/score", post(crate::passthrough::score))
-        .route("/tokenize", post(crate::passthrough::tokenize))
-        .route("/detokenize", post(crate::passthrough::detokenize))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/embeddings", post(passthrough::embeddings))
+        .route("/v1/rerank", post(passthrough::rerank))
+        .route("/v1/score", post(passthrough::score))
+        .route("/tokenize", post(passthrough::tokenize))
+        .route("/detokenize", post(passthrough::detokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))

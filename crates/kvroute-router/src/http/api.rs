@@ -1,5 +1,5 @@
 //! The HTTP API: OpenAI-compatible endpoints (parsed here, routed and forwarded
-//! by [`crate::proxy`]), the dry run, admin endpoints over the registry, health
+//! by [`crate::http::proxy`]), the dry run, admin endpoints over the registry, health
 //! and metrics.
 
 use std::borrow::Cow;
@@ -27,13 +27,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::Service;
 
 use crate::error::RouterError;
+use crate::http::proxy::Forward;
 use crate::limits;
 use crate::metrics;
-use crate::proxy::Forward;
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Prompt;
 
-pub use crate::proxy::WORKER_HEADER;
+pub use crate::http::proxy::WORKER_HEADER;
 
 /// The HTTP API: the two proxied endpoints, then everything else through
 /// axum's router; every response counted.
@@ -879,7 +879,7 @@ fn parse_body<'a>(
     };
     let Text(model) =
         model.ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?;
-    let pin = match headers.get(crate::proxy::WORKER_HEADER_NAME) {
+    let pin = match headers.get(crate::http::proxy::WORKER_HEADER_NAME) {
         None => None,
         Some(value) => Some(
             value
@@ -969,7 +969,7 @@ fn api_body(body: &Bytes, endpoint: Endpoint) -> Result<BodyFields<'_>, RouterEr
     Ok((fields.model, fields.cache_salt, source, follows))
 }
 
-/// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
+/// Reads and parses an OpenAI request, then hands it to [`crate::http::proxy`].
 async fn proxy(
     state: Arc<AppState>,
     inflight: Inflight,
@@ -985,7 +985,7 @@ async fn proxy(
         let pin = parsed
             .pin
             .or_else(|| owner(&state, parsed.follows.as_deref()?, &parsed.model));
-        let response = crate::proxy::forward(
+        let response = crate::http::proxy::forward(
             &state,
             Forward {
                 model: &parsed.model,
@@ -1000,7 +1000,7 @@ async fn proxy(
             },
         )
         .await;
-        crate::upstream::recycle_headers(headers);
+        crate::http::upstream::recycle_headers(headers);
         keep_tokens(parsed.tokens);
         match response {
             Ok(response) if endpoint == Endpoint::Responses => Ok(record_owner(&state, response)),
@@ -1018,29 +1018,29 @@ async fn proxy(
 /// the lookup counted.
 fn owner(state: &AppState, id: &str, model: &str) -> Option<u64> {
     let Some(worker) = state.response_owners.owner(id) else {
-        crate::responses::count_lookup(crate::responses::UNKNOWN);
+        crate::http::responses::count_lookup(crate::http::responses::UNKNOWN);
         return None;
     };
     if state.registry.serves(worker, model) {
-        crate::responses::count_lookup(crate::responses::OWNER);
+        crate::http::responses::count_lookup(crate::http::responses::OWNER);
         Some(worker)
     } else {
-        crate::responses::count_lookup(crate::responses::OWNER_GONE);
+        crate::http::responses::count_lookup(crate::http::responses::OWNER_GONE);
         None
     }
 }
 
 /// A Responses answer on its way to the client, its id recorded as the
-/// answering worker's once its body shows it ([`crate::responses::IdTap`]).
+/// answering worker's once its body shows it ([`crate::http::responses::IdTap`]).
 fn record_owner(state: &AppState, response: Response) -> Response {
     let worker = response
         .headers()
-        .get(crate::proxy::WORKER_HEADER_NAME)
+        .get(crate::http::proxy::WORKER_HEADER_NAME)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     match worker {
         Some(worker) if response.status().is_success() => response.map(|body| {
             let owners = Arc::clone(&state.response_owners);
-            axum::body::Body::new(crate::responses::IdTap::new(body, owners, worker))
+            axum::body::Body::new(crate::http::responses::IdTap::new(body, owners, worker))
         }),
         _ => response,
     }
@@ -1062,14 +1062,14 @@ async fn response_by_id(
         .with_status(StatusCode::NOT_FOUND)
     };
     let Some(worker) = state.response_owners.owner(&id) else {
-        crate::responses::count_lookup(crate::responses::UNKNOWN);
+        crate::http::responses::count_lookup(crate::http::responses::UNKNOWN);
         return Ok(not_found());
     };
     let Some(base_url) = state.registry.connected_base_url(worker) else {
-        crate::responses::count_lookup(crate::responses::OWNER_GONE);
+        crate::http::responses::count_lookup(crate::http::responses::OWNER_GONE);
         return Ok(not_found());
     };
-    crate::responses::count_lookup(crate::responses::OWNER);
+    crate::http::responses::count_lookup(crate::http::responses::OWNER);
     let method = request.method().clone();
     let path = request
         .uri()
@@ -1077,7 +1077,7 @@ async fn response_by_id(
         .cloned()
         .ok_or_else(|| RouterError::BadRequest("the request has no path".into()))?;
     let (headers, body) = read_body(&state, request, Instant::now()).await?;
-    let mut deadline = crate::upstream::GiveUpAt(
+    let mut deadline = crate::http::upstream::GiveUpAt(
         tokio::time::Instant::now() + state.upstream.first_byte_timeout(),
     );
     let response = state
@@ -1092,9 +1092,9 @@ async fn response_by_id(
             RouterError::Upstream(format!("worker {worker} did not answer"))
         })?;
     let (mut parts, body) = response.into_parts();
-    crate::upstream::strip_hop_by_hop(&mut parts.headers);
+    crate::http::upstream::strip_hop_by_hop(&mut parts.headers);
     parts.headers.insert(
-        crate::proxy::WORKER_HEADER_NAME,
+        crate::http::proxy::WORKER_HEADER_NAME,
         header::HeaderValue::from(worker),
     );
     Ok(Response::from_parts(parts, axum::body::Body::new(body)))

@@ -16,9 +16,9 @@ use base64::Engine as _;
 use kvroute_tokenize::{Prompt, parse_completion_prompt};
 use serde_json::{Value, json};
 
-use crate::http::{ApiError, json_body, served_model};
-use crate::responses::{new_id, tokenize_error, unix_now};
 use crate::worker::Shared;
+use crate::worker::http::responses::{new_id, tokenize_error, unix_now};
+use crate::worker::http::{ApiError, json_body, served_model};
 
 /// Dimensions of an embedding unless the request asks for `dimensions`.
 const DIMENSIONS: usize = 64;
