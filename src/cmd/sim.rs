@@ -102,6 +102,10 @@ pub struct SimArgs {
     /// Log one line per eviction (time, policy, blocks freed, why).
     #[arg(long)]
     log_evictions: bool,
+    /// How long each engine keeps a stored Responses API response, for
+    /// previous_response_id and GET /v1/responses/{id}, in seconds.
+    #[arg(long, default_value_t = kvroute_sim::worker::DEFAULT_RESPONSES_TTL.as_secs())]
+    responses_ttl_s: u64,
     #[command(flatten)]
     digest: DigestArgs,
     #[command(flatten)]
@@ -149,6 +153,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
     template.log_evictions = args.log_evictions;
     template.persona = args.pd.persona;
+    template.responses_ttl = Duration::from_secs(args.responses_ttl_s);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
         let mut workers: Vec<Worker> = Vec::new();

@@ -69,6 +69,10 @@ pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
+pub const RESPONSE_OWNERS: &str = "kvroute_response_owners";
+pub const RESPONSE_OWNER_LOOKUPS: &str = "kvroute_response_owner_lookups_total";
+/// The `outcome`s of [`RESPONSE_OWNER_LOOKUPS`] (see `http::responses`).
+pub const RESPONSE_OWNER_OUTCOMES: [&str; 3] = ["owner", "owner_gone", "unknown"];
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -264,6 +268,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
         TOKENIZE_ABANDONED,
         "Requests not tokenized because their client went away while they waited for a tokenizing thread",
     ),
+    (
+        RESPONSE_OWNERS,
+        "Response ids whose creating worker the router remembers",
+    ),
+    (
+        RESPONSE_OWNER_LOOKUPS,
+        "Requests naming a response id (previous_response_id, or the id in the path), by outcome: owner, owner_gone, unknown",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -393,6 +405,9 @@ fn install() -> Renderer {
     }
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
+    }
+    for outcome in RESPONSE_OWNER_OUTCOMES {
+        let _ = metrics::counter!(RESPONSE_OWNER_LOOKUPS, "outcome" => outcome);
     }
     for name in [
         PREDICTED_OVERLAP,

@@ -53,6 +53,8 @@ pub struct AppState {
     pub dump_parts: Arc<tokio::sync::Semaphore>,
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
     pub faults: crate::faults::Faults,
+    /// Which worker created each OpenAI response id.
+    pub response_owners: Arc<crate::http::responses::ResponseOwners>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -137,6 +139,10 @@ impl AppState {
             config.scheduler.queue_max_bypass,
         );
         let dump_parts = Arc::new(tokio::sync::Semaphore::new(config.ingest.dump_parts_bytes));
+        let response_owners = Arc::new(crate::http::responses::ResponseOwners::new(
+            std::time::Duration::from_secs(config.responses.owner_ttl_s),
+            config.limits.max_response_owners,
+        ));
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -155,6 +161,7 @@ impl AppState {
             ingest_gate: tokio::sync::RwLock::new(()),
             dump_parts,
             faults,
+            response_owners,
         }))
     }
 
@@ -437,6 +444,7 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEXED_BLOCKS).set(stats.blocks as f64);
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
+        ::metrics::gauge!(metrics::RESPONSE_OWNERS).set(self.response_owners.len() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         ::metrics::counter!(metrics::INDEX_EVICTION_SCANS_CUT)
             .absolute(self.index.eviction_scans_cut());

@@ -16,7 +16,9 @@
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`worker::publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`worker::http`]) and the faults tests inject;
+//!   OpenAI-compatible HTTP server ([`worker::http`]), with the Responses API,
+//!   the Anthropic Messages API and vLLM's endpoints without KV cache, and the
+//!   faults tests inject;
 //! - [`worker::pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
 //!   handoff conventions, prefill leases and the side channel decode engines
 //!   take KV from;

@@ -141,6 +141,27 @@ impl TiktokenTokenizer {
         }
     }
 
+    /// The text of `ids`; `<|im_start|>` and `<|im_end|>` written out.
+    pub(crate) fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        let size = self.bpe.bpe.num_tokens();
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            match id {
+                id if id == self.im_start => bytes.extend_from_slice(b"<|im_start|>"),
+                id if id == self.im_end => bytes.extend_from_slice(b"<|im_end|>"),
+                id if (id as usize) < size => bytes.extend_from_slice(self.bpe.bpe.token_bytes(id)),
+                id => {
+                    return Err(TokenizeError::InvalidPrompt {
+                        message: format!("token id {id} is not in the vocabulary ({size} tokens)"),
+                    });
+                }
+            }
+        }
+        String::from_utf8(bytes).map_err(|_| TokenizeError::InvalidPrompt {
+            message: "the token ids end inside a character (not valid UTF-8)".into(),
+        })
+    }
+
     /// [`Self::encode`], chunk by chunk through `cache`.
     pub(crate) fn encode_cached(
         &self,

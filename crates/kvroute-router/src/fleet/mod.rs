@@ -741,6 +741,22 @@ impl Registry {
         self.lock().workers.contains_key(&worker_id)
     }
 
+    /// Whether a routable rank of `worker_id` serves `name`.
+    pub fn serves(&self, worker_id: u64, name: &str) -> bool {
+        self.lock()
+            .groups
+            .get(name)
+            .is_some_and(|g| g.members.iter().any(|k| k.worker_id == worker_id))
+    }
+
+    /// The base URL of `worker_id` while it is connected (draining or not):
+    /// where what it stores can still be asked for.
+    pub fn connected_base_url(&self, worker_id: u64) -> Option<Arc<str>> {
+        let fleet = self.lock();
+        let worker = fleet.workers.get(&worker_id)?;
+        (worker.connection == Connection::Connected).then(|| Arc::clone(&worker.base_url))
+    }
+
     pub fn any_routable(&self) -> bool {
         self.lock()
             .groups

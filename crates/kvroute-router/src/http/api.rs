@@ -58,9 +58,16 @@ fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
         post(move |State(state), request| proxy(state, inflight.clone(), request, endpoint))
             .fallback(post_only)
     };
-    Router::new()
-        .route("/v1/completions", proxied(Endpoint::Completions))
-        .route("/v1/chat/completions", proxied(Endpoint::Chat))
+    let mut routes = Router::new();
+    for endpoint in Endpoint::ALL {
+        routes = routes.route(endpoint.path(), proxied(endpoint));
+    }
+    routes
+        .route(
+            "/v1/responses/{id}",
+            get(response_by_id).delete(response_by_id),
+        )
+        .route("/v1/responses/{id}/cancel", post(response_by_id))
         .route(
             "/v1/route",
             post(move |State(state), request| dry_run(state, inflight.clone(), request)),
@@ -138,20 +145,44 @@ async fn require_admin(
     }
 }
 
-/// Which OpenAI endpoint a body is for.
+/// Which proxied endpoint a body is for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Endpoint {
     Completions,
     Chat,
+    /// OpenAI's Responses API: routed like chat, and to the worker that
+    /// stores the response a request continues ([`crate::responses`]).
+    Responses,
+    /// Anthropic's Messages API: routed like chat, errors in Anthropic's shape.
+    Messages,
+    /// Anthropic's token counting: routed on load alone.
+    CountTokens,
+    /// An endpoint passed through to a worker serving the model, routed on
+    /// load alone: embeddings, rerank, score, tokenize, detokenize.
+    PassThrough(&'static str),
 }
 
 impl Endpoint {
+    /// Every proxied endpoint.
+    const ALL: [Endpoint; 10] = [
+        Endpoint::Completions,
+        Endpoint::Chat,
+        Endpoint::Responses,
+        Endpoint::Messages,
+        Endpoint::CountTokens,
+        Endpoint::PassThrough("/v1/embeddings"),
+        Endpoint::PassThrough("/v1/rerank"),
+        Endpoint::PassThrough("/v1/score"),
+        Endpoint::PassThrough("/tokenize"),
+        Endpoint::PassThrough("/detokenize"),
+    ];
+
     /// The endpoint a request's path names, if it is one of the proxied ones.
     pub(crate) fn of_path(path: &str) -> Option<Endpoint> {
         match path {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::Chat),
-            _ => None,
+            _ => Self::ALL[2..].iter().copied().find(|e| e.path() == path),
         }
     }
 
@@ -159,7 +190,16 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::CountTokens => "/v1/messages/count_tokens",
+            Endpoint::PassThrough(path) => path,
         }
+    }
+
+    /// Whether errors are answered in Anthropic's shape.
+    fn anthropic(self) -> bool {
+        matches!(self, Endpoint::Messages | Endpoint::CountTokens)
     }
 }
 
@@ -172,6 +212,8 @@ pub(crate) struct Parsed<'a> {
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
     untokenized: Option<&'static str>,
     pub(crate) pin: Option<u64>,
+    /// The Responses request's `previous_response_id`.
+    follows: Option<Cow<'a, str>>,
 }
 
 impl Parsed<'_> {
@@ -315,29 +357,45 @@ struct RequestBody<'a> {
 #[derive(Deserialize)]
 struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
+/// The JSON object `body` as `T`, or the 400 that says what is wrong with it.
+fn json_object<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RouterError> {
+    let invalid_json =
+        |e: serde_json::Error| RouterError::BadRequest(format!("the body is not valid JSON: {e}"));
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        serde_json::from_slice::<IgnoredAny>(body).map_err(invalid_json)?;
+        return Err(RouterError::BadRequest(
+            "the body must be a JSON object".into(),
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        if !e.is_data() {
+            return invalid_json(e);
+        }
+        // A field of the wrong shape: read again (only on this error
+        // path) to name the field.
+        let mut json = serde_json::Deserializer::from_slice(body);
+        match serde_path_to_error::deserialize::<_, T>(&mut json) {
+            Err(named) => RouterError::BadRequest(format!("invalid request body: {named}")),
+            Ok(_) => RouterError::BadRequest(format!("invalid request body: {e}")),
+        }
+    })
+}
+
+/// The fields of a Responses, Messages or passed-through request body that
+/// routing reads besides the prompt, which is read on the tokenizing pool.
+#[derive(Deserialize)]
+struct ApiBody<'a> {
+    #[serde(borrow)]
+    model: Option<Text<'a>>,
+    #[serde(borrow)]
+    previous_response_id: Option<Text<'a>>,
+    #[serde(borrow)]
+    cache_salt: Option<Text<'a>>,
+}
+
 impl<'a> RequestBody<'a> {
     fn parse(body: &'a [u8]) -> Result<Self, RouterError> {
-        let invalid_json = |e: serde_json::Error| {
-            RouterError::BadRequest(format!("the body is not valid JSON: {e}"))
-        };
-        if body.trim_ascii_start().first() != Some(&b'{') {
-            serde_json::from_slice::<IgnoredAny>(body).map_err(invalid_json)?;
-            return Err(RouterError::BadRequest(
-                "the body must be a JSON object".into(),
-            ));
-        }
-        serde_json::from_slice(body).map_err(|e| {
-            if !e.is_data() {
-                return invalid_json(e);
-            }
-            // A field of the wrong shape: read again (only on this error
-            // path) to name the field.
-            let mut json = serde_json::Deserializer::from_slice(body);
-            match serde_path_to_error::deserialize::<_, RequestBody>(&mut json) {
-                Err(named) => RouterError::BadRequest(format!("invalid request body: {named}")),
-                Ok(_) => RouterError::BadRequest(format!("invalid request body: {e}")),
-            }
-        })
+        json_object(body)
     }
 }
 
@@ -358,6 +416,12 @@ enum PromptSource {
         messages: Bytes,
         add_generation_prompt: bool,
     },
+    /// A Responses or Messages body, whose prompt is made chat messages by
+    /// [`kvroute_tokenize::responses_messages`] or
+    /// [`kvroute_tokenize::anthropic_messages`].
+    Converted { responses: bool, body: Bytes },
+    /// No prompt: routed on load alone.
+    LoadOnly,
 }
 
 /// Parses the JSON body, then turns its prompt into tokens on the tokenizing
@@ -370,14 +434,44 @@ pub(crate) async fn parse<'a>(
 ) -> Result<Parsed<'a>, RouterError> {
     let (mut parsed, source) = parse_body(state, headers, body, endpoint)?;
     // Token ids take no tokenizing: no clock reads for them.
-    let started = (!matches!(source, PromptSource::Tokens(_))).then(Instant::now);
+    let started =
+        (!matches!(source, PromptSource::Tokens(_) | PromptSource::LoadOnly)).then(Instant::now);
     let tokenizer = match source {
-        PromptSource::Tokens(_) => None,
+        PromptSource::Tokens(_) | PromptSource::LoadOnly => None,
         _ => state.tokenizer.for_name(&state.registry, &parsed.model),
     };
     let tokenized = match (source, tokenizer) {
         (PromptSource::Tokens(tokens), _) => Some((tokens, Vec::new())),
+        (PromptSource::LoadOnly, _) => Some((Vec::new(), Vec::new())),
         (_, None) => None,
+        (PromptSource::Converted { responses, body }, Some(tokenizer)) => {
+            let limits = state.config.limits.clone();
+            Some(
+                state
+                    .tokenizer
+                    .run(tokenizer, move |t| {
+                        // A body already read as a JSON object: it parses.
+                        let body: Value = serde_json::from_slice(&body)
+                            .map_err(|e| RouterError::BadRequest(e.to_string()))?;
+                        // A follow-up's earlier turns are the engine's: the
+                        // router routes it to their worker, not by them.
+                        let messages = if responses {
+                            kvroute_tokenize::responses_messages(&body, &[])
+                        } else {
+                            kvroute_tokenize::anthropic_messages(&body)
+                        }
+                        .map_err(|e| match e {
+                            kvroute_tokenize::TokenizeError::InvalidPrompt { message } => {
+                                RouterError::BadRequest(message)
+                            }
+                            e => RouterError::Tokenize(e.to_string()),
+                        })?;
+                        crate::tokenize::check_chat_size(&messages, &limits)?;
+                        t.encode_chat(&messages, true)
+                    })
+                    .await?,
+            )
+        }
         (PromptSource::Text(text), Some(tokenizer)) => Some(
             state
                 .tokenizer
@@ -429,34 +523,12 @@ fn parse_body<'a>(
     body: &'a Bytes,
     endpoint: Option<Endpoint>,
 ) -> Result<(Parsed<'a>, PromptSource), RouterError> {
-    let fields = RequestBody::parse(body)?;
-    let Text(model) = fields
-        .model
-        .ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?;
-    let endpoint = match endpoint {
-        Some(e) => e,
-        None if fields.messages.is_some() => Endpoint::Chat,
-        None => Endpoint::Completions,
+    let (model, cache_salt, source, follows) = match endpoint {
+        None | Some(Endpoint::Completions | Endpoint::Chat) => prompt_body(body, endpoint)?,
+        Some(endpoint) => api_body(body, endpoint)?,
     };
-    let source = match endpoint {
-        Endpoint::Completions => match fields.prompt.map(prompt).transpose()? {
-            Some(Prompt::Tokens(tokens)) => PromptSource::Tokens(tokens),
-            Some(Prompt::Text(text)) => PromptSource::Text(text),
-            None => return Err(RouterError::BadRequest("missing field `prompt`".into())),
-        },
-        Endpoint::Chat => match fields.messages {
-            Some(messages) if messages.get().starts_with('[') => PromptSource::Chat {
-                messages: body.slice_ref(messages.get().as_bytes()),
-                // vLLM's default: the prompt ends with the assistant's header.
-                add_generation_prompt: fields.add_generation_prompt.unwrap_or(true),
-            },
-            _ => {
-                return Err(RouterError::BadRequest(
-                    "missing field `messages` (an array)".into(),
-                ));
-            }
-        },
-    };
+    let Text(model) =
+        model.ok_or_else(|| RouterError::BadRequest("missing field `model` (a string)".into()))?;
     let pin = match headers.get(crate::http::proxy::WORKER_HEADER_NAME) {
         None => None,
         Some(value) => Some(
@@ -484,13 +556,67 @@ fn parse_body<'a>(
         tokens: Vec::new(),
         extra: ExtraKeys {
             // vLLM keys a salted request's first block with its salt.
-            cache_salt: fields.cache_salt.map(|Text(salt)| salt.into_owned()),
+            cache_salt: cache_salt.map(|Text(salt)| salt.into_owned()),
             multimodal: Vec::new(),
         },
         untokenized: None,
         pin,
+        follows,
     };
     Ok((parsed, source))
+}
+
+/// What [`parse_body`] reads of a body: the model, the cache salt, the
+/// prompt and the response it continues.
+type BodyFields<'a> = (
+    Option<Text<'a>>,
+    Option<Text<'a>>,
+    PromptSource,
+    Option<Cow<'a, str>>,
+);
+
+/// A completions or chat body's fields; `endpoint` None: either (dry run).
+fn prompt_body(body: &Bytes, endpoint: Option<Endpoint>) -> Result<BodyFields<'_>, RouterError> {
+    let fields = RequestBody::parse(body)?;
+    let chat = match endpoint {
+        Some(endpoint) => endpoint == Endpoint::Chat,
+        None => fields.messages.is_some(),
+    };
+    let source = if chat {
+        match fields.messages {
+            Some(messages) if messages.get().starts_with('[') => PromptSource::Chat {
+                messages: body.slice_ref(messages.get().as_bytes()),
+                // vLLM's default: the prompt ends with the assistant's header.
+                add_generation_prompt: fields.add_generation_prompt.unwrap_or(true),
+            },
+            _ => {
+                return Err(RouterError::BadRequest(
+                    "missing field `messages` (an array)".into(),
+                ));
+            }
+        }
+    } else {
+        match fields.prompt.map(prompt).transpose()? {
+            Some(Prompt::Tokens(tokens)) => PromptSource::Tokens(tokens),
+            Some(Prompt::Text(text)) => PromptSource::Text(text),
+            None => return Err(RouterError::BadRequest("missing field `prompt`".into())),
+        }
+    };
+    Ok((fields.model, fields.cache_salt, source, None))
+}
+
+/// A Responses, Messages or passed-through body's fields.
+fn api_body(body: &Bytes, endpoint: Endpoint) -> Result<BodyFields<'_>, RouterError> {
+    let fields: ApiBody = json_object(body)?;
+    let source = match endpoint {
+        Endpoint::Responses | Endpoint::Messages => PromptSource::Converted {
+            responses: endpoint == Endpoint::Responses,
+            body: body.clone(),
+        },
+        _ => PromptSource::LoadOnly,
+    };
+    let follows = fields.previous_response_id.map(|Text(id)| id);
+    Ok((fields.model, fields.cache_salt, source, follows))
 }
 
 /// Reads and parses an OpenAI request, then hands it to [`crate::http::proxy`].
@@ -506,13 +632,16 @@ async fn proxy(
         // Only now: a client that is slow to send its body holds no place.
         let permit = inflight.admit()?;
         let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
-        crate::http::proxy::forward(
+        let pin = parsed
+            .pin
+            .or_else(|| owner(&state, parsed.follows.as_deref()?, &parsed.model));
+        let response = crate::http::proxy::forward(
             &state,
             Forward {
                 model: &parsed.model,
                 tokens: &parsed.tokens,
                 extra: &parsed.extra,
-                pin: parsed.pin,
+                pin,
                 path: endpoint.path(),
                 headers: &headers,
                 body: body.clone(),
@@ -520,9 +649,103 @@ async fn proxy(
                 permit,
             },
         )
-        .await
+        .await;
+        match response {
+            Ok(response) if endpoint == Endpoint::Responses => Ok(record_owner(&state, response)),
+            response => response,
+        }
     };
-    forwarded.await.unwrap_or_else(IntoResponse::into_response)
+    match forwarded.await {
+        Ok(response) => response,
+        Err(e) if endpoint.anthropic() => e.into_anthropic(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The worker that stores the response `id`, if it still serves `model`;
+/// the lookup counted.
+fn owner(state: &AppState, id: &str, model: &str) -> Option<u64> {
+    let Some(worker) = state.response_owners.owner(id) else {
+        crate::http::responses::count_lookup(crate::http::responses::UNKNOWN);
+        return None;
+    };
+    if state.registry.serves(worker, model) {
+        crate::http::responses::count_lookup(crate::http::responses::OWNER);
+        Some(worker)
+    } else {
+        crate::http::responses::count_lookup(crate::http::responses::OWNER_GONE);
+        None
+    }
+}
+
+/// A Responses answer on its way to the client, its id recorded as the
+/// answering worker's once its body shows it ([`crate::http::responses::IdTap`]).
+fn record_owner(state: &AppState, response: Response) -> Response {
+    let worker = response
+        .headers()
+        .get(crate::http::proxy::WORKER_HEADER_NAME)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    match worker {
+        Some(worker) if response.status().is_success() => response.map(|body| {
+            let owners = Arc::clone(&state.response_owners);
+            axum::body::Body::new(crate::http::responses::IdTap::new(body, owners, worker))
+        }),
+        _ => response,
+    }
+}
+
+/// `GET` and `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`:
+/// passed to the worker that stores the response, as the client sent them.
+/// An id the router has no worker for is a 404, as an engine answers one it
+/// does not store.
+async fn response_by_id(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    request: Request,
+) -> Result<Response, RouterError> {
+    let not_found = || {
+        RouterError::BadRequest(format!(
+            "no stored response with id `{id}` is known to this router"
+        ))
+        .with_status(StatusCode::NOT_FOUND)
+    };
+    let Some(worker) = state.response_owners.owner(&id) else {
+        crate::http::responses::count_lookup(crate::http::responses::UNKNOWN);
+        return Ok(not_found());
+    };
+    let Some(base_url) = state.registry.connected_base_url(worker) else {
+        crate::http::responses::count_lookup(crate::http::responses::OWNER_GONE);
+        return Ok(not_found());
+    };
+    crate::http::responses::count_lookup(crate::http::responses::OWNER);
+    let method = request.method().clone();
+    let path = request
+        .uri()
+        .path_and_query()
+        .cloned()
+        .ok_or_else(|| RouterError::BadRequest("the request has no path".into()))?;
+    let (headers, body) = read_body(&state, request, Instant::now()).await?;
+    let mut deadline = crate::http::upstream::GiveUpAt(
+        tokio::time::Instant::now() + state.upstream.first_byte_timeout(),
+    );
+    let response = state
+        .upstream
+        .call(&base_url, method, path, &headers, body, &mut deadline)
+        .await
+        .map_err(|failure| {
+            tracing::warn!(
+                worker,
+                "a stored response's worker did not answer: {failure:?}"
+            );
+            RouterError::Upstream(format!("worker {worker} did not answer"))
+        })?;
+    let (mut parts, body) = response.into_parts();
+    crate::http::upstream::strip_hop_by_hop(&mut parts.headers);
+    parts.headers.insert(
+        crate::http::proxy::WORKER_HEADER_NAME,
+        header::HeaderValue::from(worker),
+    );
+    Ok(Response::from_parts(parts, axum::body::Body::new(body)))
 }
 
 /// `POST /v1/route`: what would happen to this request, without proxying it.

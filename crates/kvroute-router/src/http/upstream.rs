@@ -87,7 +87,7 @@ pub enum Failure {
 /// Request headers not forwarded: hop-by-hop ones, and the router's own,
 /// credentials included: a client's or operator's token is the router's to
 /// check, and would hand a worker the operator's rights.
-const DROPPED_REQUEST_HEADERS: [&str; 8] = [
+const DROPPED_REQUEST_HEADERS: [&str; 9] = [
     "host",
     "content-length",
     "connection",
@@ -96,6 +96,8 @@ const DROPPED_REQUEST_HEADERS: [&str; 8] = [
     "x-kvroute-worker",
     "authorization",
     "proxy-authorization",
+    // Anthropic clients send their key here.
+    "x-api-key",
 ];
 
 /// Whether a `Content-Length` value says `length`, in plain digits.
@@ -266,9 +268,9 @@ impl Target {
     }
 
     /// The request line's origin-form URI for `path`.
-    fn path(&self, path: &'static str) -> Result<Uri, String> {
+    fn path(&self, path: PathAndQuery) -> Result<Uri, String> {
         match &self.prefix {
-            None => Ok(Uri::from(PathAndQuery::from_static(path))),
+            None => Ok(Uri::from(path)),
             Some(prefix) => format!("{prefix}{path}")
                 .parse()
                 .map_err(|e| format!("{e}")),
@@ -426,7 +428,7 @@ impl Upstream {
         &self,
         base_url: &Arc<str>,
         method: Method,
-        path: &'static str,
+        path: PathAndQuery,
         headers: Option<&HeaderMap>,
         body: Bytes,
         deadlines: &mut impl Deadlines,
@@ -512,8 +514,31 @@ impl Upstream {
         body: Bytes,
         deadlines: &mut impl Deadlines,
     ) -> Result<Response<WorkerBody>, Failure> {
+        self.call(
+            base_url,
+            Method::POST,
+            PathAndQuery::from_static(path),
+            headers,
+            body,
+            deadlines,
+        )
+        .await
+    }
+
+    /// Sends `method` `path` with `body` to `base_url` and waits for the
+    /// response headers within `deadlines`: [`Self::post`] for any method and
+    /// a path made per request (a stored response's id).
+    pub async fn call(
+        &self,
+        base_url: &Arc<str>,
+        method: Method,
+        path: PathAndQuery,
+        headers: &HeaderMap,
+        body: Bytes,
+        deadlines: &mut impl Deadlines,
+    ) -> Result<Response<WorkerBody>, Failure> {
         let (response, conn) = self
-            .send(base_url, Method::POST, path, Some(headers), body, deadlines)
+            .send(base_url, method, path, Some(headers), body, deadlines)
             .await?;
         let (parts, body) = response.into_parts();
         let body = WorkerBody::new(body, conn, Arc::clone(&self.pool), Arc::clone(base_url));
@@ -526,7 +551,7 @@ impl Upstream {
         let sent = self.send(
             base_url,
             Method::GET,
-            "/health",
+            PathAndQuery::from_static("/health"),
             None,
             Bytes::new(),
             &mut deadline,

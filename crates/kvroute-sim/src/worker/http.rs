@@ -26,6 +26,12 @@
 //!   `/admin/fault`, these have no token: the simulator is a test fixture.
 //! - A request's `priority_class` (0 low, 1 normal, 2 high; default 1) is its
 //!   class under the `qos` eviction policy; the router forwards the body as is.
+//! - The OpenAI Responses API ([`responses`]), the Anthropic Messages API
+//!   ([`messages`]) and vLLM's endpoints without KV cache ([`passthrough`]).
+
+pub mod messages;
+pub mod passthrough;
+pub mod responses;
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -89,7 +95,7 @@ impl SharedTokenizer {
         }
     }
 
-    fn get(&self) -> Result<&Tokenizer, ApiError> {
+    pub fn get(&self) -> Result<&Tokenizer, ApiError> {
         self.loaded
             .get_or_init(|| Tokenizer::load(&self.spec).map_err(|e| e.to_string()))
             .as_ref()
@@ -101,6 +107,19 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let app = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/embeddings", post(passthrough::embeddings))
+        .route("/v1/rerank", post(passthrough::rerank))
+        .route("/v1/score", post(passthrough::score))
+        .route("/tokenize", post(passthrough::tokenize))
+        .route("/detokenize", post(passthrough::detokenize))
         .merge(shared.config.persona.routes())
         .route("/metrics", get(metrics))
         .route("/admin/fault", post(fault))
@@ -140,23 +159,23 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
 
 /// An OpenAI-style error response.
 pub(crate) struct ApiError {
-    status: StatusCode,
-    message: String,
+    pub status: StatusCode,
+    pub message: String,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
         }
     }
 
-    fn bad(message: impl Into<String>) -> Self {
+    pub fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
-    fn server(message: impl Into<String>) -> Self {
+    pub fn server(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
 }
@@ -221,19 +240,7 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             "max_tokens and max_completion_tokens cannot both be set; use max_completion_tokens",
         ));
     }
-    let model = json
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad("missing field `model` (a string)"))?;
-    if model != shared.config.model {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "model `{model}` is not served here (serving `{}`)",
-                shared.config.model
-            ),
-        ));
-    }
+    let model = served_model(shared, &json)?;
     let mut multimodal = Vec::new();
     let tokens = match kind {
         Kind::Completion => {
@@ -264,11 +271,6 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             tokens
         }
     };
-    let cache_salt = match json.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) => Some(salt.clone()),
-        Some(_) => return Err(ApiError::bad("`cache_salt` must be a string")),
-    };
     let max_tokens = match json
         .get("max_completion_tokens")
         .or_else(|| json.get("max_tokens"))
@@ -280,18 +282,12 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             .filter(|&n| n > 0)
             .ok_or_else(|| ApiError::bad("max_tokens must be a positive integer"))?,
     };
-    let priority = match json.get("priority_class") {
-        None | Some(Value::Null) => Priority::Normal,
-        Some(v) => v.as_u64().and_then(Priority::from_class).ok_or_else(|| {
-            ApiError::bad("`priority_class` must be 0 (low), 1 (normal) or 2 (high)")
-        })?,
-    };
     Ok(Parsed {
-        priority,
+        priority: priority(&json)?,
         model: model.to_string(),
         tokens,
         extra: ExtraKeys {
-            cache_salt,
+            cache_salt: cache_salt(&json)?,
             multimodal,
         },
         max_tokens,
@@ -302,6 +298,43 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             .unwrap_or(false),
         body: json,
     })
+}
+
+/// The request's `model`, if this engine serves it (else 404).
+pub(crate) fn served_model<'a>(shared: &Shared, json: &'a Value) -> Result<&'a str, ApiError> {
+    let model = json
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("missing field `model` (a string)"))?;
+    if model != shared.config.model {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "model `{model}` is not served here (serving `{}`)",
+                shared.config.model
+            ),
+        ));
+    }
+    Ok(model)
+}
+
+/// The request's `cache_salt`, which keys its blocks.
+pub(crate) fn cache_salt(json: &Value) -> Result<Option<String>, ApiError> {
+    match json.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(salt)) => Ok(Some(salt.clone())),
+        Some(_) => Err(ApiError::bad("`cache_salt` must be a string")),
+    }
+}
+
+/// The request's `priority_class`, its class under the `qos` eviction policy.
+pub(crate) fn priority(json: &Value) -> Result<Priority, ApiError> {
+    match json.get("priority_class") {
+        None | Some(Value::Null) => Ok(Priority::Normal),
+        Some(v) => v.as_u64().and_then(Priority::from_class).ok_or_else(|| {
+            ApiError::bad("`priority_class` must be 0 (low), 1 (normal) or 2 (high)")
+        }),
+    }
 }
 
 async fn completions(State(shared): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
@@ -319,10 +352,10 @@ async fn chat_completions(State(shared): State<Arc<Shared>>, body: axum::body::B
 }
 
 /// Aborts the request in the engine if the response is dropped before it finished.
-struct AbortGuard {
-    shared: Arc<Shared>,
-    id: SeqId,
-    done: bool,
+pub(crate) struct AbortGuard {
+    pub shared: Arc<Shared>,
+    pub id: SeqId,
+    pub done: bool,
 }
 
 impl Drop for AbortGuard {
@@ -337,7 +370,7 @@ const FILLER: [&str; 8] = [
     " the", " quick", " brown", " fox", " jumps", " over", " a", " dog",
 ];
 
-fn filler(index: u32) -> &'static str {
+pub(crate) fn filler(index: u32) -> &'static str {
     FILLER[index as usize % FILLER.len()]
 }
 
@@ -482,28 +515,38 @@ impl Meta {
     }
 }
 
-fn ended_early() -> ApiError {
+pub(crate) fn ended_early() -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the engine dropped the request (restarted or stopped)",
     )
 }
 
-async fn whole_response(
-    meta: Meta,
+/// The whole reply: its text and its last emission (with the usage);
+/// `None` if the engine dropped the request first.
+pub(crate) async fn reply(
     mut rx: mpsc::UnboundedReceiver<Emitted>,
     mut guard: AbortGuard,
-) -> Result<Value, ApiError> {
+) -> Option<(String, Emitted)> {
     let mut text = String::new();
     loop {
-        let emitted = rx.recv().await.ok_or_else(ended_early)?;
+        let emitted = rx.recv().await?;
         text.push_str(filler(emitted.generated - 1));
         if emitted.finished {
             guard.done = true;
-            let choice = meta.choice(&text, Some("length"), false);
-            return Ok(meta.body(vec![choice], Some(usage(&emitted)), false));
+            return Some((text, emitted));
         }
     }
+}
+
+async fn whole_response(
+    meta: Meta,
+    rx: mpsc::UnboundedReceiver<Emitted>,
+    guard: AbortGuard,
+) -> Result<Value, ApiError> {
+    let (text, last) = reply(rx, guard).await.ok_or_else(ended_early)?;
+    let choice = meta.choice(&text, Some("length"), false);
+    Ok(meta.body(vec![choice], Some(usage(&last)), false))
 }
 
 fn stream_response(
@@ -580,7 +623,7 @@ async fn fault(
 }
 
 /// An admin request's body as JSON, or a 400 saying why not.
-fn json_body(body: &[u8]) -> Result<Value, ApiError> {
+pub(crate) fn json_body(body: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))
 }

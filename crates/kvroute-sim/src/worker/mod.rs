@@ -29,6 +29,7 @@ use crate::SimError;
 use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Handoff, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
 use crate::worker::http::SharedTokenizer;
+use crate::worker::http::responses::ResponseStore;
 use crate::worker::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
 use crate::worker::persona::Persona;
 
@@ -36,6 +37,8 @@ use crate::worker::persona::Persona;
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
 /// Longest time between two digests, by default.
 pub const DEFAULT_DIGEST_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a stored response is kept by default (`--responses-ttl-s`).
+pub const DEFAULT_RESPONSES_TTL: Duration = Duration::from_secs(3600);
 
 /// How to run one simulated worker.
 #[derive(Clone, Debug)]
@@ -71,6 +74,9 @@ pub struct WorkerConfig {
     pub persona: Persona,
     /// The engine's part in prefill/decode disaggregation.
     pub pd: PdConfig,
+    /// How long a stored Responses API response (`/v1/responses`) is kept,
+    /// for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses_ttl: Duration,
 }
 
 impl WorkerConfig {
@@ -94,6 +100,7 @@ impl WorkerConfig {
             log_evictions: false,
             persona: Persona::Vllm,
             pd: PdConfig::default(),
+            responses_ttl: DEFAULT_RESPONSES_TTL,
         }
     }
 }
@@ -174,6 +181,8 @@ pub(crate) struct Shared {
     pub client: HttpClient,
     /// The side channel's port (prefill engines; 0 for the others).
     pub bootstrap_port: u16,
+    /// The stored Responses API responses.
+    pub responses: ResponseStore,
 }
 
 impl Shared {
@@ -301,6 +310,7 @@ impl Worker {
                 None => format!("http://{http_addr}"),
             },
             tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
+            responses: ResponseStore::new(config.responses_ttl),
             config,
             core: Mutex::new(Core {
                 engine,
@@ -423,6 +433,8 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
             }
             core.log.restart();
             core.instance_id = rand::random();
+            // A new engine process has none of the old one's stored responses.
+            shared.responses.clear();
             shared.log_events(&mut core);
             // The publisher registers the new instance even if no event follows.
             shared.events_ready.notify_one();
