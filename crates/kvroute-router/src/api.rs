@@ -206,6 +206,8 @@ pub(crate) struct Parsed<'a> {
     /// Why a text prompt has no tokens (no tokenizer): it scores no overlap.
     untokenized: Option<&'static str>,
     pub(crate) pin: Option<u64>,
+    /// The session the request names (`sessions.header`).
+    pub(crate) session: Option<String>,
 }
 
 impl Parsed<'_> {
@@ -840,6 +842,7 @@ fn parse_body<'a>(
         },
         untokenized: None,
         pin,
+        session: state.sessions.id_of(headers)?,
     };
     Ok((parsed, source))
 }
@@ -864,6 +867,7 @@ async fn proxy(
                 tokens: &parsed.tokens,
                 extra: &parsed.extra,
                 pin: parsed.pin,
+                session: parsed.session.as_deref(),
                 path: endpoint.path(),
                 headers: &headers,
                 body: body.clone(),
@@ -889,7 +893,13 @@ async fn dry_run(
     let _permit = inflight.admit()?;
     let parsed = parse(&state, &headers, &body, None).await?;
     let routed = state
-        .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
+        .route_now(
+            &parsed.model,
+            parsed.route_input(),
+            parsed.pin,
+            parsed.session.as_deref(),
+            &[],
+        )?
         .map_err(|e| RouterError::Unavailable {
             message: format!(
                 "no worker can take a request for `{}` now: {e:?}",
@@ -906,6 +916,14 @@ async fn dry_run(
         "request_blocks": d.request_blocks,
         "untokenized": parsed.untokenized,
     });
+    // What the session's binding would do; the proxy binds, a dry run does not.
+    if let Some(session) = routed.session {
+        answer["session"] = json!({
+            "outcome": session.outcome.as_str(),
+            "bound_worker_id": session.bound.map(|k| k.worker_id),
+            "bound_dp_rank": session.bound.map(|k| k.dp_rank),
+        });
+    }
     // Worker addresses are the fleet's layout: for operators, not every client.
     if state.credentials.may_see_workers(&headers) {
         answer["base_url"] = json!(&*d.base_url);

@@ -44,6 +44,7 @@ pub mod replica;
 pub mod scheduler;
 pub mod series;
 pub mod server;
+pub mod sessions;
 pub mod shared_load;
 pub mod state;
 pub mod tokenize;

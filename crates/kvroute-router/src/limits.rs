@@ -38,6 +38,8 @@ pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
 pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
 pub const CHAT_PARTS: &str = "chat_parts";
 pub const CHAT_IMAGES: &str = "chat_images";
+pub const SESSION_BINDINGS: &str = "session_bindings";
+pub const SESSION_ID_BYTES: &str = "session_id_bytes";
 pub const HTTP_CONNECTIONS: &str = "http_connections";
 pub const HTTP_CONNECTIONS_PER_PEER: &str = "http_connections_per_peer";
 pub const GRPC_CONNECTIONS: &str = "grpc_connections";
@@ -69,6 +71,8 @@ pub const ALL: &[&str] = &[
     INFLIGHT_REQUESTS,
     CHAT_PARTS,
     CHAT_IMAGES,
+    SESSION_BINDINGS,
+    SESSION_ID_BYTES,
     HTTP_CONNECTIONS,
     HTTP_CONNECTIONS_PER_PEER,
     GRPC_CONNECTIONS,

@@ -69,6 +69,8 @@ pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
+pub const SESSION_BINDINGS: &str = "kvroute_session_bindings";
+pub const SESSION_ROUTES: &str = "kvroute_session_routes_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -120,6 +122,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Share of a request's blocks the chosen worker was expected to hold",
     ),
     (ROUTED_PROMPT_TOKENS, "Prompt tokens of routed requests"),
+    (
+        SESSION_BINDINGS,
+        "Sessions bound to a worker rank ([sessions]), this replica's and its peers'",
+    ),
+    (
+        SESSION_ROUTES,
+        "Requests naming a session, by outcome (bound: to its rank; moved: elsewhere, the binding follows; new: no binding)",
+    ),
     (
         PREDICTED_CACHED_TOKENS,
         "Prompt tokens the chosen worker was expected to hold in its prefix cache",
@@ -377,6 +387,9 @@ fn install() -> Renderer {
     for listener in ["http", "grpc"] {
         let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }
+    for outcome in crate::sessions::Outcome::ALL {
+        let _ = metrics::counter!(SESSION_ROUTES, "outcome" => outcome.as_str());
+    }
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
     }
@@ -391,6 +404,7 @@ fn install() -> Renderer {
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
+        SESSION_BINDINGS,
         CLUSTER_CONNECTED,
         CLUSTER_CAUGHT_UP,
         CLUSTER_RECORDS_BEHIND,

@@ -84,6 +84,8 @@ pub struct RouteQuery<'a> {
     pub local_hashes: &'a [u64],
     /// Only this worker's ranks (the `x-kvroute-worker` header).
     pub pin: Option<u64>,
+    /// The rank the request's session is bound to ([`crate::sessions`]).
+    pub bound: Option<WorkerKey>,
     /// Worker ids already tried for this request.
     pub exclude: &'a [u64],
 }
@@ -160,6 +162,8 @@ pub struct Scheduler {
     pub predicted: Arc<PredictedIndex>,
     pub policy: Policy,
     pub temperature: f64,
+    /// `sessions.max_load_ratio`.
+    pub max_load_ratio: f64,
 }
 
 /// Overlap found for one rank: (event-fed depth, predicted depth, offload
@@ -318,12 +322,28 @@ impl Scheduler {
             .get(query.name)
             .filter(|g| !g.members.is_empty())
             .ok_or(NoWorker::NoneRoutable)?;
-        let usable = |key: WorkerKey| {
+        let eligible = |key: WorkerKey| {
             !query.exclude.contains(&key.worker_id) && fleet.available(key, limits, now)
         };
-
         let block_size = limits.block_size as u64;
         let request_blocks = (query.prompt_tokens as u64).div_ceil(block_size);
+        // A session's bound rank: kept if within the load ratio, else left out.
+        let (stay, leave) = match query.bound {
+            Some(bound)
+                if query.pin.is_none()
+                    && group.members.binary_search(&bound).is_ok()
+                    && eligible(bound) =>
+            {
+                if self.within_load_ratio(fleet, group, bound, request_blocks, eligible) {
+                    (Some(bound), None)
+                } else {
+                    (None, Some(bound))
+                }
+            }
+            _ => (None, None),
+        };
+        let usable = |key: WorkerKey| eligible(key) && Some(key) != leave;
+
         let score = |key: WorkerKey| {
             let rank = fleet.ranks.get(&key)?;
             let (event, predicted, offload, _) = if rank.claims.demoted() {
@@ -365,6 +385,8 @@ impl Scheduler {
             if scores.is_empty() {
                 return Err(NoWorker::NoneRoutable);
             }
+        } else if let Some(bound) = stay {
+            scores.extend(score(bound));
         } else if let Some(probe) = fleet.probe_due(group, now, usable) {
             scores.extend(score(probe));
         } else {
@@ -452,6 +474,30 @@ impl Scheduler {
                 - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size),
             scores,
         })
+    }
+
+    /// Whether a session may stay on its `bound` rank (eligible): its load
+    /// with the request's blocks is at most `max_load_ratio` times the least
+    /// loaded eligible rank's with them. Loads are the load order's (the part
+    /// of the `blocks` cost that depends on the rank alone); adding the
+    /// request to both keeps an idle fleet's ratio defined.
+    fn within_load_ratio(
+        &self,
+        fleet: &Fleet,
+        group: &crate::groups::Group,
+        bound: WorkerKey,
+        request_blocks: u64,
+        eligible: impl Fn(WorkerKey) -> bool,
+    ) -> bool {
+        let Some(rank) = fleet.ranks.get(&bound) else {
+            return false;
+        };
+        let Some(&(least, _)) = group.by_load.iter().find(|&&(_, k)| eligible(k)) else {
+            return true;
+        };
+        let request = request_blocks.max(1) as f64;
+        Fleet::load_from_key(rank.load_key) + request
+            <= self.max_load_ratio * (Fleet::load_from_key(least) + request)
     }
 
     /// Under the `blocks` cost and a deterministic pick, the least cost an
@@ -797,10 +843,16 @@ mod tests {
         let state = two_stream_workers(config);
         let tokens: Vec<u32> = (0..64).collect();
         let input = RouteInput::Tokens(&tokens);
-        let pinned = state.route_now("m", input, Some(1), &[]).unwrap().unwrap();
+        let pinned = state
+            .route_now("m", input, Some(1), None, &[])
+            .unwrap()
+            .unwrap();
         state.record_prediction(&pinned);
         let _queue = state.registry.book(WorkerKey::new(1, 0), 80, 0);
-        let routed = state.route_now("m", input, None, &[]).unwrap().unwrap();
+        let routed = state
+            .route_now("m", input, None, None, &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(routed.decision.scores.len(), 2);
         routed.decision.worker.worker_id
     }
@@ -838,6 +890,7 @@ mod tests {
             prompt_tokens: tokens.len(),
             local_hashes: &locals,
             pin: None,
+            bound: None,
             exclude: &[],
         };
         let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
@@ -981,7 +1034,7 @@ mod tests {
                 .map(|&l| reference(l))
                 .fold(f64::INFINITY, f64::min);
             let routed = state
-                .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+                .route_now("m", RouteInput::Tokens(&tokens), None, None, &[])
                 .unwrap()
                 .unwrap();
             let chosen = routed.decision.worker.worker_id as usize;
@@ -1035,7 +1088,7 @@ mod tests {
         state.tiers.apply(w1, Tier::Offload, &chain(2, 1, 4));
         state.tiers.apply(w2, Tier::Device, &chain(1, 2, 2));
         let routed = state
-            .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+            .route_now("m", RouteInput::Tokens(&tokens), None, None, &[])
             .unwrap()
             .unwrap();
         let scores = serde_json::to_value(&routed.decision.scores).unwrap();
