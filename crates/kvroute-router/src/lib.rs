@@ -14,7 +14,8 @@
 //! background tasks and the graceful shutdown ([`http_serve`] serves the HTTP API's connections, [`connections`] caps both listeners'). With `[cluster]`, [`replica`] is
 //! the seam through which replicas share their workers' events, and
 //! [`shared_load`] the one through which they share bookings and predictions
-//! (the NATS side lives in `kvroute-cluster`). With `[epp]`, [`epp`] answers
+//! (the NATS side lives in `kvroute-cluster`). [`sessions`] keeps agent
+//! sessions on the rank that served their last request. With `[epp]`, [`epp`] answers
 //! a gateway's ext_proc stream with the same routing instead of proxying. [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`auth`] and [`worker_url`] are shared.
 

@@ -334,7 +334,7 @@ impl Scheduler {
                     && group.members.binary_search(&bound).is_ok()
                     && eligible(bound) =>
             {
-                if self.within_load_ratio(fleet, group, bound, request_blocks, eligible) {
+                if self.within_load_ratio(fleet, group, bound, query, eligible) {
                     (Some(bound), None)
                 } else {
                     (None, Some(bound))
@@ -401,7 +401,7 @@ impl Scheduler {
                             .filter_map(score),
                     );
                     let cheapest = scores.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
-                    let floor = self.unmatched_floor(limits, query.prompt_tokens, request_blocks);
+                    let floor = self.unmatched_floor(limits, query.prompt_tokens);
                     let mut taken = 0;
                     let mut last_load = None;
                     for &(load, key) in &group.by_load {
@@ -477,16 +477,18 @@ impl Scheduler {
     }
 
     /// Whether a session may stay on its `bound` rank (eligible): its load
-    /// with the request's blocks is at most `max_load_ratio` times the least
-    /// loaded eligible rank's with them. Loads are the load order's (the part
-    /// of the `blocks` cost that depends on the rank alone); adding the
-    /// request to both keeps an idle fleet's ratio defined.
+    /// with the request is at most `max_load_ratio` times the least loaded
+    /// eligible rank's with it. A load is the load order's (the part of the
+    /// `blocks` cost that depends on the rank alone); the request adds what it
+    /// costs an unmatched rank (its whole prompt to prefill, its blocks), the
+    /// same on both sides: the ratio weighs load, not cache, and stays
+    /// defined on an idle fleet.
     fn within_load_ratio(
         &self,
         fleet: &Fleet,
         group: &crate::groups::Group,
         bound: WorkerKey,
-        request_blocks: u64,
+        query: &RouteQuery<'_>,
         eligible: impl Fn(WorkerKey) -> bool,
     ) -> bool {
         let Some(rank) = fleet.ranks.get(&bound) else {
@@ -495,7 +497,7 @@ impl Scheduler {
         let Some(&(least, _)) = group.by_load.iter().find(|&&(_, k)| eligible(k)) else {
             return true;
         };
-        let request = request_blocks.max(1) as f64;
+        let request = request_cost(&self.registry.limits, query.prompt_tokens).max(1.0);
         Fleet::load_from_key(rank.load_key) + request
             <= self.max_load_ratio * (Fleet::load_from_key(least) + request)
     }
@@ -514,13 +516,11 @@ impl Scheduler {
         &self,
         limits: &Limits,
         prompt_tokens: usize,
-        request_blocks: u64,
     ) -> Option<impl Fn(u64) -> f64> {
         if !matches!(limits.cost, Cost::Blocks) || self.temperature > 0.0 {
             return None;
         }
-        let prompt = limits.overlap_weight * prompt_tokens as f64 / limits.block_size as f64
-            + request_blocks as f64;
+        let prompt = request_cost(limits, prompt_tokens);
         // A key is its load's cost scaled and truncated: one step lower covers
         // any rounding, and the margin keeps near-ties costed.
         Some(move |load_key: u64| {
@@ -576,6 +576,14 @@ impl Scheduler {
         let smallest: Vec<usize> = (0..tied).filter(|&i| sizes[i] == fewest).collect();
         smallest[rand::random_range(0..smallest.len())]
     }
+}
+
+/// What a request adds to an unmatched rank's `blocks` cost: its whole
+/// prompt to prefill and its blocks.
+fn request_cost(limits: &Limits, prompt_tokens: usize) -> f64 {
+    let block_size = limits.block_size as u64;
+    let request_blocks = (prompt_tokens as u64).div_ceil(block_size);
+    limits.overlap_weight * prompt_tokens as f64 / block_size as f64 + request_blocks as f64
 }
 
 /// The load a rank's cost is computed from.

@@ -336,12 +336,13 @@ mod tests {
         let (worker, outcome) = serve(&state, &[2; 64]);
         assert_eq!((worker, outcome), (first, Outcome::Bound));
 
-        // 4 request blocks each; 3 blocks more on the bound rank: 7 ≤ 2 × 4.
+        // A request costs an idle rank 32 × 4 prefill blocks + 4 blocks = 132;
+        // 100 blocks more on the bound rank: 232 ≤ 2 × 132.
         let key = |id| WorkerKey::new(id, 0);
-        let held = state.registry.book(key(first), 0, 3);
+        let held = state.registry.book(key(first), 0, 100);
         assert_eq!(serve(&state, &[3; 64]), (first, Outcome::Bound));
-        // 5 more: 12 > 2 × 4, the session moves and its binding follows.
-        let more = state.registry.book(key(first), 0, 5);
+        // 40 more: 272 > 2 × 132, the session moves and its binding follows.
+        let more = state.registry.book(key(first), 0, 40);
         assert_eq!(serve(&state, &[4; 64]), (other, Outcome::Moved));
         drop((held, more));
         assert_eq!(serve(&state, &[5; 64]), (other, Outcome::Bound));
