@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures_util::StreamExt;
-use kvroute_router::sessions::SharedBinding;
+use kvroute_router::schedule::sessions::SharedBinding;
 use kvroute_router::state::AppState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};

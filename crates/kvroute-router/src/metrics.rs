@@ -381,14 +381,8 @@ fn install() -> Renderer {
     for phase in PHASES {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
     }
-    for &limit in crate::limits::ALL {
-        let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
-    }
     for listener in ["http", "grpc"] {
         let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
-    }
-    for outcome in crate::sessions::Outcome::ALL {
-        let _ = metrics::counter!(SESSION_ROUTES, "outcome" => outcome.as_str());
     }
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);

@@ -10,20 +10,20 @@ use kvroute_index::{
 };
 
 use crate::auth::Credentials;
-use crate::booking::Booking;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
+use crate::fleet::booking::Booking;
+use crate::fleet::shared_load::SharedPrediction;
+use crate::fleet::{Limits, NameKind, Registration, Registry, Source};
+use crate::http::upstream::Upstream;
+use crate::ingest::writers::Writers;
 use crate::metrics;
-use crate::queue::WaitQueue;
-use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
-use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::schedule::queue::WaitQueue;
+use crate::schedule::sessions::{Outcome, SessionRoute, Sessions};
+use crate::schedule::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
-use crate::sessions::{Outcome, SessionRoute, Sessions};
-use crate::shared_load::SharedPrediction;
 use crate::tokenize::RouterTokenizer;
-use crate::upstream::Upstream;
-use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -43,7 +43,7 @@ pub struct AppState {
     /// Set once at start with `[cluster]`: this replica's side of the shared log.
     pub replica: std::sync::OnceLock<Arc<Replica>>,
     /// Set once at start with `[cluster]` sharing load: where this replica's
-    /// predictions go for the others ([`crate::shared_load`]).
+    /// predictions go for the others ([`crate::fleet::shared_load`]).
     pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
     /// Sessions bound to the rank that served their last request (`[sessions]`).
     pub sessions: Arc<Sessions>,
@@ -103,6 +103,9 @@ pub fn keep_hashes(hashes: Vec<u64>) {
 impl AppState {
     /// Loads the configured tokenizers (an error if one does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
+        if metrics.is_some() {
+            crate::limits::count_from_zero();
+        }
         let tokenizer = RouterTokenizer::new(
             &config.tokenizer.0,
             config.tokenizer_cache_tokens,
@@ -319,7 +322,7 @@ impl AppState {
 
     /// Like [`Self::route`], and books the request on the chosen rank in the
     /// same step as the choice (see [`Scheduler::choose_and_book`]). A request
-    /// naming `session` goes to its bound rank (see [`crate::sessions`]); one
+    /// naming `session` goes to its bound rank (see [`crate::schedule::sessions`]); one
     /// naming a new session while the table is full is refused.
     pub async fn route_and_book(
         &self,
@@ -338,7 +341,7 @@ impl AppState {
         .await
     }
 
-    /// Routes with `choose`, waiting in the queue ([`crate::queue`]) while
+    /// Routes with `choose`, waiting in the queue ([`crate::schedule::queue`]) while
     /// every worker is busy: a waiter tries again on its turn, which comes
     /// when load is released or a breaker's cool-down ends, until the queue
     /// timeout. `choose` gets the time of its attempt: a request's first

@@ -2,8 +2,8 @@
 //!
 //! A request names its session in a header (`sessions.header`). Once a worker
 //! answered it, the session is bound to that rank until `ttl_s` after its
-//! last request. The routing entry point ([`crate::state`]) looks the binding
-//! up, and the scheduler sends the request to the bound rank while that rank
+//! last request. The routing entry point (`crate::state`) looks the binding
+//! up, and the scheduler ([`super`]) sends the request to the bound rank while that rank
 //! can take it and its load, with the request, is at most `max_load_ratio`
 //! times the least loaded eligible rank's; otherwise the request is routed
 //! as any other, away from the bound rank, and the binding follows it
@@ -110,6 +110,10 @@ pub struct Sessions {
 impl Sessions {
     /// Sessions per `config` (validated), pinning in `index`.
     pub fn new(config: &Config, index: Arc<KvIndex>) -> Result<Self, RouterError> {
+        // Zeros from the start, for dashboards and alerts.
+        for outcome in Outcome::ALL {
+            let _ = ::metrics::counter!(metrics::SESSION_ROUTES, "outcome" => outcome.as_str());
+        }
         Ok(Self {
             header: config.sessions.header()?,
             ttl: Duration::from_secs(config.sessions.ttl_s),
@@ -292,7 +296,7 @@ pub async fn expire_periodically(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::{Registration, Source};
+    use crate::fleet::{Registration, Source};
     use crate::state::{AppState, RouteInput};
 
     /// Two idle workers serving "m", with `max_load_ratio`.

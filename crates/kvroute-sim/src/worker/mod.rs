@@ -7,6 +7,9 @@
 //! request its new tokens, so a block is announced once simulated time has
 //! passed over its computation. Requests whose client went away are aborted.
 
+pub mod http;
+pub mod publisher;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,7 +26,7 @@ use tokio::task::JoinHandle;
 use crate::SimError;
 use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
-use crate::http::SharedTokenizer;
+use crate::worker::http::SharedTokenizer;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
@@ -266,10 +269,12 @@ impl Worker {
         });
         let mut tasks = vec![
             tokio::spawn(iterate(Arc::clone(&shared))),
-            tokio::spawn(crate::http::serve(Arc::clone(&shared), listener)),
+            tokio::spawn(crate::worker::http::serve(Arc::clone(&shared), listener)),
         ];
         if !shared.config.routers.is_empty() {
-            tasks.push(tokio::spawn(crate::publisher::run(Arc::clone(&shared))));
+            tasks.push(tokio::spawn(crate::worker::publisher::run(Arc::clone(
+                &shared,
+            ))));
         }
         tracing::info!(worker = shared.config.worker_id, %http_addr, "simulated worker started");
         Ok(Worker {
