@@ -5,7 +5,8 @@
 //! The router's side is the seam in `kvroute_router::replica`: a held stream
 //! appends its records to the [`log`] instead of applying them, and every
 //! replica applies the one stream of records in order ([`follow`]).
-//! Registrations live in a KV bucket with a TTL ([`registrations`]). Replicas'
+//! Registrations live in a KV bucket with a TTL ([`registrations`]), and
+//! so do agent sessions' bindings ([`sessions`]). Replicas'
 //! bookings and predictions go over core NATS ([`load`]). Index snapshots in
 //! an object store let a replica start without replaying the whole stream,
 //! and the stream forget what they cover ([`snapshot`]). Without
@@ -18,6 +19,7 @@ pub mod load;
 pub mod log;
 pub mod record;
 pub mod registrations;
+pub mod sessions;
 pub mod snapshot;
 
 use std::sync::Arc;
@@ -63,6 +65,11 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
     .map_err(ClusterError::jetstream)?;
     let ttl = Duration::from_millis(cluster.registration_ttl_ms);
     let kv = registrations::bucket(&js, ttl).await?;
+    let session_ttl = Duration::from_secs(config.sessions.ttl_s);
+    let sessions_kv = match config.sessions.header()? {
+        Some(_) => Some(sessions::bucket(&js, session_ttl).await?),
+        None => None,
+    };
     let snapshots = Arc::new(
         snapshot::Snapshots::open(
             &js,
@@ -98,6 +105,16 @@ pub async fn start(config: Config) -> Result<Running, ClusterError> {
         captures,
         stopped.clone(),
     )));
+    if let Some(sessions_kv) = sessions_kv {
+        for task in sessions::share(
+            sessions_kv,
+            Arc::clone(&state),
+            replica_id.clone(),
+            stopped.clone(),
+        ) {
+            running.add_task(task);
+        }
+    }
     running.add_task(tokio::spawn(registrations::watch(
         kv,
         Arc::clone(&state),

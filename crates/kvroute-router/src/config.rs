@@ -66,6 +66,7 @@ pub struct Config {
     pub cluster: ClusterConfig,
     pub epp: EppConfig,
     pub responses: ResponsesConfig,
+    pub sessions: SessionsConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -344,6 +345,11 @@ pub struct LimitsConfig {
     /// Response ids whose worker the router remembers; past it the least
     /// used are forgotten (their follow-ups are routed by their prefix).
     pub max_response_owners: usize,
+    /// Session bindings held (`[sessions]`); a request naming a new session
+    /// past it gets 503 with Retry-After.
+    pub max_session_bindings: usize,
+    /// Bytes in a session id (the `[sessions] header`'s value).
+    pub max_session_id_bytes: usize,
     /// Connections open at once on the HTTP port; more are refused at accept.
     pub max_http_connections: usize,
     /// The same from one peer IP address.
@@ -561,6 +567,23 @@ pub struct EppConfig {
     pub addr: String,
 }
 
+impl SessionsConfig {
+    /// The session header's name, if sessions are on.
+    pub fn header(&self) -> Result<Option<http::HeaderName>, RouterError> {
+        if self.header.is_empty() {
+            return Ok(None);
+        }
+        http::HeaderName::from_bytes(self.header.as_bytes())
+            .map(Some)
+            .map_err(|e| {
+                RouterError::Config(format!(
+                    "sessions.header {:?} is not a header name: {e}",
+                    self.header
+                ))
+            })
+    }
+}
+
 impl EppConfig {
     /// The address to serve on, if the picker is on.
     pub fn addr(&self) -> Result<Option<SocketAddr>, RouterError> {
@@ -585,6 +608,32 @@ pub struct ResponsesConfig {
 impl Default for ResponsesConfig {
     fn default() -> Self {
         Self { owner_ttl_s: 3600 }
+    }
+}
+
+/// Agent sessions kept on the worker that holds their cache (`crate::schedule::sessions`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionsConfig {
+    /// The request header naming a session; empty: sessions off.
+    pub header: String,
+    /// How long a binding lives after its session's last request, in seconds.
+    pub ttl_s: u64,
+    /// A bound session stays on its rank while that rank's load, with the
+    /// request, is at most this many times the least loaded eligible rank's.
+    pub max_load_ratio: f64,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self {
+            header: "x-session-id".into(),
+            // An agent's pause between tool calls, with room to spare.
+            ttl_s: 600,
+            // Moving re-prefills the whole history elsewhere: worth it only
+            // once the bound rank carries twice the least loaded one's load.
+            max_load_ratio: 2.0,
+        }
     }
 }
 
@@ -628,6 +677,7 @@ impl Default for Config {
             cluster: ClusterConfig::default(),
             epp: EppConfig::default(),
             responses: ResponsesConfig::default(),
+            sessions: SessionsConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -724,6 +774,8 @@ impl Default for LimitsConfig {
             max_chat_images: 256,
             // About 100 bytes each: 50 MB.
             max_response_owners: 500_000,
+            max_session_bindings: 100_000,
+            max_session_id_bytes: 256,
             // Behind a load balancer every client shares its few addresses:
             // a peer may hold a quarter of the port.
             max_http_connections: 16_384,
@@ -849,6 +901,21 @@ impl Config {
             return fail("body_limit_bytes must be at least 1".into());
         }
         self.epp.addr()?;
+        self.sessions.header()?;
+        let sessions = &self.sessions;
+        if !(sessions.max_load_ratio.is_finite() && sessions.max_load_ratio >= 1.0) {
+            return fail(format!(
+                "sessions.max_load_ratio must be ≥ 1, got {}",
+                sessions.max_load_ratio
+            ));
+        }
+        if !(1..=MAX_DURATION_MS / 1000).contains(&sessions.ttl_s) {
+            return fail(format!(
+                "sessions.ttl_s must be in 1..={}, got {}",
+                MAX_DURATION_MS / 1000,
+                sessions.ttl_s
+            ));
+        }
         let s = &self.scheduler;
         if !(s.overlap_weight.is_finite() && s.overlap_weight >= 0.0) {
             return fail(format!(
@@ -899,6 +966,8 @@ impl Config {
             ("max_chat_parts", l.max_chat_parts),
             ("max_chat_images", l.max_chat_images),
             ("max_response_owners", l.max_response_owners),
+            ("max_session_bindings", l.max_session_bindings),
+            ("max_session_id_bytes", l.max_session_id_bytes),
             ("max_http_connections", l.max_http_connections),
             (
                 "max_http_connections_per_peer",

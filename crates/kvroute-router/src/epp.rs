@@ -435,9 +435,23 @@ impl Exchange {
             }
         };
         let routed = state
-            .route_and_book(&parsed.model, parsed.route_input(), parsed.pin, &exclude)
+            .route_and_book(
+                &parsed.model,
+                parsed.route_input(),
+                parsed.pin,
+                parsed.session.as_deref(),
+                &exclude,
+            )
             .await?;
         state.record_prediction(&routed);
+        // The gateway forwards to the pick: bound to it now, as no answer comes back here.
+        if let (Some(id), Some(route)) = (&parsed.session, routed.session) {
+            let now = tokio::time::Instant::now();
+            let worker = routed.decision.worker;
+            state
+                .sessions
+                .bind(id, worker, &routed.local_hashes, route, now);
+        }
         let blocks = state.index.pin_path_owned(&routed.local_hashes);
         let decision = &routed.decision;
         let mut candidates = vec![(endpoint_of(&decision.base_url), decision.worker)];

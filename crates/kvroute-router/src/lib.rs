@@ -15,10 +15,11 @@
 //! background tasks and the graceful shutdown ([`connections`] caps both
 //! listeners'). With `[cluster]`, [`replica`] is the seam through which
 //! replicas share their workers' events (the NATS side lives in
-//! `kvroute-cluster`). With `[epp]`, [`epp`] answers a gateway's ext_proc
-//! stream with the same routing instead of proxying. [`http::responses`]
-//! keeps an OpenAI Responses conversation on the worker that stores it.
-//! [`config`], [`error`],
+//! `kvroute-cluster`); [`schedule::sessions`] keeps agent sessions on the
+//! rank that served their last request. With `[epp]`, [`epp`] answers a
+//! gateway's ext_proc stream with the same routing instead of proxying.
+//! [`http::responses`] keeps an OpenAI Responses conversation on the worker
+//! that stores it. [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`limits`] and [`auth`] are shared.
 //!
 //! No module imports one that imports it back (`tests/layout.rs` checks): a

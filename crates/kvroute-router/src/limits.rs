@@ -40,6 +40,8 @@ pub const CHAT_PARTS: &str = "chat_parts";
 pub const CHAT_IMAGES: &str = "chat_images";
 /// A response id forgotten before its TTL to make room (`max_response_owners`).
 pub const RESPONSE_OWNERS: &str = "response_owners";
+pub const SESSION_BINDINGS: &str = "session_bindings";
+pub const SESSION_ID_BYTES: &str = "session_id_bytes";
 pub const HTTP_CONNECTIONS: &str = "http_connections";
 pub const HTTP_CONNECTIONS_PER_PEER: &str = "http_connections_per_peer";
 pub const GRPC_CONNECTIONS: &str = "grpc_connections";
@@ -72,6 +74,8 @@ pub const ALL: &[&str] = &[
     CHAT_PARTS,
     CHAT_IMAGES,
     RESPONSE_OWNERS,
+    SESSION_BINDINGS,
+    SESSION_ID_BYTES,
     HTTP_CONNECTIONS,
     HTTP_CONNECTIONS_PER_PEER,
     GRPC_CONNECTIONS,

@@ -73,6 +73,8 @@ pub const RESPONSE_OWNERS: &str = "kvroute_response_owners";
 pub const RESPONSE_OWNER_LOOKUPS: &str = "kvroute_response_owner_lookups_total";
 /// The `outcome`s of [`RESPONSE_OWNER_LOOKUPS`] (see `http::responses`).
 pub const RESPONSE_OWNER_OUTCOMES: [&str; 3] = ["owner", "owner_gone", "unknown"];
+pub const SESSION_BINDINGS: &str = "kvroute_session_bindings";
+pub const SESSION_ROUTES: &str = "kvroute_session_routes_total";
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -124,6 +126,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
         "Share of a request's blocks the chosen worker was expected to hold",
     ),
     (ROUTED_PROMPT_TOKENS, "Prompt tokens of routed requests"),
+    (
+        SESSION_BINDINGS,
+        "Sessions bound to a worker rank ([sessions]), this replica's and its peers'",
+    ),
+    (
+        SESSION_ROUTES,
+        "Requests naming a session, by outcome (bound: to its rank; moved: elsewhere, the binding follows; new: no binding)",
+    ),
     (
         PREDICTED_CACHED_TOKENS,
         "Prompt tokens the chosen worker was expected to hold in its prefix cache",
@@ -420,6 +430,7 @@ fn install() -> Renderer {
         INDEX_MEMBERSHIPS,
         PREDICTED_ENTRIES,
         QUEUED,
+        SESSION_BINDINGS,
         CLUSTER_CONNECTED,
         CLUSTER_CAUGHT_UP,
         CLUSTER_RECORDS_BEHIND,

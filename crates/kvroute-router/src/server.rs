@@ -174,6 +174,12 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
             tracing::error!("grpc server failed: {e}");
         }
     }));
+    tasks.push(tokio::spawn(
+        crate::schedule::sessions::expire_periodically(
+            Arc::clone(&state.sessions),
+            stopped.clone(),
+        ),
+    ));
     tasks.push(tokio::spawn(health_checks(Arc::clone(&state), stopped)));
     Ok(Running {
         http_addr,

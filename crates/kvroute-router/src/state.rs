@@ -19,6 +19,7 @@ use crate::ingest::writers::Writers;
 use crate::metrics;
 use crate::replica::Replica;
 use crate::schedule::queue::WaitQueue;
+use crate::schedule::sessions::{Outcome, SessionRoute, Sessions};
 use crate::schedule::{Decision, NoWorker, RouteQuery, Scheduler};
 use crate::series::Renderer;
 use crate::tokenize::RouterTokenizer;
@@ -43,6 +44,8 @@ pub struct AppState {
     /// Set once at start with `[cluster]` sharing load: where this replica's
     /// predictions go for the others ([`crate::fleet::shared_load`]).
     pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
+    /// Sessions bound to the rank that served their last request (`[sessions]`).
+    pub sessions: Arc<Sessions>,
     /// Requests waiting for a non-busy worker.
     queue: WaitQueue<Waiting>,
     /// A test hook: while a test holds it for writing, event batches and dumps
@@ -78,6 +81,8 @@ pub struct Routed<B = ()> {
     pub booking: B,
     /// The clock reading the decision was made as of.
     pub decided_at: tokio::time::Instant,
+    /// For a request naming a session: its binding and what routing did with it.
+    pub session: Option<SessionRoute>,
 }
 
 impl AppState {
@@ -130,6 +135,7 @@ impl AppState {
             predicted: Arc::clone(&predicted),
             policy: config.scheduler.policy,
             temperature: config.scheduler.temperature,
+            max_load_ratio: config.sessions.max_load_ratio,
         };
         let upstream = Upstream::new(&config.upstream)?;
         let faults = crate::faults::Faults::new(config.index.test_faults);
@@ -143,6 +149,7 @@ impl AppState {
             std::time::Duration::from_secs(config.responses.owner_ttl_s),
             config.limits.max_response_owners,
         ));
+        let sessions = Arc::new(Sessions::new(&config, Arc::clone(&index))?);
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -157,6 +164,7 @@ impl AppState {
             writers: Writers::default(),
             replica: std::sync::OnceLock::new(),
             shared_predictions: std::sync::OnceLock::new(),
+            sessions,
             queue,
             ingest_gate: tokio::sync::RwLock::new(()),
             dump_parts,
@@ -208,9 +216,10 @@ impl AppState {
         name: &str,
         input: RouteInput<'_>,
         pin: Option<u64>,
+        session: Option<&str>,
         exclude: &[u64],
     ) -> Result<Result<Routed, NoWorker>, RouterError> {
-        self.try_route(name, input, pin, exclude, |query, now| {
+        self.try_route(name, input, pin, session, exclude, |query, now| {
             self.scheduler.choose(query, now).map(|d| (d, ()))
         })
     }
@@ -221,20 +230,24 @@ impl AppState {
         name: &str,
         input: RouteInput<'_>,
         pin: Option<u64>,
+        session: Option<&str>,
         exclude: &[u64],
         choose: impl FnOnce(&RouteQuery<'_>, tokio::time::Instant) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Result<Routed<B>, NoWorker>, RouterError> {
         let decided_at = tokio::time::Instant::now();
         let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, decided_at)?;
+        let bound = session.and_then(|id| self.sessions.bound(id, decided_at));
         let query = RouteQuery {
             name,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
+            bound,
             exclude,
         };
         Ok(
             choose(&query, decided_at).map(|(decision, booking)| Routed {
+                session: session.map(|_| session_route(bound, &decision)),
                 decision,
                 local_hashes,
                 prompt_tokens,
@@ -291,22 +304,28 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query, now| {
+        self.route_queued(name, input, pin, None, exclude, |query, now| {
             self.scheduler.choose(query, now).map(|d| (d, ()))
         })
         .await
     }
 
     /// Like [`Self::route`], and books the request on the chosen rank in the
-    /// same step as the choice (see [`Scheduler::choose_and_book`]).
+    /// same step as the choice (see [`Scheduler::choose_and_book`]). A request
+    /// naming `session` goes to its bound rank (see [`crate::schedule::sessions`]); one
+    /// naming a new session while the table is full is refused.
     pub async fn route_and_book(
         &self,
         name: &str,
         input: RouteInput<'_>,
         pin: Option<u64>,
+        session: Option<&str>,
         exclude: &[u64],
     ) -> Result<Routed<Booking>, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query, now| {
+        if let Some(id) = session {
+            self.sessions.admit(id)?;
+        }
+        self.route_queued(name, input, pin, session, exclude, |query, now| {
             self.scheduler.choose_and_book(query, now)
         })
         .await
@@ -322,17 +341,21 @@ impl AppState {
         name: &str,
         input: RouteInput<'_>,
         pin: Option<u64>,
+        session: Option<&str>,
         exclude: &[u64],
         choose: impl Fn(&RouteQuery<'_>, tokio::time::Instant) -> Result<(Decision, B), NoWorker>,
     ) -> Result<Routed<B>, RouterError> {
         let arrived = tokio::time::Instant::now();
         let deadline = arrived + self.config.scheduler.queue_timeout();
         let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, arrived)?;
+        let bound = session.and_then(|id| self.sessions.bound(id, arrived));
+        let route = |decision: &Decision| session.map(|_| session_route(bound, decision));
         let query = RouteQuery {
             name,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
+            bound,
             exclude,
         };
         // Ok(Ok): routed; Ok(Err(probe_at)): every worker is busy.
@@ -355,6 +378,7 @@ impl AppState {
             match attempt(arrived)? {
                 Ok((decision, booking)) => {
                     return Ok(Routed {
+                        session: route(&decision),
                         decision,
                         local_hashes,
                         prompt_tokens,
@@ -371,6 +395,7 @@ impl AppState {
             prompt_tokens,
             local_hashes: local_hashes.clone(),
             pin,
+            bound,
             exclude: exclude.to_vec(),
         };
         // Requests for one model that neither pin nor exclude a worker all
@@ -399,6 +424,7 @@ impl AppState {
                         Ok((decision, booking)) => {
                             ticket.served();
                             return Ok(Routed {
+                                session: route(&decision),
                                 decision,
                                 local_hashes,
                                 prompt_tokens,
@@ -445,6 +471,7 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
         ::metrics::gauge!(metrics::RESPONSE_OWNERS).set(self.response_owners.len() as f64);
+        ::metrics::gauge!(metrics::SESSION_BINDINGS).set(self.sessions.count() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         ::metrics::counter!(metrics::INDEX_EVICTION_SCANS_CUT)
             .absolute(self.index.eviction_scans_cut());
@@ -472,12 +499,21 @@ impl AppState {
     }
 }
 
+/// What routing a session bound to `bound` to `decision`'s rank did.
+fn session_route(bound: Option<kvroute_index::WorkerKey>, decision: &Decision) -> SessionRoute {
+    SessionRoute {
+        bound,
+        outcome: Outcome::of(bound, decision.worker),
+    }
+}
+
 /// A request in the wait queue: what ranks it (see [`Scheduler::overlap_now`]).
 struct Waiting {
     name: String,
     prompt_tokens: usize,
     local_hashes: Vec<u64>,
     pin: Option<u64>,
+    bound: Option<kvroute_index::WorkerKey>,
     exclude: Vec<u64>,
 }
 
@@ -488,6 +524,7 @@ impl Waiting {
             prompt_tokens: self.prompt_tokens,
             local_hashes: &self.local_hashes,
             pin: self.pin,
+            bound: self.bound,
             exclude: &self.exclude,
         }
     }
@@ -527,7 +564,7 @@ mod tests {
         let tokens: Vec<u32> = (0..64).collect();
         for pin in [1, 2] {
             let routed = state
-                .route_now("m", RouteInput::Tokens(&tokens), Some(pin), &[])
+                .route_now("m", RouteInput::Tokens(&tokens), Some(pin), None, &[])
                 .unwrap()
                 .unwrap();
             state.record_prediction(&routed);
@@ -550,9 +587,14 @@ mod tests {
     /// Routes a token prompt for "m" and books it, without waiting.
     fn route_and_book_now(state: &AppState, tokens: &[u32]) -> Option<Routed<Booking>> {
         state
-            .try_route("m", RouteInput::Tokens(tokens), None, &[], |query, now| {
-                state.scheduler.choose_and_book(query, now)
-            })
+            .try_route(
+                "m",
+                RouteInput::Tokens(tokens),
+                None,
+                None,
+                &[],
+                |query, now| state.scheduler.choose_and_book(query, now),
+            )
             .unwrap()
             .ok()
     }
@@ -622,7 +664,7 @@ mod tests {
             let state = Arc::clone(&state);
             async move {
                 let routed = state
-                    .route_and_book("m", RouteInput::Tokens(&tokens), None, &[])
+                    .route_and_book("m", RouteInput::Tokens(&tokens), None, None, &[])
                     .await;
                 (
                     tokio::time::Instant::now(),
@@ -659,7 +701,7 @@ mod tests {
                 .unwrap();
         }
         let routed = state
-            .route_now("m", RouteInput::Tokens(cached), Some(1), &[])
+            .route_now("m", RouteInput::Tokens(cached), Some(1), None, &[])
             .unwrap()
             .unwrap();
         state.record_prediction(&routed);
@@ -670,6 +712,7 @@ mod tests {
                         "m",
                         RouteInput::Tokens(&[7; 64]),
                         Some(id),
+                        None,
                         &[],
                         |q, now| state.scheduler.choose_and_book(q, now),
                     )
@@ -691,7 +734,7 @@ mod tests {
             let state = Arc::clone(state);
             async move {
                 state
-                    .route_and_book("m", RouteInput::Tokens(&tokens), None, &exclude)
+                    .route_and_book("m", RouteInput::Tokens(&tokens), None, None, &exclude)
                     .await
                     .map(|r| (r.decision.worker.worker_id, r.booking))
             }

@@ -214,6 +214,8 @@ pub(crate) struct Parsed<'a> {
     pub(crate) pin: Option<u64>,
     /// The Responses request's `previous_response_id`.
     follows: Option<Cow<'a, str>>,
+    /// The session the request names (`sessions.header`).
+    pub(crate) session: Option<String>,
 }
 
 impl Parsed<'_> {
@@ -562,6 +564,7 @@ fn parse_body<'a>(
         untokenized: None,
         pin,
         follows,
+        session: state.sessions.id_of(headers)?,
     };
     Ok((parsed, source))
 }
@@ -642,6 +645,7 @@ async fn proxy(
                 tokens: &parsed.tokens,
                 extra: &parsed.extra,
                 pin,
+                session: parsed.session.as_deref(),
                 path: endpoint.path(),
                 headers: &headers,
                 body: body.clone(),
@@ -758,7 +762,13 @@ async fn dry_run(
     let _permit = inflight.admit()?;
     let parsed = parse(&state, &headers, &body, None).await?;
     let routed = state
-        .route_now(&parsed.model, parsed.route_input(), parsed.pin, &[])?
+        .route_now(
+            &parsed.model,
+            parsed.route_input(),
+            parsed.pin,
+            parsed.session.as_deref(),
+            &[],
+        )?
         .map_err(|e| RouterError::Unavailable {
             message: format!(
                 "no worker can take a request for `{}` now: {e:?}",
@@ -775,6 +785,14 @@ async fn dry_run(
         "request_blocks": d.request_blocks,
         "untokenized": parsed.untokenized,
     });
+    // What the session's binding would do; the proxy binds, a dry run does not.
+    if let Some(session) = routed.session {
+        answer["session"] = json!({
+            "outcome": session.outcome.as_str(),
+            "bound_worker_id": session.bound.map(|k| k.worker_id),
+            "bound_dp_rank": session.bound.map(|k| k.dp_rank),
+        });
+    }
     // Worker addresses are the fleet's layout: for operators, not every client.
     if state.credentials.may_see_workers(&headers) {
         answer["base_url"] = json!(&*d.base_url);

@@ -40,6 +40,8 @@ pub struct Forward<'a> {
     pub extra: &'a ExtraKeys,
     /// The worker the client pinned with [`WORKER_HEADER`].
     pub pin: Option<u64>,
+    /// The session the request names; bound to the rank that answers it.
+    pub session: Option<&'a str>,
     /// The endpoint's path on the worker.
     pub path: &'static str,
     pub headers: &'a HeaderMap,
@@ -70,6 +72,7 @@ pub async fn forward(
                     extra: request.extra,
                 },
                 request.pin,
+                request.session,
                 &tried,
             )
             .await
@@ -84,6 +87,8 @@ pub async fn forward(
         let Routed {
             decision,
             mut booking,
+            local_hashes,
+            session,
             ..
         } = routed;
         let worker = decision.worker;
@@ -130,6 +135,16 @@ pub async fn forward(
         // The client is told what failed, never how: the detail names the
         // worker's address and the library's internals, and goes to the log.
         let worker_id = worker.worker_id;
+        let answered = matches!(&result, Ok(r) if r.status().is_success());
+        if let (true, Some(id), Some(route)) = (answered, request.session, session) {
+            state.sessions.bind(
+                id,
+                worker,
+                &local_hashes,
+                route,
+                tokio::time::Instant::now(),
+            );
+        }
         let (reason, error, retry) = match result {
             Ok(response) if !response.status().is_server_error() => {
                 let (mut parts, incoming) = response.into_parts();

@@ -59,6 +59,7 @@
 //! two, and 33 of them (32 tied idle ranks) were a routing decision's tail.
 
 pub mod queue;
+pub mod sessions;
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -86,6 +87,8 @@ pub struct RouteQuery<'a> {
     pub local_hashes: &'a [u64],
     /// Only this worker's ranks (the `x-kvroute-worker` header).
     pub pin: Option<u64>,
+    /// The rank the request's session is bound to ([`sessions`]).
+    pub bound: Option<WorkerKey>,
     /// Worker ids already tried for this request.
     pub exclude: &'a [u64],
 }
@@ -146,6 +149,8 @@ pub struct Scheduler {
     pub predicted: Arc<PredictedIndex>,
     pub policy: Policy,
     pub temperature: f64,
+    /// `sessions.max_load_ratio`.
+    pub max_load_ratio: f64,
 }
 
 /// Overlap found for one rank: (event-fed depth, predicted depth, offload
@@ -304,12 +309,28 @@ impl Scheduler {
             .get(query.name)
             .filter(|g| !g.members.is_empty())
             .ok_or(NoWorker::NoneRoutable)?;
-        let usable = |key: WorkerKey| {
+        let eligible = |key: WorkerKey| {
             !query.exclude.contains(&key.worker_id) && fleet.available(key, limits, now)
         };
-
         let block_size = limits.block_size as u64;
         let request_blocks = (query.prompt_tokens as u64).div_ceil(block_size);
+        // A session's bound rank: kept if within the load ratio, else left out.
+        let (stay, leave) = match query.bound {
+            Some(bound)
+                if query.pin.is_none()
+                    && group.members.binary_search(&bound).is_ok()
+                    && eligible(bound) =>
+            {
+                if self.within_load_ratio(fleet, group, bound, query, eligible) {
+                    (Some(bound), None)
+                } else {
+                    (None, Some(bound))
+                }
+            }
+            _ => (None, None),
+        };
+        let usable = |key: WorkerKey| eligible(key) && Some(key) != leave;
+
         let score = |key: WorkerKey| {
             let rank = fleet.ranks.get(&key)?;
             let (event, predicted, offload, _) = if rank.claims.demoted() {
@@ -351,6 +372,8 @@ impl Scheduler {
             if scores.is_empty() {
                 return Err(NoWorker::NoneRoutable);
             }
+        } else if let Some(bound) = stay {
+            scores.extend(score(bound));
         } else if let Some(probe) = fleet.probe_due(group, now, usable) {
             scores.extend(score(probe));
         } else {
@@ -365,7 +388,7 @@ impl Scheduler {
                             .filter_map(score),
                     );
                     let cheapest = scores.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
-                    let floor = self.unmatched_floor(limits, query.prompt_tokens, request_blocks);
+                    let floor = self.unmatched_floor(limits, query.prompt_tokens);
                     let mut taken = 0;
                     let mut last_load = None;
                     for &(load, key) in &group.by_load {
@@ -440,6 +463,32 @@ impl Scheduler {
         })
     }
 
+    /// Whether a session may stay on its `bound` rank (eligible): its load
+    /// with the request is at most `max_load_ratio` times the least loaded
+    /// eligible rank's with it. A load is the load order's (the part of the
+    /// `blocks` cost that depends on the rank alone); the request adds what it
+    /// costs an unmatched rank (its whole prompt to prefill, its blocks), the
+    /// same on both sides: the ratio weighs load, not cache, and stays
+    /// defined on an idle fleet.
+    fn within_load_ratio(
+        &self,
+        fleet: &Fleet,
+        group: &crate::fleet::groups::Group,
+        bound: WorkerKey,
+        query: &RouteQuery<'_>,
+        eligible: impl Fn(WorkerKey) -> bool,
+    ) -> bool {
+        let Some(rank) = fleet.ranks.get(&bound) else {
+            return false;
+        };
+        let Some(&(least, _)) = group.by_load.iter().find(|&&(_, k)| eligible(k)) else {
+            return true;
+        };
+        let request = request_cost(&self.registry.limits, query.prompt_tokens).max(1.0);
+        Fleet::load_from_key(rank.load_key) + request
+            <= self.max_load_ratio * (Fleet::load_from_key(least) + request)
+    }
+
     /// Under the `blocks` cost and a deterministic pick, the least cost an
     /// unmatched rank can have, as a function of its load key
     /// ([`Fleet::load_from_key`]): its load plus the whole prompt to prefill. The
@@ -454,13 +503,11 @@ impl Scheduler {
         &self,
         limits: &Limits,
         prompt_tokens: usize,
-        request_blocks: u64,
     ) -> Option<impl Fn(u64) -> f64> {
         if !matches!(limits.cost, Cost::Blocks) || self.temperature > 0.0 {
             return None;
         }
-        let prompt = limits.overlap_weight * prompt_tokens as f64 / limits.block_size as f64
-            + request_blocks as f64;
+        let prompt = request_cost(limits, prompt_tokens);
         // A key is its load's cost scaled and truncated: one step lower covers
         // any rounding, and the margin keeps near-ties costed.
         Some(move |load_key: u64| {
@@ -516,6 +563,14 @@ impl Scheduler {
         let smallest: Vec<usize> = (0..tied).filter(|&i| sizes[i] == fewest).collect();
         smallest[rand::random_range(0..smallest.len())]
     }
+}
+
+/// What a request adds to an unmatched rank's `blocks` cost: its whole
+/// prompt to prefill and its blocks.
+fn request_cost(limits: &Limits, prompt_tokens: usize) -> f64 {
+    let block_size = limits.block_size as u64;
+    let request_blocks = (prompt_tokens as u64).div_ceil(block_size);
+    limits.overlap_weight * prompt_tokens as f64 / block_size as f64 + request_blocks as f64
 }
 
 /// The load a rank's cost is computed from.
@@ -783,10 +838,16 @@ mod tests {
         let state = two_stream_workers(config);
         let tokens: Vec<u32> = (0..64).collect();
         let input = RouteInput::Tokens(&tokens);
-        let pinned = state.route_now("m", input, Some(1), &[]).unwrap().unwrap();
+        let pinned = state
+            .route_now("m", input, Some(1), None, &[])
+            .unwrap()
+            .unwrap();
         state.record_prediction(&pinned);
         let _queue = state.registry.book(WorkerKey::new(1, 0), 80, 0);
-        let routed = state.route_now("m", input, None, &[]).unwrap().unwrap();
+        let routed = state
+            .route_now("m", input, None, None, &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(routed.decision.scores.len(), 2);
         routed.decision.worker.worker_id
     }
@@ -824,6 +885,7 @@ mod tests {
             prompt_tokens: tokens.len(),
             local_hashes: &locals,
             pin: None,
+            bound: None,
             exclude: &[],
         };
         let chosen = state.scheduler.choose(&query, Instant::now()).unwrap();
@@ -967,7 +1029,7 @@ mod tests {
                 .map(|&l| reference(l))
                 .fold(f64::INFINITY, f64::min);
             let routed = state
-                .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+                .route_now("m", RouteInput::Tokens(&tokens), None, None, &[])
                 .unwrap()
                 .unwrap();
             let chosen = routed.decision.worker.worker_id as usize;
@@ -1021,7 +1083,7 @@ mod tests {
         state.tiers.apply(w1, Tier::Offload, &chain(2, 1, 4));
         state.tiers.apply(w2, Tier::Device, &chain(1, 2, 2));
         let routed = state
-            .route_now("m", RouteInput::Tokens(&tokens), None, &[])
+            .route_now("m", RouteInput::Tokens(&tokens), None, None, &[])
             .unwrap()
             .unwrap();
         let scores = serde_json::to_value(&routed.decision.scores).unwrap();

@@ -76,7 +76,7 @@ pub(super) fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
 /// load (released at once, as if the response were instant).
 pub(super) fn route_and_book(state: &AppState, tokens: &[u32]) -> anyhow::Result<WorkerKey> {
     let routed = state
-        .route_now(MODEL, RouteInput::Tokens(tokens), None, &[])?
+        .route_now(MODEL, RouteInput::Tokens(tokens), None, None, &[])?
         .map_err(|e| anyhow::anyhow!("no worker: {e:?}"))?;
     state.record_prediction(&routed);
     let decision = routed.decision;

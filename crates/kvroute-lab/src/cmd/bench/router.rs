@@ -212,7 +212,7 @@ fn decision_latency(
         let before = ThreadUsage::now();
         let t = Instant::now();
         let routed = state
-            .route_now(MODEL, RouteInput::Tokens(&prompt), None, &[])?
+            .route_now(MODEL, RouteInput::Tokens(&prompt), None, None, &[])?
             .map_err(|e| anyhow::anyhow!("no worker: {e:?}"))?;
         let wall = t.elapsed().as_nanos() as u64;
         switches.record(before, ThreadUsage::now(), wall)?;
