@@ -1010,6 +1010,7 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
         lora_names: Vec::new(),
         tokenizer: None,
         instance_id: 1,
+        ..Default::default()
     }
 }
 

@@ -6,7 +6,7 @@
 //!   hashes, active (reference-counted) and inactive (cached) blocks, evicted
 //!   as vLLM does (a `kvroute-cache` policy, blocks given back tail first) or
 //!   as SGLang does (a radix tree, least recently used unlocked leaf first);
-//! - [`host`]: the optional host tier (`--offload-blocks`): blocks the pool
+//! - [`pool::host`]: the optional host tier (`--offload-blocks`): blocks the pool
 //!   evicted, kept in CPU memory and loaded back instead of prefilled;
 //! - [`engine`]: continuous batching over the pool (max-num-seqs,
 //!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
@@ -15,8 +15,12 @@
 //! - [`events`]: the numbered event log a worker publishes, with a ring of
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
-//!   stream to the router ([`publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
+//!   stream to the router ([`worker::publisher`], with the digests of [`view`]), the
+//!   OpenAI-compatible HTTP server ([`worker::http`]) and the faults tests inject;
+//! - [`worker::pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
+//!   handoff conventions, prefill leases and the side channel decode engines
+//!   take KV from;
+//! - [`worker::persona`]: whose HTTP surface an engine shows, vLLM's or SGLang's;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -25,17 +29,16 @@ pub mod cost;
 pub mod engine;
 pub mod events;
 pub mod eviction;
-pub mod host;
-pub mod http;
 pub mod pool;
-pub mod publisher;
 pub mod trace;
 pub mod view;
 pub mod worker;
 
 pub use cost::CostModel;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, Handoff};
 pub use pool::EngineKind;
+pub use worker::pd::{PdConfig, PdConvention, PdStats, Role};
+pub use worker::persona::Persona;
 pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 
 /// Everything that can go wrong in the simulator.
