@@ -126,29 +126,27 @@ fn entrypoint_args() -> Vec<String> {
     entrypoint[1..].to_vec()
 }
 
-/// The Deployment as the kubelet runs it: the image's entrypoint with the
-/// container's args, the ConfigMap mounted where the manifest mounts it, the
-/// container's env with its Secrets, and every service-link variable. Only the
-/// ports are remapped to free ones; the router still listens on 0.0.0.0, so it
-/// needs the Secret's tokens. A simulated worker registers with the worker
-/// token, and the router must turn ready.
-#[tokio::test]
-async fn the_deployment_starts_with_the_kubelets_environment_and_gets_ready() {
-    let docs = manifests();
-    let pod = &named(&docs, "Deployment", "kvroute")["spec"]["template"]["spec"];
+/// A Deployment's router as the kubelet runs it: the image's entrypoint with
+/// the container's args, the ConfigMap mounted where the manifest mounts it,
+/// the container's env with its Secrets, and every service-link variable.
+/// Only the container's ports are remapped to free ones (by name, with the
+/// ConfigMap's addresses); the router still listens on 0.0.0.0, so it needs
+/// the Secret's tokens. Returns the process, the ports by name and the env.
+fn start_as_the_kubelet(
+    docs: &[Value],
+    deployment: &str,
+) -> (Process, BTreeMap<String, u16>, Vec<(String, String)>) {
+    let pod = &named(docs, "Deployment", deployment)["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
-    let container_port = |name: &str| {
-        container["ports"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == name)
-            .unwrap()["containerPort"]
-            .as_u64()
-            .unwrap()
-    };
-    let http_port = free_ports(1);
-    let grpc_port = free_ports(1);
+    let ports: BTreeMap<String, (u64, u16)> = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let name = p["name"].as_str().unwrap().to_string();
+            (name, (p["containerPort"].as_u64().unwrap(), free_ports(1)))
+        })
+        .collect();
 
     // The ConfigMap, mounted into a directory of our own.
     let mount = &container["volumeMounts"][0];
@@ -160,16 +158,19 @@ async fn the_deployment_starts_with_the_kubelets_environment_and_gets_ready() {
         .find(|v| v["name"] == mount["name"])
         .unwrap();
     let config_map = named(
-        &docs,
+        docs,
         "ConfigMap",
         volume["configMap"]["name"].as_str().unwrap(),
     );
-    let dir = std::env::temp_dir().join(format!("kvroute-deploy-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "kvroute-deploy-{deployment}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     for (file, text) in config_map["data"].as_object().unwrap() {
         let mut text = text.as_str().unwrap().to_string();
-        for (name, port) in [("http", http_port), ("grpc", grpc_port)] {
-            let written = format!(":{}\"", container_port(name));
+        for (container_port, port) in ports.values() {
+            let written = format!(":{container_port}\"");
             assert!(text.contains(&written), "{file} listens on {written}");
             text = text.replace(&written, &format!(":{port}\""));
         }
@@ -184,40 +185,343 @@ async fn the_deployment_starts_with_the_kubelets_environment_and_gets_ready() {
         }))
         .collect();
 
-    let env = container_env(&docs, container);
-    let links = service_links(&docs);
-    assert!(
-        links
-            .iter()
-            .any(|(k, v)| k == "KVROUTE_PORT" && v.starts_with("tcp://"))
-    );
+    let env = container_env(docs, container);
+    let links = service_links(docs);
     let mut command = common::kvroute();
     command
         .args(&args)
         .env_clear()
         .envs(env.iter().chain(&links).map(|(k, v)| (k, v)))
         .stderr(Stdio::inherit());
-    let _router = Process::start(command, |lines| {
+    let router = Process::start(command, |lines| {
         lines.iter().any(|l| l.starts_with("listening "))
     });
     std::fs::remove_dir_all(&dir).unwrap();
+    let ports = ports
+        .into_iter()
+        .map(|(name, (_, port))| (name, port))
+        .collect();
+    (router, ports, env)
+}
 
-    let worker_token = env
-        .iter()
-        .find(|(k, _)| k == "KVROUTE_AUTH__WORKER_TOKEN")
+/// The value of `name` in `env`.
+fn env_value<'a>(env: &'a [(String, String)], name: &str) -> &'a str {
+    env.iter()
+        .find(|(k, _)| k == name)
         .map(|(_, v)| v.as_str())
-        .expect("the manifest gives the router a worker token");
+        .unwrap_or_else(|| panic!("the manifest gives the router {name}"))
+}
+
+/// deploy/kubernetes/kvroute.yaml's Deployment, as the kubelet runs it: a
+/// simulated worker registers with the Secret's worker token, and the router
+/// must turn ready.
+#[tokio::test]
+async fn the_deployment_starts_with_the_kubelets_environment_and_gets_ready() {
+    let docs = manifests();
+    assert!(
+        service_links(&docs)
+            .iter()
+            .any(|(k, v)| k == "KVROUTE_PORT" && v.starts_with("tcp://"))
+    );
+    let (_router, ports, env) = start_as_the_kubelet(&docs, "kvroute");
     let _sim = SimFleet::start_with_env(
-        Some(&format!("http://127.0.0.1:{grpc_port}")),
+        Some(&format!("http://127.0.0.1:{}", ports["grpc"])),
         1,
-        &[("KVROUTE_ROUTER_TOKEN", worker_token)],
+        &[(
+            "KVROUTE_ROUTER_TOKEN",
+            env_value(&env, "KVROUTE_AUTH__WORKER_TOKEN"),
+        )],
     );
     let http = Http::default();
-    let readyz = format!("http://127.0.0.1:{http_port}/readyz");
+    let readyz = format!("http://127.0.0.1:{}/readyz", ports["http"]);
     eventually("the router is ready", || async {
         http.get(&readyz).await.status == 200
     })
     .await;
+}
+
+/// The gRPC health status of `service` at `addr`, or None while nothing answers.
+async fn grpc_health(port: u16, service: &str) -> Option<i32> {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .ok()?;
+    let reply = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: service.to_string(),
+        })
+        .await
+        .ok()?;
+    Some(reply.into_inner().status)
+}
+
+/// deploy/kubernetes/gateway/kvroute-epp.yaml's Deployment, as the kubelet
+/// runs it: its probes are gRPC health checks on the picker's port, liveness
+/// serving at once and readiness once a worker (the Secret's worker token, on
+/// the port the ingest Service targets) has registered.
+#[tokio::test]
+async fn the_endpoint_picker_deployment_starts_and_its_grpc_probes_answer() {
+    use tonic_health::ServingStatus;
+    let docs = manifests_of("deploy/kubernetes/gateway/kvroute-epp.yaml");
+    let (_router, ports, env) = start_as_the_kubelet(&docs, "kvroute-epp");
+    let container =
+        &named(&docs, "Deployment", "kvroute-epp")["spec"]["template"]["spec"]["containers"][0];
+    let probe = |which: &str| {
+        let grpc = &container[which]["grpc"];
+        let port = grpc["port"].as_u64().unwrap();
+        let name = container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["containerPort"] == port)
+            .unwrap_or_else(|| panic!("{which} probes a port the container names"))["name"]
+            .as_str()
+            .unwrap();
+        (ports[name], grpc["service"].as_str().unwrap().to_string())
+    };
+    let (liveness_port, liveness) = probe("livenessProbe");
+    let (readiness_port, readiness) = probe("readinessProbe");
+    let serving = Some(ServingStatus::Serving as i32);
+    eventually("the liveness probe passes", || async {
+        grpc_health(liveness_port, &liveness).await == serving
+    })
+    .await;
+    assert_eq!(
+        grpc_health(readiness_port, &readiness).await,
+        Some(ServingStatus::NotServing as i32),
+        "no worker yet"
+    );
+    let ingest = named(&docs, "Service", "kvroute-epp-ingest")["spec"]["ports"][0]["targetPort"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let _sim = SimFleet::start_with_env(
+        Some(&format!("http://127.0.0.1:{}", ports[&ingest])),
+        1,
+        &[(
+            "KVROUTE_ROUTER_TOKEN",
+            env_value(&env, "KVROUTE_AUTH__WORKER_TOKEN"),
+        )],
+    );
+    eventually("the readiness probe passes", || async {
+        grpc_health(readiness_port, &readiness).await == serving
+    })
+    .await;
+    assert_eq!(
+        grpc_health(
+            readiness_port,
+            "envoy.service.ext_proc.v3.ExternalProcessor"
+        )
+        .await,
+        serving
+    );
+}
+
+/// The value of `--flag=value` in `args`.
+fn flag<'a>(args: &'a [Value], flag: &str) -> &'a str {
+    args.iter()
+        .find_map(|a| a.as_str()?.strip_prefix(&format!("{flag}=")))
+        .unwrap_or_else(|| panic!("no {flag}= in {args:?}"))
+}
+
+/// The port of a `scheme://host:port[/...]` address.
+fn port_of(address: &str) -> u64 {
+    let rest = address.split("://").nth(1).unwrap_or(address);
+    let authority = rest.split('/').next().unwrap();
+    authority.rsplit_once(':').unwrap().1.parse().unwrap()
+}
+
+/// The gateway manifests hang together as the gateway and kubelet read them:
+/// the InferencePool (`inference.networking.k8s.io/v1`) selects the vLLM pods
+/// on their port and names the picker's Service and port, which leads to the
+/// router's `[epp] addr`; the HTTPRoute sends to the pool; each vLLM pod
+/// publishes KV events where its `kvroute bridge` sidecar subscribes, with the
+/// router's block size and tokenizer, registering the pod's IP at the
+/// engine's port with the router's worker token, on the ingest Service.
+#[test]
+fn the_gateway_manifests_wire_the_pool_the_picker_and_the_bridges() {
+    let epp = manifests_of("deploy/kubernetes/gateway/kvroute-epp.yaml");
+    let pools = manifests_of("deploy/kubernetes/gateway/inferencepool.yaml");
+    let vllm = manifests_of("deploy/kubernetes/gateway/vllm.yaml");
+    let router: toml::Table = named(&epp, "ConfigMap", "kvroute-epp-config")["data"]["router.toml"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .expect("router.toml is TOML");
+    let epp_addr = router["epp"]["addr"].as_str().unwrap();
+    let picker = named(&epp, "Deployment", "kvroute-epp")["spec"]["template"]["spec"]["containers"]
+        [0]
+    .clone();
+    let container_port = |name: &str| {
+        picker["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no container port {name}"))["containerPort"]
+            .as_u64()
+            .unwrap()
+    };
+    let service_port = |service: &str, port: u64| {
+        named(&epp, "Service", service)["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["port"] == port)
+            .unwrap_or_else(|| panic!("{service} has no port {port}"))["targetPort"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+
+    // The pool and its picker.
+    let pool = named(&pools, "InferencePool", "vllm-pool");
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    let picker_ref = &pool["spec"]["endpointPickerRef"];
+    let picker_port = picker_ref["port"]["number"].as_u64().unwrap();
+    let target = service_port(picker_ref["name"].as_str().unwrap(), picker_port);
+    assert_eq!(
+        container_port(&target),
+        port_of(epp_addr),
+        "the endpointPickerRef leads to [epp] addr"
+    );
+    let engines = named(&vllm, "StatefulSet", "vllm");
+    let engine_pod = &engines["spec"]["template"];
+    assert_eq!(
+        pool["spec"]["selector"]["matchLabels"],
+        engine_pod["metadata"]["labels"]
+    );
+    let containers = engine_pod["spec"]["containers"].as_array().unwrap();
+    let engine = containers.iter().find(|c| c["name"] == "vllm").unwrap();
+    let engine_args = engine["args"].as_array().unwrap();
+    let engine_port: u64 = flag(engine_args, "--port").parse().unwrap();
+    assert_eq!(pool["spec"]["targetPorts"][0]["number"], engine_port);
+
+    // The route.
+    let route = named(&pools, "HTTPRoute", "vllm-route");
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(
+        (&backend["group"], &backend["kind"], &backend["name"]),
+        (
+            &Value::from("inference.networking.k8s.io"),
+            &Value::from("InferencePool"),
+            &pool["metadata"]["name"]
+        )
+    );
+
+    // The engine and its bridge.
+    assert!(engine_args.iter().any(|a| a == "--enable-prefix-caching"));
+    let events: Value = serde_json::from_str(flag(engine_args, "--kv-events-config")).unwrap();
+    assert_eq!(events["enable_kv_cache_events"], true);
+    let bridge = containers
+        .iter()
+        .find(|c| c["name"] == "kvroute-bridge")
+        .expect("a kvroute bridge sidecar");
+    assert_eq!(bridge["command"][1], "bridge");
+    let args = bridge["args"].as_array().unwrap();
+    assert_eq!(
+        port_of(flag(args, "--engine-events")),
+        port_of(events["endpoint"].as_str().unwrap())
+    );
+    assert_eq!(
+        port_of(flag(args, "--engine-replay")),
+        port_of(events["replay_endpoint"].as_str().unwrap())
+    );
+    assert_eq!(flag(args, "--topic"), events["topic"]);
+    let block_size = router["block_size"].as_integer().unwrap().to_string();
+    assert_eq!(flag(args, "--block-size"), block_size);
+    assert_eq!(flag(engine_args, "--block-size"), block_size);
+    assert_eq!(
+        flag(args, "--tokenizer"),
+        router["tokenizer"].as_str().unwrap()
+    );
+    assert_eq!(
+        flag(args, "--engine-url"),
+        format!("http://$(POD_IP):{engine_port}")
+    );
+    let pod_ip = bridge["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "POD_IP")
+        .unwrap();
+    assert_eq!(pod_ip["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+    let ingest = flag(args, "--router");
+    let host = ingest
+        .split("://")
+        .nth(1)
+        .unwrap()
+        .split(':')
+        .next()
+        .unwrap();
+    let grpc = service_port(host, port_of(ingest));
+    assert_eq!(
+        container_port(&grpc),
+        port_of(router["grpc_addr"].as_str().unwrap())
+    );
+    let secret_ref = |container: &Value, name: &str| {
+        container["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}"))["valueFrom"]["secretKeyRef"]
+            .clone()
+    };
+    assert_eq!(
+        secret_ref(bridge, "KVROUTE_ROUTER_TOKEN"),
+        secret_ref(&picker, "KVROUTE_AUTH__WORKER_TOKEN")
+    );
+    // Every flag the bridge is given is one `kvroute bridge` takes.
+    let help = common::kvroute()
+        .args(["bridge", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8(help.stdout).unwrap();
+    for arg in args {
+        let name = arg.as_str().unwrap().split('=').next().unwrap();
+        assert!(
+            help.contains(&format!("{name} ")),
+            "kvroute bridge takes no {name}"
+        );
+    }
+}
+
+/// The Envoy config tests/epp.rs runs is deploy/envoy/'s, placeholders
+/// filled; the Kubernetes page points at each of its files and explains
+/// each placeholder.
+#[test]
+fn the_kubernetes_page_shows_the_envoy_config_the_tests_run() {
+    let page = repo_file("docs/operator/kubernetes.md");
+    let tests = repo_file("tests/epp.rs");
+    for file in ["envoy-epp.yaml", "pool-original-dst.yaml", "epp-tls.yaml"] {
+        let path = format!("deploy/envoy/{file}");
+        assert!(
+            page.contains(&format!("../../{path}")),
+            "kubernetes.md links {path}"
+        );
+        assert!(
+            tests.contains(&format!("\"{path}\"")),
+            "tests/epp.rs runs {path}"
+        );
+        let text = repo_file(&path);
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("${") {
+            let end = rest[at..].find('}').unwrap() + at;
+            let placeholder = &rest[at..=end];
+            assert!(
+                page.contains(&format!("`{placeholder}`")),
+                "kubernetes.md explains {placeholder} of {path}"
+            );
+            assert!(
+                tests.contains(&format!("(\"{}\",", &placeholder[2..placeholder.len() - 1])),
+                "tests/epp.rs fills {placeholder}"
+            );
+            rest = &rest[end..];
+        }
+    }
 }
 
 #[test]

@@ -9,10 +9,14 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use common::{GrpcWorker, Http, RouterProcess, SimFleet, eventually, free_ports, register, tokens};
+use common::{
+    Certs, GrpcWorker, Http, HttpsClient, RouterProcess, SimFleet, eventually, free_ports, https,
+    register, tokens,
+};
 use kvroute_proto::kv_event;
 use serde_json::{Value, json};
 
@@ -34,120 +38,122 @@ fn envoy_binary() -> PathBuf {
     )
 }
 
-/// The gateway's Envoy config: ext_proc as the reference gateways run it
-/// (headers SEND, bodies FULL_DUPLEX_STREAMED both ways, trailers SEND, a
-/// 1,000 s message timeout), and the pool cluster with the `override_host`
-/// policy reading the picker's header and `envoy.lb` metadata, walking the
-/// fallbacks on retry and writing the served endpoint back for the picker.
-fn envoy_config(listen: u16, admin: u16, epp: &str, pool: &[String]) -> String {
-    let endpoint = |hostport: &str| {
-        let (host, port) = hostport.rsplit_once(':').unwrap();
-        format!(
-            "          - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}\n"
-        )
-    };
-    let (epp_host, epp_port) = epp.rsplit_once(':').unwrap();
-    let pool: String = pool.iter().map(|e| endpoint(e)).collect();
-    format!(
-        r#"admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: pool
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route:
-                  cluster: pool
-                  timeout: 0s
-                  retry_policy:
-                    retry_on: connect-failure,reset
-                    num_retries: 2
-          http_filters:
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{cluster_name: epp}}
-              failure_mode_allow: false
-              status_on_error: {{code: 503}}
-              message_timeout: 1000s
-              processing_mode:
-                request_header_mode: SEND
-                response_header_mode: SEND
-                request_body_mode: FULL_DUPLEX_STREAMED
-                response_body_mode: FULL_DUPLEX_STREAMED
-                request_trailer_mode: SEND
-                response_trailer_mode: SEND
-              metadata_options:
-                forwarding_namespaces: {{untyped: ["envoy.lb"]}}
-                receiving_namespaces: {{untyped: ["envoy.lb"]}}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: epp
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: epp
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: {epp_host}, port_value: {epp_port}}}}}}}
-  - name: pool
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: pool
-      endpoints:
-      - lb_endpoints:
-{pool}    load_balancing_policy:
-      policies:
-      - typed_extension_config:
-          name: envoy.load_balancing_policies.override_host
-          typed_config:
-            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
-            override_host_sources:
-            - header: x-gateway-destination-endpoint
-            - metadata:
-                key: envoy.lb
-                path: [{{key: x-gateway-destination-endpoint}}]
-            selected_host_key:
-              key: envoy.lb
-              path: [{{key: x-gateway-destination-endpoint-served}}]
-            fallback_policy:
-              policies:
-              - typed_extension_config:
-                  name: envoy.load_balancing_policies.round_robin
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
-"#
-    )
+/// A file of the repository.
+fn repo_file(path: &str) -> String {
+    let full = format!("{}/{path}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"))
 }
 
-/// A running Envoy, killed on drop; `url` is its listener.
+/// How a test's Envoy differs from the reference config
+/// (deploy/envoy/envoy-epp.yaml), each by a documented part of deploy/envoy/.
+#[derive(Default)]
+struct Variant {
+    /// The pool cluster of pool-original-dst.yaml instead of override_host.
+    original_dst: bool,
+    /// TLS to the picker (epp-tls.yaml), trusting this CA; the picker is
+    /// then reached as `localhost`, the name its certificate holds.
+    epp_ca: Option<PathBuf>,
+    /// `failure_mode_allow: true`.
+    failure_mode_allow: bool,
+    /// A gateway that limits the pick: a client's `x-test-subset` header
+    /// becomes the `envoy.lb.subset_hint` metadata the picker is sent.
+    subset_from_header: bool,
+}
+
+/// Envoy's filter that turns the test's `x-test-subset` header into a subset
+/// hint, as a gateway would set one; it goes before ext_proc.
+const SUBSET_FILTER: &str = r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              request_rules:
+              - header: x-test-subset
+                remove: true
+                on_header_present:
+                  metadata_namespace: envoy.lb.subset_hint
+                  key: x-gateway-destination-endpoint-subset
+                  type: STRING
+"#;
+
+/// The reference Envoy config with its placeholders filled: listening on
+/// `listen`, its admin on `admin`, the picker at `epp` (`host:port`), the
+/// pool's endpoints `pool` (`host:port` each).
+fn envoy_config(listen: u16, admin: u16, epp: &str, pool: &[String], variant: &Variant) -> String {
+    let mut config = repo_file("deploy/envoy/envoy-epp.yaml");
+    if variant.original_dst {
+        let at = config.find("\n  - name: pool\n").expect("the pool cluster") + 1;
+        config.truncate(at);
+        config += &repo_file("deploy/envoy/pool-original-dst.yaml");
+    }
+    if variant.epp_ca.is_some() {
+        let cluster = "  - name: epp\n";
+        let at = config.find(cluster).expect("the epp cluster") + cluster.len();
+        config.insert_str(at, &repo_file("deploy/envoy/epp-tls.yaml"));
+    }
+    if variant.failure_mode_allow {
+        let closed = "failure_mode_allow: false";
+        assert!(config.contains(closed));
+        config = config.replace(closed, "failure_mode_allow: true");
+    }
+    if variant.subset_from_header {
+        let at = config
+            .find("          - name: envoy.filters.http.ext_proc\n")
+            .expect("the ext_proc filter");
+        config.insert_str(at, SUBSET_FILTER);
+    }
+    let (epp_host, epp_port) = epp.rsplit_once(':').unwrap();
+    let epp_host = if variant.epp_ca.is_some() {
+        "localhost"
+    } else {
+        epp_host
+    };
+    let endpoint = |hostport: &String| {
+        let (host, port) = hostport.rsplit_once(':').unwrap();
+        format!(
+            "{{endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}}}"
+        )
+    };
+    let pool = format!(
+        "[{}]",
+        pool.iter().map(endpoint).collect::<Vec<_>>().join(", ")
+    );
+    let ca = variant
+        .epp_ca
+        .as_ref()
+        .map(|ca| ca.to_str().unwrap().to_string());
+    let filled = [
+        ("ADMIN_PORT", admin.to_string()),
+        ("LISTEN_ADDRESS", "127.0.0.1".to_string()),
+        ("LISTEN_PORT", listen.to_string()),
+        ("EPP_HOST", epp_host.to_string()),
+        ("EPP_PORT", epp_port.to_string()),
+        ("EPP_CA_FILE", ca.unwrap_or_default()),
+        ("POOL_ENDPOINTS", pool),
+    ];
+    for (name, value) in filled {
+        config = config.replace(&format!("${{{name}}}"), &value);
+    }
+    assert!(
+        !config.contains("${"),
+        "a placeholder left unfilled:\n{config}"
+    );
+    config
+}
+
+/// A running Envoy, killed on drop; `url` is its listener, `admin` its
+/// admin interface.
 struct Envoy {
     child: Child,
     url: String,
+    admin: String,
     config: PathBuf,
 }
 
 impl Envoy {
     async fn start(epp: &str, pool: &[String]) -> Self {
+        Self::start_with(epp, pool, &Variant::default()).await
+    }
+
+    async fn start_with(epp: &str, pool: &[String], variant: &Variant) -> Self {
         let binary = envoy_binary();
         let listen = free_ports(2);
         let admin = listen + 1;
@@ -155,7 +161,7 @@ impl Envoy {
             "kvroute-envoy-{}-{listen}.yaml",
             std::process::id()
         ));
-        std::fs::write(&config, envoy_config(listen, admin, epp, pool)).unwrap();
+        std::fs::write(&config, envoy_config(listen, admin, epp, pool, variant)).unwrap();
         let child = Command::new(binary)
             .args(["-c", config.to_str().unwrap()])
             .args(["--disable-hot-restart", "--concurrency", "1", "-l", "error"])
@@ -166,10 +172,11 @@ impl Envoy {
         let envoy = Self {
             child,
             url: format!("http://127.0.0.1:{listen}"),
+            admin: format!("http://127.0.0.1:{admin}"),
             config,
         };
         let http = Http::default();
-        let ready = format!("http://127.0.0.1:{admin}/ready");
+        let ready = format!("{}/ready", envoy.admin);
         eventually("envoy is ready", || async {
             tokio::net::TcpStream::connect(("127.0.0.1", admin))
                 .await
@@ -178,6 +185,21 @@ impl Envoy {
         })
         .await;
         envoy
+    }
+
+    /// One of Envoy's ext_proc counters (`http.gateway.ext_proc.NAME`).
+    async fn ext_proc_stat(&self, name: &str) -> u64 {
+        let stats = Http::default()
+            .get(&format!("{}/stats?filter=ext_proc", self.admin))
+            .await
+            .text();
+        let key = format!("http.gateway.ext_proc.{name}: ");
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap_or_else(|| panic!("no {key} in {stats}"))
+            .parse()
+            .unwrap()
     }
 }
 
@@ -208,14 +230,28 @@ fn hostport(url: &str) -> String {
 /// The router with its picker on and the sim's tokenizer, `n` sim workers,
 /// and Envoy in front.
 async fn gateway(n: usize, config: &str) -> (RouterProcess, SimFleet, Envoy) {
+    gateway_with(n, config, &Variant::default()).await
+}
+
+/// The same with Envoy's `variant`; `config` follows the `[epp]` table's
+/// `addr`, so it may begin with more `[epp]` keys.
+async fn gateway_with(
+    n: usize,
+    config: &str,
+    variant: &Variant,
+) -> (RouterProcess, SimFleet, Envoy) {
     let router = RouterProcess::start(&format!(
-        "tokenizer = \"tiktoken:cl100k_base\"\n{config}\n[epp]\naddr = \"127.0.0.1:0\"\n"
+        "tokenizer = \"tiktoken:cl100k_base\"\n[epp]\naddr = \"127.0.0.1:0\"\n{config}\n"
     ));
     let sim = SimFleet::start(Some(&router.grpc), n);
     common::wait_registered(&router, n).await;
-    let pool: Vec<String> = sim.workers.iter().map(|(_, url)| hostport(url)).collect();
-    let envoy = Envoy::start(&epp_addr(&router), &pool).await;
+    let envoy = Envoy::start_with(&epp_addr(&router), &pool_of(&sim), variant).await;
     (router, sim, envoy)
+}
+
+/// The sim workers as the gateway's pool: `host:port` each.
+fn pool_of(sim: &SimFleet) -> Vec<String> {
+    sim.workers.iter().map(|(_, url)| hostport(url)).collect()
 }
 
 /// `usage.prompt_tokens_details.cached_tokens` of a plain body or the last
@@ -232,8 +268,8 @@ fn cached_tokens(body: &str) -> u64 {
         .unwrap()
 }
 
-/// Requests in flight on every rank, as the router books them.
-async fn booked_inflight(router: &RouterProcess) -> u64 {
+/// Requests in flight on each worker (over its ranks), as the router books them.
+async fn booked_by_worker(router: &RouterProcess) -> BTreeMap<u64, u64> {
     let workers = Http::default()
         .get(&format!("{}/workers", router.http))
         .await
@@ -242,9 +278,21 @@ async fn booked_inflight(router: &RouterProcess) -> u64 {
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|w| w["ranks"].as_array().unwrap().iter())
-        .map(|r| r["inflight_requests"].as_u64().unwrap())
-        .sum()
+        .map(|w| {
+            let inflight = w["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["inflight_requests"].as_u64().unwrap())
+                .sum();
+            (w["id"].as_u64().unwrap(), inflight)
+        })
+        .collect()
+}
+
+/// Requests in flight on every rank, as the router books them.
+async fn booked_inflight(router: &RouterProcess) -> u64 {
+    booked_by_worker(router).await.values().sum()
 }
 
 async fn all_released(router: &RouterProcess) {
@@ -421,6 +469,7 @@ async fn concurrent_streams_leave_no_booking_behind() {
 
 #[tokio::test]
 async fn a_worker_that_refuses_connections_moves_the_request_and_its_booking() {
+    use http_body_util::BodyExt;
     let router = RouterProcess::start("[epp]\naddr = \"127.0.0.1:0\"\n");
     let sim = SimFleet::start(Some(&router.grpc), 1);
     common::wait_registered(&router, 1).await;
@@ -451,39 +500,240 @@ async fn a_worker_that_refuses_connections_moves_the_request_and_its_booking() {
     })
     .await;
     let mut pool = vec![dead.clone()];
-    pool.extend(sim.workers.iter().map(|(_, url)| hostport(url)));
+    pool.extend(pool_of(&sim));
     let envoy = Envoy::start(&epp_addr(&router), &pool).await;
-    let reply = Http::default()
-        .post(
+    let served = sim.workers[0].0;
+    let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 4000, "stream": true});
+    let mut response = Http::default()
+        .send(
+            "POST",
             &format!("{}/v1/completions", envoy.url),
-            &json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2}),
+            &[],
+            body.to_string(),
         )
         .await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(response.status(), 200);
     assert_eq!(
-        reply.worker(),
-        sim.workers[0].0,
+        response.headers()["x-kvroute-worker"],
+        served.to_string().as_str(),
         "the served endpoint, fed back, named the fallback"
     );
+    let first = response.body_mut().frame().await.unwrap().unwrap();
+    assert!(first.is_data());
+    let booked = booked_by_worker(&router).await;
+    assert_eq!(
+        (booked[&99], booked[&served]),
+        (0, 1),
+        "the booking moved with the request: {booked:?}"
+    );
+    drop(response);
     all_released(&router).await;
 }
 
 /// With the picker unreachable and `failure_mode_allow: false`, Envoy answers
 /// 503 (`status_on_error`) rather than sending the request anywhere.
-/// (`failure_mode_allow: true` does not fail open here: in
-/// FULL_DUPLEX_STREAMED mode Envoy 1.40 has handed the body to the stream
-/// before it fails, and answers with the same local reply.)
 #[tokio::test]
 async fn the_picker_down_fails_closed() {
     let router = RouterProcess::start("");
     let sim = SimFleet::start(Some(&router.grpc), 1);
     common::wait_registered(&router, 1).await;
-    let pool: Vec<String> = sim.workers.iter().map(|(_, url)| hostport(url)).collect();
     let nobody = format!("127.0.0.1:{}", free_ports(1));
     let body = json!({"model": "sim-model", "prompt": tokens(1, 32), "max_tokens": 2});
-    let closed = Envoy::start(&nobody, &pool).await;
+    let closed = Envoy::start(&nobody, &pool_of(&sim)).await;
     let reply = Http::default()
         .post(&format!("{}/v1/completions", closed.url), &body)
+        .await;
+    assert_eq!(reply.status, 503, "{}", reply.text());
+}
+
+/// Sends a POST's head, then its body only once `ready` holds; the response's
+/// status and body (the connection closes after it).
+async fn post_with_late_body<F, Fut>(url: &str, body: &str, ready: F) -> (u16, String)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    eventually("the condition for the body", ready).await;
+    stream.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, answer)
+}
+
+/// What Envoy 1.40 does with `failure_mode_allow: true` and the picker
+/// unreachable, in FULL_DUPLEX_STREAMED mode: it fails open (its own round
+/// robin picks) only while no request body has gone to the ext_proc stream.
+/// A bodyless request, or a body that arrives after the stream has failed,
+/// is served; a body that came with its headers (what clients send) has been
+/// handed to the stream when it fails, and Envoy answers 503 as if closed.
+#[tokio::test]
+async fn the_picker_down_with_failure_mode_allow_fails_open_only_before_the_body() {
+    let router = RouterProcess::start("");
+    let sim = SimFleet::start(Some(&router.grpc), 1);
+    common::wait_registered(&router, 1).await;
+    let nobody = format!("127.0.0.1:{}", free_ports(1));
+    let variant = Variant {
+        failure_mode_allow: true,
+        ..Variant::default()
+    };
+    let envoy = Envoy::start_with(&nobody, &pool_of(&sim), &variant).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", envoy.url);
+    let body = json!({"model": "sim-model", "prompt": tokens(1, 32), "max_tokens": 2});
+
+    let whole = http.post(&url, &body).await;
+    assert_eq!(whole.status, 503, "{}", whole.text());
+
+    let models = http.get(&format!("{}/v1/models", envoy.url)).await;
+    assert_eq!(models.status, 200, "{}", models.text());
+    assert_eq!(models.json()["data"][0]["id"], "sim-model");
+    assert_eq!(envoy.ext_proc_stat("failure_mode_allowed").await, 1);
+
+    let (status, answer) = post_with_late_body(&url, &body.to_string(), || async {
+        envoy.ext_proc_stat("failure_mode_allowed").await == 2
+    })
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("\"prompt_tokens\":32"), "{answer}");
+}
+
+/// A gateway's subset hint limits the pick to its endpoints, even away from
+/// the worker that holds the prefix; a subset with no eligible worker is a
+/// 503 from the picker.
+#[tokio::test]
+async fn subset_hints_limit_the_pick_and_none_eligible_is_a_503() {
+    let variant = Variant {
+        subset_from_header: true,
+        ..Variant::default()
+    };
+    let (router, sim, envoy) = gateway_with(3, "", &variant).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", envoy.url);
+    let body = json!({"model": "sim-model", "prompt": tokens(70_000, 96), "max_tokens": 2});
+    let first = http.post(&url, &body).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let holder = first.worker();
+    let repeat = http.post(&url, &body).await;
+    assert_eq!(repeat.worker(), holder, "unhinted, the prefix decides");
+    let others: Vec<&(u64, String)> = sim.workers.iter().filter(|(id, _)| *id != holder).collect();
+    let subset = others
+        .iter()
+        .map(|(_, url)| hostport(url))
+        .collect::<Vec<_>>()
+        .join(",");
+    for _ in 0..3 {
+        let hinted = http
+            .call(
+                "POST",
+                &url,
+                &[("x-test-subset", &subset)],
+                body.to_string(),
+            )
+            .await;
+        assert_eq!(hinted.status, 200, "{}", hinted.text());
+        assert!(
+            others.iter().any(|(id, _)| *id == hinted.worker()),
+            "{} is outside the subset {subset}",
+            hinted.worker()
+        );
+    }
+    let outside = format!("127.0.0.1:{}", free_ports(1));
+    let none = http
+        .call(
+            "POST",
+            &url,
+            &[("x-test-subset", &outside)],
+            body.to_string(),
+        )
+        .await;
+    none.assert_error(503, "no_worker_available");
+    all_released(&router).await;
+}
+
+/// The ORIGINAL_DST variant: Envoy connects to the one endpoint the picker
+/// names (`[epp] fallbacks = 0`), and prefix affinity holds.
+#[tokio::test]
+async fn the_original_dst_variant_sends_each_request_to_the_pick() {
+    let variant = Variant {
+        original_dst: true,
+        ..Variant::default()
+    };
+    let (router, _sim, envoy) = gateway_with(3, "fallbacks = 0\n", &variant).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", envoy.url);
+    for i in 0..3u32 {
+        let body = json!({"model": "sim-model", "prompt": tokens(20_000 * (i + 1), 96),
+                          "max_tokens": 2});
+        let first = http.post(&url, &body).await;
+        assert_eq!(first.status, 200, "{}", first.text());
+        let second = http.post(&url, &body).await;
+        assert_eq!(second.status, 200, "{}", second.text());
+        assert_eq!(second.worker(), first.worker());
+        assert_eq!(cached_tokens(&second.text()), 96, "{}", second.text());
+    }
+    all_released(&router).await;
+}
+
+/// Envoy reaches the picker over TLS with the router's `[tls]` files, checking
+/// its certificate against the CA (epp-tls.yaml); an Envoy that trusts
+/// another CA cannot, and answers 503.
+#[tokio::test]
+async fn envoy_reaches_the_picker_over_tls() {
+    let certs = Certs::generate();
+    let router = RouterProcess::start(&format!(
+        "tokenizer = \"tiktoken:cl100k_base\"\n[epp]\naddr = \"127.0.0.1:0\"\n{}",
+        certs.router_tls(false)
+    ));
+    let ca = certs.ca.to_str().unwrap();
+    let sim = SimFleet::start_with(
+        Some(&https(&router.grpc)),
+        2,
+        &["--router-ca-file", ca],
+        &[],
+    );
+    let admin = HttpsClient::new(&certs.ca);
+    let workers = format!("{}/workers", https(&router.http));
+    eventually("the workers register over TLS", || async {
+        let (_, body) = admin.call("GET", &workers, String::new()).await;
+        body["workers"]
+            .as_array()
+            .is_some_and(|w| w.iter().filter(|w| w["state"] == "connected").count() == 2)
+    })
+    .await;
+    let variant = Variant {
+        epp_ca: Some(certs.ca.clone()),
+        ..Variant::default()
+    };
+    let envoy = Envoy::start_with(&epp_addr(&router), &pool_of(&sim), &variant).await;
+    let http = Http::default();
+    let url = format!("{}/v1/completions", envoy.url);
+    let body = json!({"model": "sim-model", "prompt": tokens(90_000, 64), "max_tokens": 2});
+    let first = http.post(&url, &body).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let second = http.post(&url, &body).await;
+    assert_eq!(second.worker(), first.worker());
+    assert_eq!(cached_tokens(&second.text()), 64);
+
+    let strangers = Certs::generate();
+    let untrusting = Variant {
+        epp_ca: Some(strangers.ca.clone()),
+        ..Variant::default()
+    };
+    let refused = Envoy::start_with(&epp_addr(&router), &pool_of(&sim), &untrusting).await;
+    let reply = http
+        .post(&format!("{}/v1/completions", refused.url), &body)
         .await;
     assert_eq!(reply.status, 503, "{}", reply.text());
 }

@@ -560,11 +560,25 @@ impl<'de> Deserialize<'de> for TokenizerSpecs {
 
 /// The Gateway API Inference Extension's endpoint picker (`crate::epp`): Envoy's
 /// ext_proc v3 and gRPC health, for gateways that proxy themselves.
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EppConfig {
     /// Where the endpoint picker listens, HOST:PORT; empty: off.
     pub addr: String,
+    /// How many fallback endpoints follow the pick in
+    /// `x-gateway-destination-endpoint`. Bounded so that the header stays
+    /// small in a large fleet; 0 for gateways that read one endpoint (Envoy's
+    /// `ORIGINAL_DST` cluster).
+    pub fallbacks: usize,
+}
+
+impl Default for EppConfig {
+    fn default() -> Self {
+        Self {
+            addr: String::new(),
+            fallbacks: 2,
+        }
+    }
 }
 
 impl SessionsConfig {

@@ -7,7 +7,7 @@
 //!   body is parsed, tokenized, hashed, scored and booked by the same code as
 //!   the proxy's ([`crate::http::api::parse`], [`AppState::route_and_book`]), and the
 //!   answer is the request-headers response (`x-gateway-destination-endpoint`
-//!   best first then fallbacks, the same in `dynamic_metadata["envoy.lb"]`,
+//!   best first then up to `[epp] fallbacks` others, the same in `dynamic_metadata["envoy.lb"]`,
 //!   `clear_route_cache`), then the body as `streamed_response` chunks;
 //! - response headers and body pass through, with `x-kvroute-worker` added.
 //!   The first body chunk releases the prefill booking (a stream's first
@@ -457,7 +457,11 @@ impl Exchange {
         let mut candidates = vec![(endpoint_of(&decision.base_url), decision.worker)];
         if parsed.pin.is_none() {
             let fleet = state.registry.lock();
+            let wanted = 1 + state.config.epp.fallbacks;
             for score in &decision.scores {
+                if candidates.len() == wanted {
+                    break;
+                }
                 let taken = candidates
                     .iter()
                     .any(|(_, k)| k.worker_id == score.worker_id);

@@ -3,6 +3,7 @@
 
 mod cpu_time;
 mod e2e;
+mod epp;
 mod fixture;
 mod index;
 mod proxy;
@@ -30,6 +31,9 @@ enum BenchTarget {
     Proxy(proxy::BenchProxyArgs),
     /// Replay a trace through the router and a simulated fleet under several policies.
     E2e(e2e::E2eArgs),
+    /// kvroute as a real Envoy's endpoint picker, beside Envoy's round robin
+    /// and kvroute's own proxy: decisions per CPU-second, TTFT, hit rate.
+    Epp(epp::EppArgs),
     /// The router process and a simulated fleet under a steady replay with churn
     /// (restarts, leaves, joins): the router's memory, descriptors and tasks at
     /// start and end, and failed requests.
@@ -49,6 +53,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchTarget::Router(args) => router::run(args),
         BenchTarget::Proxy(args) => proxy::run(args),
         BenchTarget::E2e(args) => e2e::run(args),
+        BenchTarget::Epp(args) => epp::run(args),
         BenchTarget::Soak(args) => soak::run(args),
         BenchTarget::Service(args) => service::run(args),
         BenchTarget::RouterProxy(args) => router::router_proxy(args),

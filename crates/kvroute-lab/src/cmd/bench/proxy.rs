@@ -69,12 +69,12 @@ pub struct BenchProxyArgs {
 const CONCURRENCY: usize = 16;
 
 /// One SSE chunk as an OpenAI-compatible server streams a token.
-const CHUNK: &str = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" tok\",\"logprobs\":null,\"finish_reason\":null}]}\n\n";
+pub(super) const CHUNK: &str = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" tok\",\"logprobs\":null,\"finish_reason\":null}]}\n\n";
 
 /// A stub worker: `/v1/completions` answers a small completion, or with
 /// `"stream":true` streams `chunks` chunks, yielding between them so that
 /// each leaves in a write of its own.
-async fn stub_worker(chunks: usize) -> anyhow::Result<std::net::SocketAddr> {
+pub(super) async fn stub_worker(chunks: usize) -> anyhow::Result<std::net::SocketAddr> {
     use axum::response::IntoResponse;
     let app = axum::Router::new()
         .route(
@@ -656,11 +656,11 @@ fn describe(load: Load) -> String {
     }
 }
 
-fn met(ok: bool) -> &'static str {
+pub(super) fn met(ok: bool) -> &'static str {
     if ok { "met" } else { "MISSED" }
 }
 
-fn load_average() -> String {
+pub(super) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()

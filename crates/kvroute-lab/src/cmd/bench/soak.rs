@@ -131,6 +131,8 @@ pub(super) struct RouterProcess {
     child: Child,
     pub(super) http: String,
     pub(super) grpc: String,
+    /// The endpoint picker's `host:port`, with `[epp] addr`.
+    pub(super) epp: Option<String>,
 }
 
 impl RouterProcess {
@@ -138,12 +140,12 @@ impl RouterProcess {
         Self::start_with(block_size, "")
     }
 
-    /// With `config` added to its configuration file.
+    /// With `config` at the head of its configuration file (top-level keys first).
     pub(super) fn start_with(block_size: usize, config: &str) -> anyhow::Result<Self> {
         let exe = kvroute_binary()?;
         let block_size = block_size.to_string();
         // Warnings only: churn would log every registration.
-        let config_text = format!("[log]\nlevel = \"warn\"\n{config}");
+        let config_text = format!("{config}\n[log]\nlevel = \"warn\"\n");
         let config = std::env::temp_dir().join(format!("kvroute-soak-{}.toml", std::process::id()));
         std::fs::write(&config, config_text)?;
         let mut child = Command::new(exe)
@@ -168,7 +170,16 @@ impl RouterProcess {
             let _ = child.kill();
             bail!("kvroute serve printed {line:?}, not its addresses");
         };
-        Ok(RouterProcess { child, http, grpc })
+        let epp = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("epp="))
+            .map(str::to_string);
+        Ok(RouterProcess {
+            child,
+            http,
+            grpc,
+            epp,
+        })
     }
 
     pub(super) fn pid(&self) -> u32 {
