@@ -17,7 +17,7 @@ use crate::metrics;
 use crate::queue::WaitQueue;
 use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
-use crate::scheduler::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::scheduler::{Decision, NoWorker, Pool, RouteQuery, Scheduler};
 use crate::series::Renderer;
 use crate::shared_load::SharedPrediction;
 use crate::tokenize::RouterTokenizer;
@@ -129,6 +129,7 @@ impl AppState {
                         base_url: w.base_url.clone(),
                         total_kv_blocks: 0,
                         tokenizer: String::new(),
+                        pd: w.pd(),
                     },
                     Source::Static,
                 )
@@ -222,6 +223,35 @@ impl AppState {
         })
     }
 
+    /// Whether requests for `name` are served by a disaggregated fleet: it has
+    /// routable decode ranks (see [`crate::pd`]).
+    pub fn disaggregated(&self, name: &str) -> bool {
+        Pool::Decode.group(&self.registry.lock(), name).is_some()
+    }
+
+    /// The deepest prefix of the prompt cached on a rank of `pool` that could
+    /// take it now, in blocks, and the prompt's length in tokens.
+    pub fn cached_now(
+        &self,
+        name: &str,
+        pool: Pool,
+        input: RouteInput<'_>,
+    ) -> Result<(u32, usize), RouterError> {
+        let (local_hashes, prompt_tokens) =
+            self.hash_prompt(name, input, tokio::time::Instant::now())?;
+        let query = RouteQuery {
+            name,
+            pool,
+            prompt_tokens,
+            local_hashes: &local_hashes,
+            pin: None,
+            exclude: &[],
+        };
+        let overlap = self.scheduler.overlap_now(&query);
+        keep_hashes(local_hashes);
+        Ok((overlap, prompt_tokens))
+    }
+
     /// Hashes the prompt and routes it with `choose` (which may book).
     fn try_route<B>(
         &self,
@@ -235,6 +265,7 @@ impl AppState {
         let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, decided_at)?;
         let query = RouteQuery {
             name,
+            pool: Pool::Whole,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
@@ -298,7 +329,7 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query, now| {
+        self.route_queued(name, Pool::Whole, input, pin, exclude, |query, now| {
             self.scheduler.choose(query, now).map(|d| (d, ()))
         })
         .await
@@ -313,7 +344,20 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed<Booking>, RouterError> {
-        self.route_queued(name, input, pin, exclude, |query, now| {
+        self.route_and_book_in(name, Pool::Whole, input, pin, exclude)
+            .await
+    }
+
+    /// Like [`Self::route_and_book`], among the ranks of `pool`.
+    pub async fn route_and_book_in(
+        &self,
+        name: &str,
+        pool: Pool,
+        input: RouteInput<'_>,
+        pin: Option<u64>,
+        exclude: &[u64],
+    ) -> Result<Routed<Booking>, RouterError> {
+        self.route_queued(name, pool, input, pin, exclude, |query, now| {
             self.scheduler.choose_and_book(query, now)
         })
         .await
@@ -327,6 +371,7 @@ impl AppState {
     async fn route_queued<B>(
         &self,
         name: &str,
+        pool: Pool,
         input: RouteInput<'_>,
         pin: Option<u64>,
         exclude: &[u64],
@@ -337,6 +382,7 @@ impl AppState {
         let (local_hashes, prompt_tokens) = self.hash_prompt(name, input, arrived)?;
         let query = RouteQuery {
             name,
+            pool,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
@@ -375,6 +421,7 @@ impl AppState {
         let key = |w: &Waiting| self.scheduler.overlap_now(&w.query());
         let waiting = Waiting {
             name: name.to_string(),
+            pool,
             prompt_tokens,
             local_hashes: local_hashes.clone(),
             pin,
@@ -382,7 +429,7 @@ impl AppState {
         };
         // Requests for one model that neither pin nor exclude a worker all
         // find the same workers busy or not.
-        let class = (pin.is_none() && exclude.is_empty()).then(|| name.to_string());
+        let class = (pin.is_none() && exclude.is_empty()).then(|| format!("{pool:?} {name}"));
         let ticket = self
             .queue
             .join(waiting, class, &key, !tried)
@@ -481,6 +528,7 @@ impl AppState {
 /// A request in the wait queue: what ranks it (see [`Scheduler::overlap_now`]).
 struct Waiting {
     name: String,
+    pool: Pool,
     prompt_tokens: usize,
     local_hashes: Vec<u64>,
     pin: Option<u64>,
@@ -491,6 +539,7 @@ impl Waiting {
     fn query(&self) -> RouteQuery<'_> {
         RouteQuery {
             name: &self.name,
+            pool: self.pool,
             prompt_tokens: self.prompt_tokens,
             local_hashes: &self.local_hashes,
             pin: self.pin,

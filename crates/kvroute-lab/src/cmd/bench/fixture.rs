@@ -64,6 +64,7 @@ pub(super) fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
                     base_url: format!("http://127.0.0.1:{}", 10_000 + id),
                     total_kv_blocks: 1 << 20,
                     tokenizer: String::new(),
+                    pd: Default::default(),
                 },
                 Source::Stream,
             )
