@@ -857,21 +857,22 @@ async fn proxy(
         // Only now: a client that is slow to send its body holds no place.
         let permit = inflight.admit()?;
         let parsed = parse(&state, &headers, &body, Some(endpoint)).await?;
-        let response = crate::proxy::forward(
-            &state,
-            Forward {
-                model: &parsed.model,
-                tokens: &parsed.tokens,
-                extra: &parsed.extra,
-                pin: parsed.pin,
-                path: endpoint.path(),
-                headers: &headers,
-                body: body.clone(),
-                received,
-                permit,
-            },
-        )
-        .await;
+        let request = Forward {
+            model: &parsed.model,
+            tokens: &parsed.tokens,
+            extra: &parsed.extra,
+            pin: parsed.pin,
+            path: endpoint.path(),
+            headers: &headers,
+            body: body.clone(),
+            received,
+            permit,
+        };
+        let response = if state.disaggregated(request.model) {
+            crate::pd::forward(&state, request).await
+        } else {
+            crate::proxy::forward(&state, request).await
+        };
         crate::upstream::recycle_headers(headers);
         keep_tokens(parsed.tokens);
         response

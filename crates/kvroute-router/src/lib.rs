@@ -37,6 +37,7 @@ mod kept;
 pub mod limits;
 pub mod low_priority;
 pub mod metrics;
+pub mod pd;
 pub mod proxy;
 pub mod queue;
 pub mod registry;

@@ -69,6 +69,12 @@ pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
+pub const PD_REQUESTS: &str = "kvroute_pd_requests_total";
+pub const PD_HANDOFF_FAILURES: &str = "kvroute_pd_handoff_failures_total";
+pub const PD_PREFILL: &str = "kvroute_pd_prefill_seconds";
+
+/// `path` values of [`PD_REQUESTS`].
+pub const PD_PATHS: [&str; 2] = ["disaggregated", "decode_only"];
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -264,6 +270,18 @@ pub const FAMILIES: &[(&str, &str)] = &[
         TOKENIZE_ABANDONED,
         "Requests not tokenized because their client went away while they waited for a tokenizing thread",
     ),
+    (
+        PD_REQUESTS,
+        "Requests for disaggregated fleets, by path (disaggregated: a prefill leg and a decode leg; decode_only: the decode worker alone)",
+    ),
+    (
+        PD_HANDOFF_FAILURES,
+        "Prefill legs whose KV cache did not reach the decode worker, by reason",
+    ),
+    (
+        PD_PREFILL,
+        "Prefill legs, from sending to the prefill worker's answer",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -380,6 +398,9 @@ fn install() -> Renderer {
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
     }
+    for path in PD_PATHS {
+        let _ = metrics::counter!(PD_REQUESTS, "path" => path);
+    }
     for name in [
         PREDICTED_OVERLAP,
         TTFT,
@@ -396,6 +417,7 @@ fn install() -> Renderer {
         CLUSTER_RECORDS_BEHIND,
         CLUSTER_APPLY_LAG,
         CLUSTER_SNAPSHOT_AGE,
+        PD_PREFILL,
     ] {
         if is_histogram(name) {
             let _ = metrics::histogram!(name);
