@@ -17,6 +17,10 @@
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`publisher`], with the digests of [`view`]), the
 //!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
+//! - [`pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
+//!   handoff conventions, prefill leases and the side channel decode engines
+//!   take KV from;
+//! - [`persona`]: whose HTTP surface an engine shows, vLLM's or SGLang's;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -27,6 +31,8 @@ pub mod events;
 pub mod eviction;
 pub mod host;
 pub mod http;
+pub mod pd;
+pub mod persona;
 pub mod pool;
 pub mod publisher;
 pub mod trace;
@@ -34,7 +40,9 @@ pub mod view;
 pub mod worker;
 
 pub use cost::CostModel;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, Handoff};
+pub use pd::{PdConfig, PdConvention, PdStats, Role};
+pub use persona::Persona;
 pub use pool::EngineKind;
 pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 

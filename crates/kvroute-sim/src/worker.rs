@@ -21,9 +21,11 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::SimError;
-use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
+use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Handoff, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
 use crate::http::SharedTokenizer;
+use crate::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
+use crate::persona::Persona;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
@@ -60,6 +62,10 @@ pub struct WorkerConfig {
     pub digest_interval: Duration,
     /// Log one line per eviction decision (time, policy, blocks freed, why).
     pub log_evictions: bool,
+    /// Which engine's HTTP surface to imitate.
+    pub persona: Persona,
+    /// The engine's part in prefill/decode disaggregation.
+    pub pd: PdConfig,
 }
 
 impl WorkerConfig {
@@ -81,6 +87,8 @@ impl WorkerConfig {
             digest_events: DEFAULT_DIGEST_EVENTS,
             digest_interval: DEFAULT_DIGEST_INTERVAL,
             log_evictions: false,
+            persona: Persona::Vllm,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -111,6 +119,8 @@ pub(crate) struct Core {
     pub publishing: bool,
     pub drop_next: u64,
     pub pacing: Pacing,
+    /// Prefill legs' blocks held for decode engines.
+    pub pd: Leases,
 }
 
 /// How far the iteration loop ran behind the cost model's clock.
@@ -153,6 +163,12 @@ pub(crate) struct Shared {
     pub events_ready: Notify,
     pub stop: watch::Sender<bool>,
     pub tokenizer: SharedTokenizer,
+    /// A prefill leg finished: a decode waiting at the rendezvous may take it.
+    pub lease_added: Notify,
+    /// Takes decode legs' KV from prefill engines' side channels.
+    pub client: HttpClient,
+    /// The side channel's port (prefill engines; 0 for the others).
+    pub bootstrap_port: u16,
 }
 
 impl Shared {
@@ -162,13 +178,16 @@ impl Shared {
             .expect("no code panics while holding the core")
     }
 
-    /// Queues a request; its tokens arrive on the returned channel.
+    /// Queues a request; its tokens arrive on the returned channel. A prefill
+    /// leg (`lease`) keeps its blocks under that key once it finishes.
     pub fn submit(
         &self,
         tokens: &[u32],
         max_tokens: u32,
         extra: &ExtraKeys,
         priority: Priority,
+        handoff: Handoff,
+        lease: Option<LeaseKey>,
     ) -> Result<(SeqId, mpsc::UnboundedReceiver<Emitted>), SimError> {
         if *self.stop.borrow() {
             return Err(SimError::Stopped);
@@ -176,10 +195,17 @@ impl Shared {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut core = self.core();
+            let handoff = Handoff {
+                hold: lease.is_some(),
+                ..handoff
+            };
             let id = core
                 .engine
-                .submit_prioritized(tokens, max_tokens, extra, priority)?;
+                .submit_handoff(tokens, max_tokens, extra, priority, handoff)?;
             core.streams.insert(id, tx);
+            if let Some(key) = lease {
+                core.pd.start(id, key);
+            }
             id
         };
         self.wake.notify_one();
@@ -190,6 +216,7 @@ impl Shared {
         let mut core = self.core();
         if core.streams.remove(&id).is_some() {
             core.engine.abort(id);
+            core.pd.forget(id);
         }
     }
 
@@ -237,6 +264,25 @@ impl Worker {
             context: "cannot read the listener's address".into(),
             source,
         })?;
+        // Prefill engines serve the side channel decode engines take KV from.
+        let side_channel = match config.pd.role {
+            Role::Prefill => {
+                let addr = SocketAddr::new(http_addr.ip(), config.pd.bootstrap_port);
+                Some(
+                    TcpListener::bind(addr)
+                        .await
+                        .map_err(|source| SimError::Io {
+                            context: format!("cannot listen on {addr} (--bootstrap-port)"),
+                            source,
+                        })?,
+                )
+            }
+            _ => None,
+        };
+        let bootstrap_port = match &side_channel {
+            Some(listener) => listener.local_addr().map_or(0, |a| a.port()),
+            None => 0,
+        };
         let (stop, _) = watch::channel(false);
         let mut log = EventLog::new(config.ring_events);
         let mut engine = engine;
@@ -259,10 +305,14 @@ impl Worker {
                 publishing: true,
                 drop_next: 0,
                 pacing: Pacing::default(),
+                pd: Leases::default(),
             }),
             wake: Notify::new(),
             events_ready: Notify::new(),
             stop,
+            lease_added: Notify::new(),
+            client: crate::pd::http_client(),
+            bootstrap_port,
         });
         let mut tasks = vec![
             tokio::spawn(iterate(Arc::clone(&shared))),
@@ -270,6 +320,12 @@ impl Worker {
         ];
         if !shared.config.routers.is_empty() {
             tasks.push(tokio::spawn(crate::publisher::run(Arc::clone(&shared))));
+        }
+        if let Some(listener) = side_channel {
+            tasks.push(tokio::spawn(crate::pd::serve_side_channel(
+                Arc::clone(&shared),
+                listener,
+            )));
         }
         tracing::info!(worker = shared.config.worker_id, %http_addr, "simulated worker started");
         Ok(Worker {
@@ -289,6 +345,20 @@ impl Worker {
 
     pub fn base_url(&self) -> &str {
         &self.shared.base_url
+    }
+
+    pub fn role(&self) -> Role {
+        self.shared.config.pd.role
+    }
+
+    /// The side channel's port on a prefill engine; 0 on the others.
+    pub fn bootstrap_port(&self) -> u16 {
+        self.shared.bootstrap_port
+    }
+
+    /// Handoffs served and blocks freed by lease timeout.
+    pub fn pd_stats(&self) -> PdStats {
+        self.shared.core().pd.stats
     }
 
     pub fn stats(&self) -> (EngineStats, Load) {
@@ -340,6 +410,7 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
             let mut core = shared.core();
             // Clients of the dropped requests see their streams end.
             core.streams.clear();
+            core.pd.clear();
             if let Err(e) = core.engine.clear() {
                 tracing::error!("restart failed: {e}");
             }
@@ -392,6 +463,10 @@ async fn iterate(shared: Arc<Shared>) {
         core.pacing.record(lag);
         shared.log_events(&mut core);
         for emitted in step.emitted {
+            if emitted.finished {
+                // Leased before the client hears of it, so its response can name it.
+                crate::pd::finished(&shared, &mut core, emitted.seq);
+            }
             let delivered = core
                 .streams
                 .get(&emitted.seq)
@@ -401,6 +476,7 @@ async fn iterate(shared: Arc<Shared>) {
             } else if !delivered {
                 core.streams.remove(&emitted.seq);
                 core.engine.abort(emitted.seq);
+                core.pd.forget(emitted.seq);
             }
         }
     }
@@ -413,7 +489,8 @@ pub(crate) async fn until_stopped(stopped: &mut watch::Receiver<bool>) {
 }
 
 /// Starts `count` workers from `template`: worker `i` gets id
-/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`.
+/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`
+/// (and bootstrap port `template.pd.bootstrap_port + i` when that is not 0).
 pub async fn start_fleet(
     template: &WorkerConfig,
     count: usize,
@@ -430,6 +507,15 @@ pub async fn start_fleet(
                 ))
             })?;
             config.http_addr.set_port(port);
+        }
+        if template.pd.bootstrap_port != 0 {
+            config.pd.bootstrap_port = u16::try_from(template.pd.bootstrap_port as usize + i)
+                .map_err(|_| {
+                    SimError::Config(format!(
+                        "--bootstrap-port {} + {count} workers passes port 65535",
+                        template.pd.bootstrap_port
+                    ))
+                })?;
         }
         workers.push(Worker::start(config).await?);
     }
