@@ -732,6 +732,82 @@ mod tests {
     }
 
     #[test]
+    fn a_held_prefill_keeps_its_blocks_until_released_and_a_decode_receives_them() {
+        let mut prefill = Engine::new(config(64)).unwrap();
+        let prompt = tokens(0..18); // 4 full blocks and a partial one
+        let hold = Handoff {
+            hold: true,
+            ..Handoff::default()
+        };
+        let seq = prefill
+            .submit_handoff(&prompt, 1, &ExtraKeys::default(), Priority::Normal, hold)
+            .unwrap();
+        run(&mut prefill);
+        assert_eq!(prefill.load().kv_blocks_used, 5, "held after finishing");
+        let (hashes, prompt_tokens) = prefill.held_prompt(seq).unwrap();
+        assert_eq!((hashes.len(), prompt_tokens), (4, 18));
+        assert_eq!(prefill.release_held(seq), 5);
+        assert_eq!(prefill.load().kv_blocks_used, 0);
+        assert_eq!(prefill.release_held(seq), 0, "released once");
+        prefill.pool().check();
+
+        let mut decode = Engine::new(config(64)).unwrap();
+        decode.take_events();
+        let received = Handoff {
+            hold: false,
+            transferred: hashes.clone(),
+            transferred_tokens: prompt_tokens,
+        };
+        decode
+            .submit_handoff(
+                &prompt,
+                2,
+                &ExtraKeys::default(),
+                Priority::Normal,
+                received,
+            )
+            .unwrap();
+        let out = run(&mut decode);
+        assert_eq!(
+            out[0].cached_tokens, 17,
+            "the whole prompt less its last token"
+        );
+        let stats = decode.stats();
+        assert_eq!(
+            (stats.transferred_tokens, stats.computed_prompt_tokens),
+            (17, 1)
+        );
+        let stored = decode
+            .take_events()
+            .iter()
+            .filter(|e| matches!(e, PoolEvent::Stored { .. }))
+            .count();
+        assert_eq!(
+            stored, 4,
+            "received blocks are announced as the decode's own"
+        );
+
+        // Blocks of another prompt are not this one's: recomputed.
+        let mut other = Engine::new(config(64)).unwrap();
+        let mismatched = Handoff {
+            hold: false,
+            transferred: hashes[1..].to_vec(),
+            transferred_tokens: prompt_tokens,
+        };
+        other
+            .submit_handoff(
+                &prompt,
+                1,
+                &ExtraKeys::default(),
+                Priority::Normal,
+                mismatched,
+            )
+            .unwrap();
+        assert_eq!(run(&mut other)[0].cached_tokens, 0);
+        assert_eq!(other.stats().computed_prompt_tokens, 18);
+    }
+
+    #[test]
     fn a_full_hit_still_computes_one_token() {
         let mut engine = Engine::new(config(64)).unwrap();
         engine.submit(&tokens(0..16), 1).unwrap();

@@ -379,9 +379,15 @@ async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Respon
             Err(why) => return Err(ApiError::server(format!("KV transfer failed: {why}"))),
         },
     };
+    // An SGLang prefill server stops at the first token whatever the body
+    // asks: the same body goes to the decode, which generates the rest.
+    let max_tokens = match lease {
+        Some(LeaseKey::Sglang(_)) => 1,
+        _ => parsed.max_tokens,
+    };
     let (id, rx) = shared.submit(
         &parsed.tokens,
-        parsed.max_tokens,
+        max_tokens,
         &parsed.extra,
         parsed.priority,
         handoff,

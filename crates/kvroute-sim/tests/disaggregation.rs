@@ -14,6 +14,16 @@ use serde_json::{Value, json};
 const BLOCK: usize = 16;
 
 async fn engine(id: u64, role: Role, convention: PdConvention, pd: &PdConfig) -> Worker {
+    engine_at_speed(id, role, convention, pd, 100.0).await
+}
+
+async fn engine_at_speed(
+    id: u64,
+    role: Role,
+    convention: PdConvention,
+    pd: &PdConfig,
+    speedup: f64,
+) -> Worker {
     let mut config = WorkerConfig::new(
         id,
         EngineConfig {
@@ -22,7 +32,7 @@ async fn engine(id: u64, role: Role, convention: PdConvention, pd: &PdConfig) ->
             ..EngineConfig::default()
         },
     );
-    config.engine.cost.speedup = 100.0;
+    config.engine.cost.speedup = speedup;
     config.tokenizer = TokenizerSpec::None;
     config.pd = PdConfig {
         role,
@@ -133,8 +143,8 @@ async fn a_prefill_nobody_pulls_frees_its_blocks_when_the_lease_times_out() {
     }
 }
 
-fn sglang_body(prefill: &Worker, room: u64) -> Value {
-    json!({"model": "sim-model", "prompt": prompt(100, 40), "max_tokens": 3,
+fn sglang_body(prefill: &Worker, room: u64, len: u32) -> Value {
+    json!({"model": "sim-model", "prompt": prompt(100, len), "max_tokens": 3,
         "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port(),
         "bootstrap_room": room})
 }
@@ -142,10 +152,10 @@ fn sglang_body(prefill: &Worker, room: u64) -> Value {
 #[tokio::test]
 async fn sglang_legs_sent_at_once_meet_at_the_rendezvous() {
     let pd = PdConfig::default();
-    let prefill = engine(1, Role::Prefill, PdConvention::Sglang, &pd).await;
+    // At real speed the prefill takes 34 ms, so the decode waits at the rendezvous.
+    let prefill = engine_at_speed(1, Role::Prefill, PdConvention::Sglang, &pd, 1.0).await;
     let decode = engine(2, Role::Decode, PdConvention::Sglang, &pd).await;
-    let body = sglang_body(&prefill, (1 << 62) + 5);
-    // Whichever arrives first waits for the other at the rendezvous.
+    let body = sglang_body(&prefill, (1 << 62) + 5, 600);
     let (decode_url, prefill_url) = (
         url(&decode, "/v1/completions"),
         url(&prefill, "/v1/completions"),
@@ -153,7 +163,10 @@ async fn sglang_legs_sent_at_once_meet_at_the_rendezvous() {
     let (decoded, prefilled) = tokio::join!(post(&decode_url, &body), post(&prefill_url, &body));
     assert_eq!(prefilled.0, 200, "{}", prefilled.1);
     assert_eq!(decoded.0, 200, "{}", decoded.1);
-    assert_eq!(cached(&decoded.1), 39, "{}", decoded.1);
+    assert_eq!(cached(&decoded.1), 599, "{}", decoded.1);
+    // The prefill stops at the first token; the decode generates what was asked.
+    assert_eq!(prefilled.1["usage"]["completion_tokens"], 1);
+    assert_eq!(decoded.1["usage"]["completion_tokens"], 3);
     assert_eq!(decode.pd_stats().handoffs, 1);
     assert_eq!(prefill.pd_stats().handoffs, 1);
     assert_eq!(prefill.pd_stats().lease_expired_blocks, 0);
@@ -169,7 +182,11 @@ async fn an_sglang_decode_whose_prefill_never_comes_fails_after_the_timeout() {
     let prefill = engine(1, Role::Prefill, PdConvention::Sglang, &pd).await;
     let decode = engine(2, Role::Decode, PdConvention::Sglang, &pd).await;
     let started = std::time::Instant::now();
-    let (status, answer) = post(&url(&decode, "/v1/completions"), &sglang_body(&prefill, 9)).await;
+    let (status, answer) = post(
+        &url(&decode, "/v1/completions"),
+        &sglang_body(&prefill, 9, 40),
+    )
+    .await;
     assert_eq!(status, 500, "{answer}");
     assert!(started.elapsed() >= Duration::from_millis(300));
     let message = answer["error"]["message"].as_str().unwrap();
