@@ -11,9 +11,11 @@ use common::{Http, Process, RouterProcess, eventually, kvroute, metric, wait_reg
 use serde_json::{Value, json};
 use std::process::Stdio;
 
-/// The tests' router settings: prompts of 32 tokens and more disaggregate,
-/// and a decode engine serves alone only a prompt it holds whole.
-const ROUTER: &str = "[disaggregation]\nmin_prompt_tokens = 32\nmax_local_prefill_tokens = 0\n";
+/// The tests' router settings: the engines' tokenizer (chat prompts are
+/// text), prompts of 32 tokens and more disaggregate, and a decode engine
+/// serves alone only a prompt it holds whole.
+const ROUTER: &str = "tokenizer = \"tiktoken:cl100k_base\"\n\
+    [disaggregation]\nmin_prompt_tokens = 32\nmax_local_prefill_tokens = 0\n";
 
 /// A `kvroute sim` engine: its id, base URL and role.
 struct Engine {
@@ -186,7 +188,10 @@ async fn serves_every_kind(convention: &str) {
     let router = RouterProcess::start(ROUTER);
     let (_sim, engines) = pd_fleet(&router, 1, 1, convention, &["--speedup", "100"]);
     wait_registered(&router, 2).await;
-    let (prefill, decode) = (of_role(&engines, "prefill")[0], of_role(&engines, "decode")[0]);
+    let (prefill, decode) = (
+        of_role(&engines, "prefill")[0],
+        of_role(&engines, "decode")[0],
+    );
     let http = Http::default();
     let mut served = 0.0;
     for (i, (chat, stream)) in [(false, false), (false, true), (true, false), (true, true)]
@@ -195,7 +200,12 @@ async fn serves_every_kind(convention: &str) {
     {
         let (path, body) = request(chat, &prompt(1000 * i as u32, 64), stream);
         let reply = http.post(&format!("{}{path}", router.http), &body).await;
-        assert_eq!(reply.status, 200, "{convention} {path} stream={stream}: {}", reply.text());
+        assert_eq!(
+            reply.status,
+            200,
+            "{convention} {path} stream={stream}: {}",
+            reply.text()
+        );
         assert_eq!(header(&reply, "x-kvroute-worker"), Some(decode.id));
         assert_eq!(header(&reply, "x-kvroute-prefill-worker"), Some(prefill.id));
         let text = reply.text();
@@ -209,10 +219,19 @@ async fn serves_every_kind(convention: &str) {
             assert!(cached.as_u64().is_some_and(|c| c > 0), "{answer}");
         }
         served += 1.0;
-        assert_eq!(handoffs(&engines, "decode").await, served, "{path} stream={stream}");
+        assert_eq!(
+            handoffs(&engines, "decode").await,
+            served,
+            "{path} stream={stream}"
+        );
     }
     assert_eq!(
-        router_metric(&router, "kvroute_pd_requests_total", &[("path", "disaggregated")]).await,
+        router_metric(
+            &router,
+            "kvroute_pd_requests_total",
+            &[("path", "disaggregated")]
+        )
+        .await,
         4.0
     );
     assert_eq!(
@@ -263,7 +282,12 @@ async fn n_above_1_short_prompts_and_prompts_the_decode_engine_holds_go_decode_o
     .await;
     decode_only(&http.post(&url, &whole).await);
     assert_eq!(
-        router_metric(&router, "kvroute_pd_requests_total", &[("path", "decode_only")]).await,
+        router_metric(
+            &router,
+            "kvroute_pd_requests_total",
+            &[("path", "decode_only")]
+        )
+        .await,
         3.0
     );
     nothing_stranded(&router, &engines).await;
@@ -369,8 +393,12 @@ async fn a_failed_prefill_is_retried_on_another_prefill_worker() {
         let reply = http.post(&url, &body).await;
         assert_eq!(reply.status, 200, "{}", reply.text());
         assert_eq!(header(&reply, "x-kvroute-prefill-worker"), Some(prefill.id));
-        let tried_dead = router_metric(&router, "kvroute_routed_requests_total", &[("worker", "99")])
-            .await;
+        let tried_dead = router_metric(
+            &router,
+            "kvroute_routed_requests_total",
+            &[("worker", "99")],
+        )
+        .await;
         if tried_dead > 0.0 {
             assert_eq!(
                 router_metric(&router, "kvroute_pd_handoff_failures_total", &[]).await,
@@ -388,14 +416,27 @@ async fn with_every_prefill_worker_failing_the_decode_worker_serves_alone() {
     let dead = format!("http://127.0.0.1:{}", common::free_ports(1));
     let router = RouterProcess::start(&format!("{ROUTER}{}", static_prefill(99, &dead)));
     let (_sim, engines) = start_sim(
-        &["sim", "--role", "decode", "--workers", "1", "--block-size", "16", "--speedup", "100",
-          "--router", &router.grpc],
+        &[
+            "sim",
+            "--role",
+            "decode",
+            "--workers",
+            "1",
+            "--block-size",
+            "16",
+            "--speedup",
+            "100",
+            "--router",
+            &router.grpc,
+        ],
         1,
     );
     wait_registered(&router, 1).await;
     let http = Http::default();
     let body = json!({"model": "sim-model", "prompt": prompt(0, 64), "max_tokens": 2});
-    let reply = http.post(&format!("{}/v1/completions", router.http), &body).await;
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &body)
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(header(&reply, "x-kvroute-worker"), Some(engines[0].id));
     assert_eq!(header(&reply, "x-kvroute-prefill-worker"), None);
@@ -416,17 +457,34 @@ async fn a_prefill_answer_without_kv_transfer_params_is_computed_by_the_decode_w
     let (_aggregated, plain) = start_sim(&["sim", "--workers", "1", "--block-size", "16"], 1);
     let router = RouterProcess::start(&format!("{ROUTER}{}", static_prefill(99, &plain[0].url)));
     let (_sim, engines) = start_sim(
-        &["sim", "--role", "decode", "--workers", "1", "--block-size", "16", "--speedup", "100",
-          "--router", &router.grpc],
+        &[
+            "sim",
+            "--role",
+            "decode",
+            "--workers",
+            "1",
+            "--block-size",
+            "16",
+            "--speedup",
+            "100",
+            "--router",
+            &router.grpc,
+        ],
         1,
     );
     wait_registered(&router, 1).await;
     let http = Http::default();
     let body = json!({"model": "sim-model", "prompt": prompt(0, 64), "max_tokens": 3});
-    let reply = http.post(&format!("{}/v1/completions", router.http), &body).await;
+    let reply = http
+        .post(&format!("{}/v1/completions", router.http), &body)
+        .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(header(&reply, "x-kvroute-worker"), Some(engines[0].id));
-    assert_eq!(reply.json()["usage"]["completion_tokens"], 3, "the client's own body");
+    assert_eq!(
+        reply.json()["usage"]["completion_tokens"],
+        3,
+        "the client's own body"
+    );
     assert_eq!(
         router_metric(
             &router,
@@ -436,4 +494,45 @@ async fn a_prefill_answer_without_kv_transfer_params_is_computed_by_the_decode_w
         .await,
         1.0
     );
+}
+
+#[tokio::test]
+async fn replicas_serve_a_disaggregated_fleet_from_the_shared_registrations() {
+    let nats = common::NatsServer::start();
+    let routers: Vec<RouterProcess> = (0..2)
+        .map(|i| {
+            RouterProcess::start(&format!(
+                "{ROUTER}{}",
+                nats.cluster_config(&format!("r{i}"))
+            ))
+        })
+        .collect();
+    // The engines stream to the first replica; the second knows their roles
+    // from the registrations the replicas share.
+    let (_sim, engines) = pd_fleet(&routers[0], 1, 1, "vllm", &["--speedup", "100"]);
+    for router in &routers {
+        wait_registered(router, 2).await;
+    }
+    let (prefill, decode) = (
+        of_role(&engines, "prefill")[0],
+        of_role(&engines, "decode")[0],
+    );
+    let http = Http::default();
+    for (i, router) in routers.iter().enumerate() {
+        for (j, stream) in [false, true].into_iter().enumerate() {
+            let (path, body) = request(
+                false,
+                &prompt(10_000 * i as u32 + 1000 * j as u32, 64),
+                stream,
+            );
+            let reply = http.post(&format!("{}{path}", router.http), &body).await;
+            assert_eq!(reply.status, 200, "replica {i}: {}", reply.text());
+            assert_eq!(header(&reply, "x-kvroute-worker"), Some(decode.id));
+            assert_eq!(header(&reply, "x-kvroute-prefill-worker"), Some(prefill.id));
+        }
+    }
+    assert_eq!(handoffs(&engines, "decode").await, 4.0);
+    for router in &routers {
+        nothing_stranded(router, &engines).await;
+    }
 }

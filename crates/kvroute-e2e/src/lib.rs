@@ -61,10 +61,7 @@ impl Fleet {
         router: &kvroute_router::Config,
         pd: &PdConfig,
     ) -> anyhow::Result<Fleet> {
-        let pool = |role| PdConfig {
-            role,
-            ..pd.clone()
-        };
+        let pool = |role| PdConfig { role, ..pd.clone() };
         let pools = [(prefill, pool(Role::Prefill)), (decode, pool(Role::Decode))];
         Self::start_pools(&pools, engine, router, Policy::Kv).await
     }

@@ -232,7 +232,8 @@ impl Legs {
                 }
             };
             self.state.record_prediction(&prefill);
-            let worker = prefill.decision.worker.worker_id;
+            let key = prefill.decision.worker;
+            let worker = key.worker_id;
             let pd = self.state.registry.pd_role(worker).unwrap_or_default();
             let outcome = match (pd.convention, pd.bootstrap_port) {
                 (Some(PdConvention::Vllm), _) => self.vllm(prefill, decode, &reply).await,
@@ -255,6 +256,8 @@ impl Legs {
                 }
                 Prefilled::Failed(kept) => {
                     (failure, decode) = (PREFILL_FAILED, kept);
+                    // As the proxy does: the prefix is cached elsewhere now.
+                    self.state.predicted.remove_worker(key);
                     tried.push(worker);
                 }
             }

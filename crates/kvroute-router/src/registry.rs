@@ -318,6 +318,8 @@ pub struct WorkerInfo {
     pub role: Role,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pd_convention: Option<crate::config::PdConvention>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     pub ranks: Vec<RankInfo>,
 }
 
@@ -776,6 +778,7 @@ impl Registry {
                 total_kv_blocks: w.total_kv_blocks,
                 role: w.pd.role,
                 pd_convention: w.pd.convention,
+                bootstrap_port: w.pd.bootstrap_port,
                 ranks: w
                     .dp_ranks
                     .iter()

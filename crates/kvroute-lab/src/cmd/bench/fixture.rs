@@ -243,6 +243,9 @@ pub(super) fn proxy_config(worker_url: &str) -> Config {
         models: vec![MODEL.into()],
         lora_names: Vec::new(),
         dp_ranks: vec![0],
+        role: Default::default(),
+        pd_convention: None,
+        bootstrap_port: None,
     }];
     config
 }

@@ -118,8 +118,10 @@ pub fn run(
                 } else {
                     cached as f64 / prompt as f64
                 };
-                let lease_expired_blocks =
-                    prefill.iter().map(|w| w.pd_stats().lease_expired_blocks).sum();
+                let lease_expired_blocks = prefill
+                    .iter()
+                    .map(|w| w.pd_stats().lease_expired_blocks)
+                    .sum();
                 fleet.shutdown().await;
                 reports.push(Run {
                     report,
