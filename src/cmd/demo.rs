@@ -19,7 +19,7 @@ use kvroute_trace::TraceRequest;
 /// The first requests of `tests/data/traces/conversation_trace.jsonl`, as
 /// many as `--requests` defaults to: the whole trace would add 3 MB to the
 /// binary for a demo that replays its start.
-const BUNDLED_TRACE: &str = include_str!("../../assets/demo/conversation_trace_head.jsonl");
+const BUNDLED_TRACE: &str = include_str!("demo_trace.jsonl");
 const BUNDLED_REQUESTS: usize = 1000;
 
 #[derive(Args)]

@@ -16,7 +16,7 @@
 //! `perf stat` on syscall tracepoints, attached for each measurement, and
 //! /proc/PID/task/*/status.
 //!
-//! nginx is installed with `bench/nginx/install.sh` if it is missing.
+//! nginx is installed with `crates/kvroute-lab/nginx/install.sh` if it is missing.
 //!
 //! Then, as `bench router` does at its end, streamed-chunk delay and event
 //! ingest latency with the router idle and tokenizing at saturation
@@ -220,11 +220,11 @@ impl Drop for Nginx {
     }
 }
 
-/// The nginx binary, installed with `bench/nginx/install.sh` if missing.
+/// The nginx binary, installed with `crates/kvroute-lab/nginx/install.sh` if missing.
 fn nginx_binary() -> anyhow::Result<PathBuf> {
     let installed = Path::new("/usr/sbin/nginx");
     if !installed.exists() {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench/nginx/install.sh");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/nginx/install.sh");
         let status = Command::new("sh").arg(script).status()?;
         anyhow::ensure!(status.success(), "{script} failed: {status}");
     }
