@@ -10,8 +10,9 @@ use std::time::Duration;
 use async_nats::connection::State;
 use async_nats::jetstream::{self, consumer};
 use futures_util::StreamExt;
+use kvroute_router::ingest::log::ReplicaApplier;
 use kvroute_router::metrics;
-use kvroute_router::replica::{PeerDigest, Record, Replica, ReplicaApplier};
+use kvroute_router::replica::{PeerDigest, Record, Replica};
 use kvroute_router::state::AppState;
 use tokio::sync::{mpsc, watch};
 

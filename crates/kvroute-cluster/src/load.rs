@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use kvroute_index::WorkerKey;
-use kvroute_router::shared_load::{RankLoad, SharedPrediction};
+use kvroute_router::fleet::shared_load::{RankLoad, SharedPrediction};
 use kvroute_router::state::AppState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::connection::State;
 use async_nats::jetstream::{self, kv};
 use futures_util::future::BoxFuture;
-use kvroute_router::registry::Registration;
+use kvroute_router::fleet::Registration;
 use kvroute_router::replica::{EventLog, PeerDigest, Record, Unlogged};
 
 use crate::record;

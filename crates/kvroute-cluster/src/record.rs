@@ -443,7 +443,7 @@ mod tests {
     #[tokio::test]
     async fn a_replica_indexes_offload_tier_blocks_from_the_log() {
         use kvroute_index::WorkerKey;
-        use kvroute_router::replica::ReplicaApplier;
+        use kvroute_router::ingest::log::ReplicaApplier;
         use kvroute_router::state::AppState;
 
         let block = |hash: u64| StoredBlock {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures_util::StreamExt;
-use kvroute_router::registry::{Registration, Source};
+use kvroute_router::fleet::{Registration, Source};
 use kvroute_router::state::AppState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;

@@ -8,7 +8,7 @@
 //! response carries it, the difference from the router's prediction is the
 //! plainest measure of whether the router's picture of the caches is right,
 //! and the evidence against a worker whose events claim more than it holds
-//! ([`crate::claims`]).
+//! ([`crate::fleet::claims`]).
 //!
 //! The usage sits at the end of a response, so the proxy keeps only the last
 //! few frames it forwards (reference-counted, not copied) and scans their last
@@ -21,7 +21,7 @@ use std::sync::{LazyLock, Mutex};
 use bytes::Bytes;
 use memchr::memmem;
 
-use crate::booking::Booking;
+use crate::fleet::booking::Booking;
 use crate::metrics;
 
 /// Bytes at the end of a response searched for the usage.

@@ -150,7 +150,7 @@ impl std::str::FromStr for Policy {
     }
 }
 
-/// The units of the `kv` policy's cost (see [`crate::scheduler`]).
+/// The units of the `kv` policy's cost (see [`crate::schedule`]).
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Cost {
@@ -179,7 +179,7 @@ impl std::str::FromStr for Cost {
     }
 }
 
-/// The order of the router's own wait queue (see [`crate::queue`]).
+/// The order of the router's own wait queue (see [`crate::schedule::queue`]).
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueOrder {
@@ -387,7 +387,7 @@ pub struct UpstreamConfig {
 }
 
 /// When a worker's KV events stop counting in routing: its responses keep
-/// reporting fewer cached tokens than its events claimed (see `crate::claims`).
+/// reporting fewer cached tokens than its events claimed (see `crate::fleet::claims`).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrustConfig {
@@ -1171,7 +1171,7 @@ impl Config {
                 return fail(format!("workers: id {} is listed twice", w.id));
             }
             if let Err(e) =
-                crate::worker_url::parse_base_url(&w.base_url, &l.allowed_base_url_addresses)
+                crate::http::worker_url::parse_base_url(&w.base_url, &l.allowed_base_url_addresses)
             {
                 return fail(format!("workers: id {}: {e}", w.id));
             }

@@ -18,8 +18,8 @@
 //! client reconnects on its next call.
 //!
 //! The HTTP port's deadlines are hyper's (the header read timeout, which also
-//! closes idle kept-alive connections, see [`crate::http_serve`]) and the
-//! request body's ([`crate::api`]).
+//! closes idle kept-alive connections, see [`crate::http::serve`]) and the
+//! request body's ([`crate::http::api`]).
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -37,7 +37,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::{Connected, TlsConnectInfo};
 
-use crate::limits;
+use crate::{limits, metrics};
 
 /// Which listener a cap is for: its limits' labels, and whether an over-cap
 /// client is told why (an HTTP/1.1 client can read a 503 sent before its
@@ -437,6 +437,11 @@ impl<B: http_body::Body> http_body::Body for WithStream<B> {
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
     }
+}
+
+/// Counts a TLS handshake that failed on either listener (HTTP, gRPC, `[epp]`).
+pub(crate) fn count_tls_failure(serves: kvroute_tls::Serves) {
+    ::metrics::counter!(metrics::TLS_HANDSHAKE_FAILURES, "listener" => serves.name()).increment(1);
 }
 
 #[cfg(test)]

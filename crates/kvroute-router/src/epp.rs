@@ -5,7 +5,7 @@
 //! Per request, one ext_proc stream with bodies in `FULL_DUPLEX_STREAMED`:
 //! - request headers, then body chunks gathered to `end_of_stream`; then the
 //!   body is parsed, tokenized, hashed, scored and booked by the same code as
-//!   the proxy's ([`crate::api::parse`], [`AppState::route_and_book`]), and the
+//!   the proxy's ([`crate::http::api::parse`], [`AppState::route_and_book`]), and the
 //!   answer is the request-headers response (`x-gateway-destination-endpoint`
 //!   best first then fallbacks, the same in `dynamic_metadata["envoy.lb"]`,
 //!   `clear_route_cache`), then the body as `streamed_response` chunks;
@@ -50,10 +50,10 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 use tonic_health::ServingStatus;
 
-use crate::api::Endpoint;
-use crate::booking::Booking;
 use crate::error::RouterError;
-use crate::proxy::WORKER_HEADER;
+use crate::fleet::booking::Booking;
+use crate::http::api::Endpoint;
+use crate::http::proxy::WORKER_HEADER;
 use crate::state::AppState;
 
 /// The request header (and `envoy.lb` metadata key) naming the picked
@@ -117,7 +117,7 @@ pub async fn serve(
                 listener,
                 config,
                 Serves::Grpc,
-                crate::server::count_tls_failure,
+                crate::connections::count_tls_failure,
             );
             server
                 .serve_with_incoming_shutdown(crate::connections::incoming(listener), shutdown)
@@ -414,7 +414,7 @@ impl Exchange {
     /// The proxy's parse and routing, for the gateway to forward.
     async fn route(&self, body: &Bytes) -> Result<Picked, RouterError> {
         let state = &self.state;
-        let parsed = crate::api::parse(state, &self.headers, body, self.endpoint).await?;
+        let parsed = crate::http::api::parse(state, &self.headers, body, self.endpoint).await?;
         let exclude = match &self.subset {
             None => Vec::new(),
             Some(subset) => {

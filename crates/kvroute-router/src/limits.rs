@@ -23,7 +23,7 @@ pub const STREAMS: &str = "streams";
 pub const STREAMS_PER_TOKEN: &str = "streams_per_token";
 /// A registration of a worker id whose stream is alive, by another instance.
 pub const LIVE_WORKER_ID: &str = "live_worker_id";
-/// A base URL the rules of [`crate::worker_url`] refuse.
+/// A base URL the rules of [`crate::http::worker_url`] refuse.
 pub const BASE_URL: &str = "base_url";
 pub const REGISTER_TIMEOUT: &str = "register_timeout";
 pub const EVENTS_PER_BATCH: &str = "events_per_batch";
@@ -79,6 +79,14 @@ pub const ALL: &[&str] = &[
     GRPC_IDLE_TIMEOUT,
     PREFILL_RESPONSE_BYTES,
 ];
+
+/// Makes every limit's refusal count exist, at zero, in the process's
+/// recorder, so dashboards and alerts see zeros instead of "no data".
+pub fn count_from_zero() {
+    for &limit in ALL {
+        let _ = ::metrics::counter!(metrics::LIMIT_REFUSALS, "limit" => limit);
+    }
+}
 
 /// Counts one refusal (or truncation) by `limit`.
 pub fn count(limit: &'static str) {

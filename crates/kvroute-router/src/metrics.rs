@@ -389,9 +389,6 @@ fn install() -> Renderer {
     for phase in PHASES {
         let _ = metrics::histogram!(OVERHEAD, "phase" => phase);
     }
-    for &limit in crate::limits::ALL {
-        let _ = metrics::counter!(LIMIT_REFUSALS, "limit" => limit);
-    }
     for listener in ["http", "grpc"] {
         let _ = metrics::counter!(TLS_HANDSHAKE_FAILURES, "listener" => listener);
     }

@@ -16,9 +16,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, LimitsConfig, LogConfig, LogFormat, TlsConfig};
-use crate::connections::{CappedListener, ConnectionCaps, CountStreamsLayer, Port, incoming};
+use crate::connections::{self, CappedListener, ConnectionCaps, CountStreamsLayer, Port, incoming};
 use crate::error::RouterError;
-use crate::http_serve;
+use crate::http;
 use crate::ingest::Ingest;
 use crate::metrics;
 use crate::replica::Replica;
@@ -112,7 +112,7 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     let (stop, stopped) = watch::channel(false);
 
     let mut tasks = Vec::new();
-    let api = crate::api::service(Arc::clone(&state));
+    let api = crate::http::api::service(Arc::clone(&state));
     let epp_tls = tls.as_ref().map(|tls| Arc::clone(&tls.grpc));
     if let Some(epp) = epp {
         let serving = crate::epp::serve(epp, epp_tls, Arc::clone(&state), stopped.clone());
@@ -125,10 +125,11 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     let http_stop = stopped.clone();
     tasks.push(tokio::spawn(async move {
         match http_tls {
-            None => http_serve::serve(http, api, header_read_timeout, http_stop).await,
+            None => http::serve::serve(http, api, header_read_timeout, http_stop).await,
             Some(config) => {
-                let listener = TlsListener::new(http, config, Serves::Http, count_tls_failure);
-                http_serve::serve(listener, api, header_read_timeout, http_stop).await;
+                let listener =
+                    TlsListener::new(http, config, Serves::Http, connections::count_tls_failure);
+                http::serve::serve(listener, api, header_read_timeout, http_stop).await;
             }
         }
     }));
@@ -161,7 +162,8 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
                     .await
             }
             Some(config) => {
-                let listener = TlsListener::new(grpc, config, Serves::Grpc, count_tls_failure);
+                let listener =
+                    TlsListener::new(grpc, config, Serves::Grpc, connections::count_tls_failure);
                 let incoming = incoming(listener);
                 grpc_server
                     .serve_with_incoming_shutdown(incoming, shutdown)
@@ -225,10 +227,6 @@ fn raise_open_files_limit(limits: &LimitsConfig) {
             limit.rlim_cur
         );
     }
-}
-
-pub(crate) fn count_tls_failure(serves: Serves) {
-    ::metrics::counter!(metrics::TLS_HANDSHAKE_FAILURES, "listener" => serves.name()).increment(1);
 }
 
 /// The listeners' TLS from `[tls]`, read at start so a bad file stops the router.

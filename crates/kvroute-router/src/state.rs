@@ -10,19 +10,19 @@ use kvroute_index::{
 };
 
 use crate::auth::Credentials;
-use crate::booking::Booking;
 use crate::config::{Config, Policy};
 use crate::error::RouterError;
+use crate::fleet::booking::Booking;
+use crate::fleet::shared_load::SharedPrediction;
+use crate::fleet::{Limits, NameKind, Registration, Registry, Source};
+use crate::http::upstream::Upstream;
+use crate::ingest::writers::Writers;
 use crate::metrics;
-use crate::queue::WaitQueue;
-use crate::registry::{Limits, NameKind, Registration, Registry, Source};
 use crate::replica::Replica;
-use crate::scheduler::{Decision, NoWorker, Pool, RouteQuery, Scheduler};
+use crate::schedule::queue::WaitQueue;
+use crate::schedule::{Decision, NoWorker, Pool, RouteQuery, Scheduler};
 use crate::series::Renderer;
-use crate::shared_load::SharedPrediction;
 use crate::tokenize::RouterTokenizer;
-use crate::upstream::Upstream;
-use crate::writers::Writers;
 
 pub struct AppState {
     pub config: Config,
@@ -42,7 +42,7 @@ pub struct AppState {
     /// Set once at start with `[cluster]`: this replica's side of the shared log.
     pub replica: std::sync::OnceLock<Arc<Replica>>,
     /// Set once at start with `[cluster]` sharing load: where this replica's
-    /// predictions go for the others ([`crate::shared_load`]).
+    /// predictions go for the others ([`crate::fleet::shared_load`]).
     pub shared_predictions: std::sync::OnceLock<tokio::sync::mpsc::Sender<SharedPrediction>>,
     /// Requests waiting for a non-busy worker.
     queue: WaitQueue<Waiting>,
@@ -98,6 +98,9 @@ pub fn keep_hashes(hashes: Vec<u64>) {
 impl AppState {
     /// Loads the configured tokenizers (an error if one does not load).
     pub fn new(config: Config, metrics: Option<Renderer>) -> Result<Arc<Self>, RouterError> {
+        if metrics.is_some() {
+            crate::limits::count_from_zero();
+        }
         let tokenizer = RouterTokenizer::new(
             &config.tokenizer.0,
             config.tokenizer_cache_tokens,
@@ -363,7 +366,7 @@ impl AppState {
         .await
     }
 
-    /// Routes with `choose`, waiting in the queue ([`crate::queue`]) while
+    /// Routes with `choose`, waiting in the queue ([`crate::schedule::queue`]) while
     /// every worker is busy: a waiter tries again on its turn, which comes
     /// when load is released or a breaker's cool-down ends, until the queue
     /// timeout. `choose` gets the time of its attempt: a request's first

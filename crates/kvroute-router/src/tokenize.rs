@@ -15,7 +15,7 @@
 //!
 //! Which tokenizer a request's text gets, when several are configured: the
 //! one that the most registered workers serving its model declared
-//! ([`crate::registry::Registry::most_declared_tokenizer`]), the first
+//! ([`crate::fleet::Registry::most_declared_tokenizer`]), the first
 //! configured on a tie or when none declared. So workers of different
 //! tokenizers coexist, each model routed with its workers' tokenizer, and one
 //! worker declaring another configured tokenizer for a model does not decide
@@ -34,10 +34,10 @@
 use std::sync::Arc;
 
 use crate::config::LimitsConfig;
+use crate::fleet::Registry;
 use crate::limits;
 use crate::low_priority::LowPriorityPool;
 use crate::metrics;
-use crate::registry::Registry;
 use kvroute_index::MultimodalItem;
 use kvroute_tokenize::{TokenizeError, TokenizerSpec};
 use serde_json::Value;

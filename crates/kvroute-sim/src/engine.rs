@@ -47,7 +47,7 @@ pub struct EngineConfig {
     /// Whose prefix cache the pool imitates.
     pub kind: EngineKind,
     pub cost: CostModel,
-    /// Blocks of the host tier (see [`crate::host`]); 0: none.
+    /// Blocks of the host tier (see [`crate::pool::host`]); 0: none.
     pub offload_blocks: usize,
 }
 

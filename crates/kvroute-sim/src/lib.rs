@@ -6,7 +6,7 @@
 //!   hashes, active (reference-counted) and inactive (cached) blocks, evicted
 //!   as vLLM does (a `kvroute-cache` policy, blocks given back tail first) or
 //!   as SGLang does (a radix tree, least recently used unlocked leaf first);
-//! - [`host`]: the optional host tier (`--offload-blocks`): blocks the pool
+//! - [`pool::host`]: the optional host tier (`--offload-blocks`): blocks the pool
 //!   evicted, kept in CPU memory and loaded back instead of prefilled;
 //! - [`engine`]: continuous batching over the pool (max-num-seqs,
 //!   max-num-batched-tokens, chunked prefill, preemption), one iteration per
@@ -15,8 +15,8 @@
 //! - [`events`]: the numbered event log a worker publishes, with a ring of
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
-//!   stream to the router ([`publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`http`]) and the faults tests inject;
+//!   stream to the router ([`worker::publisher`], with the digests of [`view`]), the
+//!   OpenAI-compatible HTTP server ([`worker::http`]) and the faults tests inject;
 //! - [`pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
 //!   handoff conventions, prefill leases and the side channel decode engines
 //!   take KV from;
@@ -29,12 +29,9 @@ pub mod cost;
 pub mod engine;
 pub mod events;
 pub mod eviction;
-pub mod host;
-pub mod http;
 pub mod pd;
 pub mod persona;
 pub mod pool;
-pub mod publisher;
 pub mod trace;
 pub mod view;
 pub mod worker;

@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use kvroute_index::WorkerKey;
 use kvroute_router::Config;
 use kvroute_router::config::StaticWorker;
-use kvroute_router::registry::{Registration, Source};
+use kvroute_router::fleet::{Registration, Source};
 use kvroute_router::state::{AppState, RouteInput};
 
 /// The model every registered and stub worker serves.

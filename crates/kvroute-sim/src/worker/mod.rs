@@ -7,6 +7,9 @@
 //! request its new tokens, so a block is announced once simulated time has
 //! passed over its computation. Requests whose client went away are aborted.
 
+pub mod http;
+pub mod publisher;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,9 +26,9 @@ use tokio::task::JoinHandle;
 use crate::SimError;
 use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Handoff, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
-use crate::http::SharedTokenizer;
 use crate::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
 use crate::persona::Persona;
+use crate::worker::http::SharedTokenizer;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
@@ -316,10 +319,12 @@ impl Worker {
         });
         let mut tasks = vec![
             tokio::spawn(iterate(Arc::clone(&shared))),
-            tokio::spawn(crate::http::serve(Arc::clone(&shared), listener)),
+            tokio::spawn(crate::worker::http::serve(Arc::clone(&shared), listener)),
         ];
         if !shared.config.routers.is_empty() {
-            tasks.push(tokio::spawn(crate::publisher::run(Arc::clone(&shared))));
+            tasks.push(tokio::spawn(crate::worker::publisher::run(Arc::clone(
+                &shared,
+            ))));
         }
         if let Some(listener) = side_channel {
             tasks.push(tokio::spawn(crate::pd::serve_side_channel(

@@ -24,7 +24,7 @@
 //! Restarts are known from `Register.instance_id`, never guessed from event ids
 //! (a stale resend from id 1 is not a restart, and a restart may well reuse the
 //! ids seen last): a new instance of a known worker clears all its ranks. Each
-//! registration claims the worker in [`Writers`](crate::writers::Writers), which
+//! registration claims the worker in [`Writers`](crate::ingest::writers::Writers), which
 //! fences the previous stream: it ends, and nothing more of it is applied.
 //!
 //! A dump may come in parts (`Dump.more`), each under the gRPC message limit;
@@ -44,8 +44,13 @@
 //! worker cannot write the router's log at the rate it sends bytes.
 //!
 //! A worker's `Digest` of a rank takes the same queue, so it is checked against
-//! the index after exactly the events sent before it ([`crate::verify`]); a
+//! the index after exactly the events sent before it ([`crate::ingest::verify`]); a
 //! difference asks for a full dump, and no applied event settles that request.
+
+pub mod log;
+pub mod verify;
+pub(crate) mod work;
+pub mod writers;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -66,13 +71,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::{self, PdRole, Role};
 use crate::error::RouterError;
+use crate::fleet::{Claimant, Registration, ReportedLoad, worker_label};
+use crate::ingest::verify::Verdict;
+use crate::ingest::work::Work;
+use crate::ingest::writers::{ApplierAlive, Fence, Fenced, fenced};
 use crate::limits;
 use crate::metrics;
-use crate::registry::{Claimant, Registration, ReportedLoad, worker_label};
+use crate::replica::HeldStream;
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Agreement;
-use crate::verify::Verdict;
-use crate::writers::{ApplierAlive, Fence, Fenced, fenced};
 
 pub struct Ingest {
     state: Arc<AppState>,
@@ -111,14 +118,6 @@ struct Resync {
     deadline: Instant,
     /// Only a dump answers it: the index diverged from the worker's digest.
     dump: bool,
-}
-
-/// Queued work, holding its decoded bytes of the stream's queue until applied.
-pub(crate) enum Work {
-    Events(EventBatch, OwnedSemaphorePermit),
-    Dump(Dump, OwnedSemaphorePermit),
-    /// Queued behind the events it covers: see [`crate::verify`].
-    Digest(Digest, OwnedSemaphorePermit),
 }
 
 /// The parts of a rank's dump gathered so far.
@@ -406,7 +405,7 @@ impl KvRouter for Ingest {
         // Published for the other replicas while the stream lasts.
         let hold = replica.as_ref().map(|r| {
             if let Some(claim) = logged {
-                r.hold(claim, stream.clone());
+                r.hold(claim, Arc::new(stream.clone()));
             }
             r.log.hold(registration)
         });
@@ -804,7 +803,7 @@ impl Stream {
             return None;
         };
         let resyncing = asked || self.pending.lock().unwrap().contains_key(&key.dp_rank);
-        let verdict = crate::verify::check(&self.state, key, &digest, resyncing);
+        let verdict = crate::ingest::verify::check(&self.state, key, &digest, resyncing);
         if verdict == Verdict::Diverged {
             self.request_dump(key.dp_rank).await;
         }
@@ -896,10 +895,6 @@ impl Stream {
                 "resync requests went unanswered: rank cleared"
             );
         }
-    }
-
-    pub(crate) fn worker_id(&self) -> u64 {
-        self.worker_id
     }
 
     pub(crate) fn dp_ranks(&self) -> &[u32] {
@@ -1286,6 +1281,20 @@ impl Stream {
                 tracing::info!(worker = worker_id, "worker purged after the grace period");
             }
         });
+    }
+}
+
+impl HeldStream for Stream {
+    fn worker_id(&self) -> u64 {
+        self.worker_id
+    }
+
+    fn ask_replay(&self, dp_rank: u32, from: u64) -> futures_util::future::BoxFuture<'_, ()> {
+        Box::pin(Stream::ask_replay(self, dp_rank, from))
+    }
+
+    fn clear_rank(&self, key: WorkerKey) {
+        Stream::clear_rank(self, key);
     }
 }
 

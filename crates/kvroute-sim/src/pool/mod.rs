@@ -36,7 +36,7 @@
 //! `Removed`. [`KvPool::clear`] empties everything and announces `Cleared`.
 //!
 //! With a host tier ([`KvPool::with_host_tier`], `--offload-blocks`), an
-//! evicted published block is first copied to it (see [`crate::host`]), and
+//! evicted published block is first copied to it (see [`crate::pool::host`]), and
 //! [`KvPool::load_from_host`] brings blocks back instead of prefilling them.
 //!
 //! These are the events both engines publish (vLLM's and SGLang's
@@ -50,6 +50,8 @@
 //! used it since it was last cached, which the policy is told ([`AccessHint`])
 //! when it gets the block.
 
+pub mod host;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
@@ -59,7 +61,7 @@ use kvroute_cache::{AccessHint, BlockCache, PolicyKind, Priority, RadixLru, S3Fi
 
 use crate::SimError;
 use crate::eviction::{EvictionRecord, EvictionStats, Reason};
-use crate::host::{Copied, HostTier};
+use crate::pool::host::{Copied, HostTier};
 
 /// Whose prefix cache the engine imitates.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

@@ -47,10 +47,10 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Sleep;
 use tower::Service;
 
-use crate::booking::Booking;
 use crate::cached_tokens::Check;
 use crate::config::UpstreamConfig;
 use crate::error::RouterError;
+use crate::fleet::booking::Booking;
 use crate::metrics;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -9,7 +9,7 @@
 //! the request's breaker [`Ticket`] and reports the request's one outcome.
 //!
 //! Booking happens under the same fleet lock as the choice
-//! ([`crate::scheduler::Scheduler::choose_and_book`]): between a choice and a
+//! ([`crate::schedule::Scheduler::choose_and_book`]): between a choice and a
 //! separate booking, concurrent requests would all see the same free rank and
 //! overrun `busy_max_inflight`, and all take the same due probe.
 //!
@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use kvroute_index::WorkerKey;
 
-use crate::breaker::Ticket;
-use crate::registry::{Fleet, Registry};
+use crate::fleet::breaker::Ticket;
+use crate::fleet::{Fleet, Registry};
 
 /// Weight of a new sample in a rank's prefill-time estimate.
 const PREFILL_RATE_WEIGHT: f64 = 0.2;
@@ -150,7 +150,7 @@ impl Booking {
     }
 
     /// Judges the claim of `claimed` tokens the request was routed on against
-    /// the `reported` cached tokens of its response ([`crate::claims`]).
+    /// the `reported` cached tokens of its response ([`crate::fleet::claims`]).
     pub fn judge_claim(&self, claimed: u64, reported: u64) {
         self.registry.judge_claim(self.key, claimed, reported);
     }

@@ -2,9 +2,9 @@
 //! rank), forward it, retry a failure that cannot have reached a model on the
 //! next-best worker, and feed every outcome to the worker's breaker.
 //!
-//! Kept apart from the HTTP handlers in [`crate::api`], which only parse and
+//! Kept apart from the HTTP handlers in [`crate::http::api`], which only parse and
 //! answer: the policy decides what a failure means for routing (retry, breaker,
-//! predictions), and [`crate::upstream`] does the talking and the measuring.
+//! predictions), and [`crate::http::upstream`] does the talking and the measuring.
 
 use std::cell::RefCell;
 use std::pin::Pin;
@@ -18,12 +18,12 @@ use kvroute_index::ExtraKeys;
 use rustc_hash::FxHashMap;
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::booking::Booking;
 use crate::cached_tokens::{Check, Prediction};
 use crate::error::RouterError;
+use crate::fleet::booking::Booking;
+use crate::http::upstream::{Deadlines, Failure, Held, TrackedBody, strip_hop_by_hop};
 use crate::metrics;
 use crate::state::{AppState, RouteInput, Routed};
-use crate::upstream::{Deadlines, Failure, Held, TrackedBody, strip_hop_by_hop};
 
 /// Request and response header naming the worker (pins a request; tells the choice).
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -88,7 +88,7 @@ pub async fn forward(
             ..
         } = routed;
         crate::state::keep_hashes(local_hashes);
-        crate::scheduler::keep_scores(std::mem::take(&mut decision.scores));
+        crate::schedule::keep_scores(std::mem::take(&mut decision.scores));
         let worker = decision.worker;
         if decision.request_blocks > 0 {
             metrics::hot()
@@ -256,10 +256,10 @@ fn worker_header_value(worker_id: u64) -> HeaderValue {
 /// The deadlines of a wait for the worker's response headers: at most
 /// `first_byte_timeout`. A non-streaming response's headers come only when
 /// generation is over, so the request's prefill booking is released at the
-/// estimated first token meanwhile (see [`crate::booking`]). One timer serves
+/// estimated first token meanwhile (see [`crate::fleet::booking`]). One timer serves
 /// both deadlines: set for the estimate, then moved to the timeout when it
 /// fires. The timer is the worker connection's, kept from one request to the
-/// next (see [`crate::upstream`]).
+/// next (see [`crate::http::upstream`]).
 struct FirstByte<'a, L> {
     booking: &'a mut Booking,
     estimate: Option<tokio::time::Instant>,
@@ -316,10 +316,10 @@ mod tests {
     use kvroute_index::WorkerKey;
 
     use super::FirstByte;
-    use crate::booking::Booking;
-    use crate::registry::tests::{limits, reg};
-    use crate::registry::{Registry, Source};
-    use crate::upstream::{Deadlines, Failure, within};
+    use crate::fleet::booking::Booking;
+    use crate::fleet::tests::{limits, reg};
+    use crate::fleet::{Registry, Source};
+    use crate::http::upstream::{Deadlines, Failure, within};
 
     const KEY: WorkerKey = WorkerKey {
         worker_id: 1,
@@ -332,7 +332,7 @@ mod tests {
 
     /// A rank whose streams took 1 ms per prefilled token to their first
     /// token, and a booking of 200 prompt tokens on it (estimate: 200 ms).
-    fn booked_with_estimate() -> (Arc<Registry>, crate::booking::Booking) {
+    fn booked_with_estimate() -> (Arc<Registry>, crate::fleet::booking::Booking) {
         let registry = Arc::new(Registry::new(limits()));
         registry.register(reg(1, &["m"]), Source::Stream).unwrap();
         let mut stream = registry.book(KEY, 100, 1);
@@ -346,7 +346,7 @@ mod tests {
         (registry, booking)
     }
 
-    /// Waits for `answer` as [`crate::upstream::Upstream::post`] waits for a
+    /// Waits for `answer` as [`crate::http::upstream::Upstream::post`] waits for a
     /// worker's response headers, for a request sent at `started`.
     async fn until_response(
         answer: impl Future<Output = Result<(), Failure>>,

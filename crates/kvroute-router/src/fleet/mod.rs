@@ -9,7 +9,7 @@
 //! Invariants kept under the one lock:
 //! - a rank is in the groups of its worker's names iff the worker is routable
 //!   (connected or static, and not draining), with its current load key, and
-//!   then holds those groups' numbers ([`crate::groups`]); a rank its worker's
+//!   then holds those groups' numbers ([`crate::fleet::groups`]); a rank its worker's
 //!   registration no longer lists is in no group;
 //! - a rank's load key is a pure function of its booked and reported load, and
 //!   is updated (removed and reinserted) whenever either changes.
@@ -18,9 +18,15 @@
 //! one group's load order: O(matches + log workers), never O(workers).
 //!
 //! What changes a rank's load and a worker's availability per request lives in
-//! its own modules, under the same lock: [`crate::booking`] (the router's own
-//! count of a request's load) and [`crate::breaker`] (failures that take a
+//! its own modules, under the same lock: [`crate::fleet::booking`] (the router's own
+//! count of a request's load) and [`crate::fleet::breaker`] (failures that take a
 //! worker out of routing).
+
+pub mod booking;
+pub mod breaker;
+pub mod claims;
+pub mod groups;
+pub mod shared_load;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,12 +37,12 @@ use kvroute_index::WorkerKey;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
-use crate::breaker::Breaker;
-use crate::claims::{ClaimRules, Claims};
 use crate::config::{Config, PdRole, Policy, Role};
-use crate::groups::{Group, GroupId, Groups};
+use crate::fleet::breaker::Breaker;
+use crate::fleet::claims::{ClaimRules, Claims};
+use crate::fleet::groups::{Group, GroupId, Groups};
+use crate::fleet::shared_load::RankLoad;
 use crate::metrics;
-use crate::shared_load::RankLoad;
 
 /// What a worker tells about itself, over gRPC or in the config file (or, from
 /// another replica, in the cluster's registrations).
@@ -181,7 +187,7 @@ pub struct Rank {
     pub booked_requests: u32,
     pub booked_prefill_tokens: u64,
     pub booked_blocks: u64,
-    /// Other router replicas' bookings here, summed ([`crate::shared_load`]).
+    /// Other router replicas' bookings here, summed ([`crate::fleet::shared_load`]).
     pub remote: RankLoad,
     pub reported: ReportedLoad,
     /// The rank's position in its groups' load order.
@@ -190,7 +196,7 @@ pub struct Rank {
     /// is not: the groups whose load order holds the rank.
     groups: Vec<GroupId>,
     /// Recent time to first token per prefilled token, from its streams
-    /// (see [`crate::booking`]); `None` until one is measured.
+    /// (see [`crate::fleet::booking`]); `None` until one is measured.
     pub prefill_seconds_per_token: Option<f64>,
     /// Recent time to first token per token the rank had to prefill up to it
     /// (those in flight when the request was booked, and its own): the rank's
@@ -240,7 +246,7 @@ pub struct Fleet {
     /// Workers whose breaker is not closed: the few the scheduler checks for a due probe.
     pub(crate) tripped: BTreeSet<u64>,
     /// Ranks whose bookings changed since other replicas were last told;
-    /// `None` unless bookings are shared ([`crate::shared_load`]).
+    /// `None` unless bookings are shared ([`crate::fleet::shared_load`]).
     pub(crate) changed_bookings: Option<FxHashSet<WorkerKey>>,
 }
 
@@ -475,7 +481,7 @@ impl Registry {
             return Err("a worker must serve at least one model".into());
         }
         let base_url =
-            crate::worker_url::parse_base_url(&reg.base_url, &self.limits.allowed_addresses)?;
+            crate::http::worker_url::parse_base_url(&reg.base_url, &self.limits.allowed_addresses)?;
         let dp_ranks = if reg.dp_ranks.is_empty() {
             vec![0]
         } else {
@@ -646,7 +652,7 @@ impl Registry {
     }
 
     /// Judges the claim of `claimed` tokens a response from `key` answered
-    /// with `reported` cached tokens ([`crate::claims`]); the fleet is locked
+    /// with `reported` cached tokens ([`crate::fleet::claims`]); the fleet is locked
     /// only for a claim large enough to judge.
     pub fn judge_claim(&self, key: WorkerKey, claimed: u64, reported: u64) {
         let rules = &self.limits.claims;

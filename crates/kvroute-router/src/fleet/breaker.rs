@@ -1,7 +1,7 @@
 //! The per-worker circuit breaker: a worker whose requests keep failing is taken
 //! out of routing for a cool-down, then let back in by exactly one probe.
 //!
-//! It lives beside the fleet (its state is a field of [`crate::registry::Worker`],
+//! It lives beside the fleet (its state is a field of [`crate::fleet::Worker`],
 //! guarded by the one fleet lock) because the scheduler must see it in the same
 //! consistent picture as the load order: a breaker that opened must not be
 //! chosen, the probe is chosen and booked in one step (so two requests cannot
@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::registry::{Fleet, Registry};
+use crate::fleet::{Fleet, Registry};
 
 /// Per-worker circuit breaker: open after consecutive failures; after a
 /// cool-down one probe request (or a passing health check) may close it again.
@@ -220,8 +220,8 @@ mod tests {
     use kvroute_index::WorkerKey;
     use tokio::time::Instant;
 
-    use crate::registry::tests::{limits, reg};
-    use crate::registry::{Registry, Source};
+    use crate::fleet::tests::{limits, reg};
+    use crate::fleet::{Registry, Source};
 
     const KEY: WorkerKey = WorkerKey {
         worker_id: 1,

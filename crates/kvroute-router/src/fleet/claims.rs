@@ -29,8 +29,8 @@
 use kvroute_index::WorkerKey;
 
 use crate::config::TrustConfig;
+use crate::fleet::worker_label;
 use crate::metrics;
-use crate::registry::worker_label;
 
 /// The thresholds of [`Claims`], from `[trust]`.
 #[derive(Clone, Debug)]

@@ -3,10 +3,10 @@
 //! predictions.
 //!
 //! A booking is the load a replica's own requests put on a rank
-//! ([`crate::booking`]). With several replicas, each one books only what it
+//! ([`crate::fleet::booking`]). With several replicas, each one books only what it
 //! routed, so each alone would see a rank as idle while its siblings fill it.
 //! Every replica therefore scores a rank on the sum of all replicas' bookings
-//! ([`RankLoad`] in [`crate::registry::Rank::remote`], set by the cluster's
+//! ([`RankLoad`] in [`crate::fleet::Rank::remote`], set by the cluster's
 //! transport) blended with what the rank reports, as with one router.
 //!
 //! Predictions are shared for the same reason: a request's siblings (the next
@@ -21,7 +21,7 @@ use std::sync::Arc;
 use kvroute_index::WorkerKey;
 use serde::{Deserialize, Serialize};
 
-use crate::registry::{Fleet, Registry};
+use crate::fleet::{Fleet, Registry};
 
 /// One replica's bookings on one rank, or the sum of several replicas'.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -127,8 +127,8 @@ fn own(fleet: &Fleet, key: WorkerKey) -> RankLoad {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::Source;
-    use crate::registry::tests::{limits, reg};
+    use crate::fleet::Source;
+    use crate::fleet::tests::{limits, reg};
 
     #[test]
     fn changes_are_tracked_only_when_shared_and_remote_load_counts_in_scoring() {

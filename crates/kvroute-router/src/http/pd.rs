@@ -55,16 +55,16 @@ use kvroute_index::ExtraKeys;
 use serde_json::{Map, Value, json};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
-use crate::booking::Booking;
 use crate::config::PdConvention;
 use crate::error::RouterError;
-use crate::metrics;
-use crate::proxy::{Forward, WORKER_HEADER_NAME};
-use crate::scheduler::Pool;
-use crate::state::{AppState, RouteInput, Routed};
-use crate::upstream::{
+use crate::fleet::booking::Booking;
+use crate::http::proxy::{Forward, WORKER_HEADER_NAME};
+use crate::http::upstream::{
     BoxError, Failure, GiveUpAt, Held, TrackedBody, WorkerBody, strip_hop_by_hop,
 };
+use crate::metrics;
+use crate::schedule::Pool;
+use crate::state::{AppState, RouteInput, Routed};
 
 /// Response header naming the prefill worker of a disaggregated request.
 pub const PREFILL_WORKER_HEADER: &str = "x-kvroute-prefill-worker";
@@ -101,7 +101,7 @@ pub async fn forward(
         .map_err(|e| RouterError::BadRequest(format!("the body is not a JSON object: {e}")))?;
     if decode_alone(state, &request, &body)? {
         ::metrics::counter!(metrics::PD_REQUESTS, "path" => "decode_only").increment(1);
-        return crate::proxy::forward(state, request).await;
+        return crate::http::proxy::forward(state, request).await;
     }
     ::metrics::counter!(metrics::PD_REQUESTS, "path" => "disaggregated").increment(1);
     let input = RouteInput::Prompt {

@@ -32,7 +32,7 @@
 //!
 //! The overlap is max(event-fed depth, predicted depth) and the load is the
 //! router's own bookings blended (max) with what the rank reports. A rank
-//! demoted for claims its responses contradict ([`crate::claims`]) has no
+//! demoted for claims its responses contradict ([`crate::fleet::claims`]) has no
 //! overlap of any kind: it is costed on its load alone.
 //!
 //! Storage-tier credit: blocks past that (device) prefix that the rank holds in
@@ -51,12 +51,14 @@
 //! Only ranks that matched the prompt and the first few ranks of the group's load
 //! order are costed: an unmatched rank's cost differs from another unmatched
 //! rank's only by its load, so the cheapest unmatched ranks are the least loaded
-//! ones (see [`crate::registry`]; the load order is the `blocks` cost's, which
+//! ones (see [`crate::fleet`]; the load order is the `blocks` cost's, which
 //! the `seconds` cost follows wherever ranks prefill at the same rate). Under
 //! the `blocks` cost, at temperature 0, the walk down the load order stops
 //! after the least loaded unmatched rank once no unmatched rank can cost as
 //! little as the cheapest matched one: each costed rank was a cold read or
 //! two, and 33 of them (32 tied idle ranks) were a routing decision's tail.
+
+pub mod queue;
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -67,10 +69,10 @@ use kvroute_index::{KvIndex, PredictedIndex, WorkerKey};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::booking::Booking;
 use crate::config::{Cost, Policy, Role};
+use crate::fleet::booking::Booking;
+use crate::fleet::{Fleet, Limits, Rank, Registry};
 use crate::metrics;
-use crate::registry::{Fleet, Limits, Rank, Registry};
 
 /// Unmatched ranks costed per decision (more if they tie on load).
 const UNMATCHED_CANDIDATES: usize = 8;
@@ -93,7 +95,11 @@ pub enum Pool {
 
 impl Pool {
     /// The group of `name` this pool routes among, if it has a routable rank.
-    pub fn group<'f>(self, fleet: &'f Fleet, name: &str) -> Option<&'f crate::groups::Group> {
+    pub fn group<'f>(
+        self,
+        fleet: &'f Fleet,
+        name: &str,
+    ) -> Option<&'f crate::fleet::groups::Group> {
         let routable = |role| {
             fleet
                 .groups
@@ -125,7 +131,7 @@ pub struct Score {
     pub worker_id: u64,
     pub dp_rank: u32,
     /// Device-tier overlap: max(event-fed, predicted). Every overlap of a
-    /// demoted rank ([`crate::claims`]) is 0.
+    /// demoted rank ([`crate::fleet::claims`]) is 0.
     pub overlap_blocks: u32,
     pub event_overlap_blocks: u32,
     pub predicted_overlap_blocks: u32,
@@ -163,7 +169,7 @@ pub struct Decision {
     pub publishes_events: bool,
     pub overlap_blocks: u32,
     /// The chosen rank's event-fed overlap: what its worker claims to hold,
-    /// judged against its response ([`crate::claims`]).
+    /// judged against its response ([`crate::fleet::claims`]).
     pub claimed_blocks: u32,
     pub request_blocks: u64,
     /// Prompt tokens the chosen rank must prefill.
@@ -259,7 +265,7 @@ impl Scheduler {
 
     /// The deepest cached prefix (in blocks, capped at the prompt's) the query
     /// has on a rank that could take it now: what the wait queue's
-    /// `longest_prefix` order ranks waiters by (see [`crate::queue`]).
+    /// `longest_prefix` order ranks waiters by (see [`crate::schedule::queue`]).
     pub fn overlap_now(&self, query: &RouteQuery<'_>) -> u32 {
         let now = Instant::now();
         with_overlaps(|overlaps| self.overlap_now_in(query, now, overlaps))
@@ -482,7 +488,7 @@ impl Scheduler {
         Ok(Decision {
             worker,
             base_url: Arc::clone(&chosen.base_url),
-            publishes_events: chosen.source == crate::registry::Source::Stream,
+            publishes_events: chosen.source == crate::fleet::Source::Stream,
             overlap_blocks: score.overlap_blocks,
             claimed_blocks: score.event_overlap_blocks.min(score.overlap_blocks),
             request_blocks,
@@ -670,7 +676,7 @@ fn first_usable(
         .find(|&k| usable(k))
 }
 
-impl crate::groups::Group {
+impl crate::fleet::groups::Group {
     /// The round-robin position for the next request. Interior mutability keeps
     /// `choose` on a shared borrow of the fleet.
     fn next_round_robin(&self) -> usize {
@@ -682,7 +688,7 @@ impl crate::groups::Group {
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::registry::{Registration, Source};
+    use crate::fleet::{Registration, Source};
     use crate::state::{AppState, RouteInput};
 
     fn limits(cost: Cost) -> Limits {

@@ -1,5 +1,5 @@
 //! The HTTP API: OpenAI-compatible endpoints (parsed here, routed and forwarded
-//! by [`crate::proxy`]), the dry run, admin endpoints over the registry, health
+//! by [`crate::http::proxy`]), the dry run, admin endpoints over the registry, health
 //! and metrics.
 
 use std::borrow::Cow;
@@ -27,13 +27,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower::Service;
 
 use crate::error::RouterError;
+use crate::http::proxy::Forward;
 use crate::limits;
 use crate::metrics;
-use crate::proxy::Forward;
 use crate::state::{AppState, RouteInput};
 use crate::tokenize::Prompt;
 
-pub use crate::proxy::WORKER_HEADER;
+pub use crate::http::proxy::WORKER_HEADER;
 
 /// The HTTP API: the two proxied endpoints, then everything else through
 /// axum's router; every response counted.
@@ -808,7 +808,7 @@ fn parse_body<'a>(
             }
         },
     };
-    let pin = match headers.get(crate::proxy::WORKER_HEADER_NAME) {
+    let pin = match headers.get(crate::http::proxy::WORKER_HEADER_NAME) {
         None => None,
         Some(value) => Some(
             value
@@ -844,7 +844,7 @@ fn parse_body<'a>(
     Ok((parsed, source))
 }
 
-/// Reads and parses an OpenAI request, then hands it to [`crate::proxy`].
+/// Reads and parses an OpenAI request, then hands it to [`crate::http::proxy`].
 async fn proxy(
     state: Arc<AppState>,
     inflight: Inflight,
@@ -869,11 +869,11 @@ async fn proxy(
             permit,
         };
         let response = if state.disaggregated(request.model) {
-            crate::pd::forward(&state, request).await
+            crate::http::pd::forward(&state, request).await
         } else {
-            crate::proxy::forward(&state, request).await
+            crate::http::proxy::forward(&state, request).await
         };
-        crate::upstream::recycle_headers(headers);
+        crate::http::upstream::recycle_headers(headers);
         keep_tokens(parsed.tokens);
         response
     };

@@ -31,7 +31,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::watch;
 
-use crate::api::Api;
+use crate::http::api::Api;
 use crate::limits;
 
 /// Serves `api` on the connections `listener` accepts until `stopped` turns
@@ -288,7 +288,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = watch::channel(false);
-        let api = crate::api::service(state);
+        let api = crate::http::api::service(state);
         let serving = tokio::spawn(serve(listener, api, Duration::from_secs(60), stopped));
         let mut client = TcpStream::connect(addr).await.unwrap();
         // Two requests on one connection: it is kept, and is idle now.

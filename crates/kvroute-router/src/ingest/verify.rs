@@ -23,8 +23,8 @@
 use kvroute_index::{BlockSetDigest, WorkerKey};
 use kvroute_proto::Digest;
 
+use crate::fleet::worker_label;
 use crate::metrics;
-use crate::registry::worker_label;
 use crate::state::AppState;
 
 /// How a worker's digest compared with the index.

@@ -1,0 +1,11 @@
+//! The HTTP side: the OpenAI-compatible API and its admin endpoints ([`api`]),
+//! serving its connections ([`serve`]), the proxy policy for one request
+//! ([`proxy`]) and for one request of a disaggregated fleet ([`pd`]), and talking to workers' HTTP servers ([`upstream`]) at the base
+//! URLs [`worker_url`] checks.
+
+pub mod api;
+pub mod pd;
+pub mod proxy;
+pub mod serve;
+pub mod upstream;
+pub mod worker_url;
