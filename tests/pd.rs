@@ -274,7 +274,7 @@ async fn n_above_1_short_prompts_and_prompts_the_decode_engine_holds_go_decode_o
     // events tell the router so; the same prompt again is its alone.
     let whole = json!({"model": "sim-model", "prompt": prompt(200, 64), "max_tokens": 2});
     let first = http.post(&url, &whole).await;
-    assert_eq!(header(&first, "x-kvroute-prefill-worker").is_some(), true);
+    assert!(header(&first, "x-kvroute-prefill-worker").is_some());
     let route = format!("{}/v1/route", router.http);
     eventually("the decode engine's events to reach the router", || async {
         http.post(&route, &whole).await.json()["overlap_blocks"] == 4

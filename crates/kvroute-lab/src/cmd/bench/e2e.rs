@@ -206,10 +206,10 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
     });
     let (_, top) = runs.last().expect("at least one rate");
     write_report(&args, &report, top)?;
-    if let Some(path) = &args.plot {
-        if runs.len() > 1 {
-            plot_rates(path, &runs, &goals)?;
-        }
+    if let Some(path) = &args.plot
+        && runs.len() > 1
+    {
+        plot_rates(path, &runs, &goals)?;
     }
     Ok(())
 }
