@@ -17,10 +17,10 @@
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`worker::publisher`], with the digests of [`view`]), the
 //!   OpenAI-compatible HTTP server ([`worker::http`]) and the faults tests inject;
-//! - [`pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
+//! - [`worker::pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
 //!   handoff conventions, prefill leases and the side channel decode engines
 //!   take KV from;
-//! - [`persona`]: whose HTTP surface an engine shows, vLLM's or SGLang's;
+//! - [`worker::persona`]: whose HTTP surface an engine shows, vLLM's or SGLang's;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -29,8 +29,6 @@ pub mod cost;
 pub mod engine;
 pub mod events;
 pub mod eviction;
-pub mod pd;
-pub mod persona;
 pub mod pool;
 pub mod trace;
 pub mod view;
@@ -38,9 +36,9 @@ pub mod worker;
 
 pub use cost::CostModel;
 pub use engine::{Engine, EngineConfig, Handoff};
-pub use pd::{PdConfig, PdConvention, PdStats, Role};
-pub use persona::Persona;
 pub use pool::EngineKind;
+pub use worker::pd::{PdConfig, PdConvention, PdStats, Role};
+pub use worker::persona::Persona;
 pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 
 /// Everything that can go wrong in the simulator.

@@ -12,11 +12,11 @@
 //!   SSE (a final usage chunk when `stream_options.include_usage` is set);
 //!   `usage.prompt_tokens_details.cached_tokens` reports the prefix hit.
 //! - `GET /metrics` (Prometheus text), and the endpoints of the engine's
-//!   persona (see [`crate::persona`]): `/health`, `/v1/models`, ...
+//!   persona (see [`crate::worker::persona`]): `/health`, `/v1/models`, ...
 //! - Validated as the engines validate: `stream_options` without `stream`,
 //!   or both `max_tokens` and `max_completion_tokens`, is a 400 in the
 //!   persona's error shape.
-//! - Prefill and decode legs of a disaggregated fleet: see [`crate::pd`].
+//! - Prefill and decode legs of a disaggregated fleet: see [`crate::worker::pd`].
 //! - `POST /admin/fault` with `{"fault": "stop_events" | "resume_events" |
 //!   "drop_events" | "restart" | "die", "count": N}` (count for drop_events).
 //! - `POST /admin/eviction` with `{"policy": NAME}` switches the eviction
@@ -50,8 +50,8 @@ use tokio::sync::mpsc;
 
 use crate::SimError;
 use crate::engine::{Emitted, Handoff, SeqId};
-use crate::pd::{LeaseKey, Leg, PdConvention};
-use crate::persona::Persona;
+use crate::worker::pd::{LeaseKey, Leg, PdConvention};
+use crate::worker::persona::Persona;
 use crate::worker::{Fault, Shared, inject};
 
 /// The tokenizer, loaded on the first text prompt (token-id traffic never pays for it).
@@ -202,7 +202,7 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     priority: Priority,
-    /// The whole body, for the handoff fields (see [`crate::pd::leg`]).
+    /// The whole body, for the handoff fields (see [`crate::worker::pd::leg`]).
     body: Value,
 }
 
@@ -363,21 +363,23 @@ async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Respon
         rand::random::<u64>()
     );
     let pd = &shared.config.pd;
-    let (handoff, lease) = match crate::pd::leg(pd, &parsed.body, &request_id) {
+    let (handoff, lease) = match crate::worker::pd::leg(pd, &parsed.body, &request_id) {
         Leg::Whole => (Handoff::default(), None),
         Leg::Prefill(key) => (Handoff::default(), Some(key)),
-        Leg::Decode { url, request } => match crate::pd::receive(&shared, &url, &request).await {
-            Ok(handoff) => (handoff, None),
-            Err(why) if pd.convention == PdConvention::Vllm => {
-                tracing::warn!(
-                    worker = shared.config.worker_id,
-                    "KV transfer failed, recomputing: {why}"
-                );
-                shared.core().pd.stats.recomputes += 1;
-                (Handoff::default(), None)
+        Leg::Decode { url, request } => {
+            match crate::worker::pd::receive(&shared, &url, &request).await {
+                Ok(handoff) => (handoff, None),
+                Err(why) if pd.convention == PdConvention::Vllm => {
+                    tracing::warn!(
+                        worker = shared.config.worker_id,
+                        "KV transfer failed, recomputing: {why}"
+                    );
+                    shared.core().pd.stats.recomputes += 1;
+                    (Handoff::default(), None)
+                }
+                Err(why) => return Err(ApiError::server(format!("KV transfer failed: {why}"))),
             }
-            Err(why) => return Err(ApiError::server(format!("KV transfer failed: {why}"))),
-        },
+        }
     };
     // An SGLang prefill server stops at the first token whatever the body
     // asks: the same body goes to the decode, which generates the rest.

@@ -8,6 +8,8 @@
 //! passed over its computation. Requests whose client went away are aborted.
 
 pub mod http;
+pub mod pd;
+pub mod persona;
 pub mod publisher;
 
 use std::collections::HashMap;
@@ -26,9 +28,9 @@ use tokio::task::JoinHandle;
 use crate::SimError;
 use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Handoff, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
-use crate::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
-use crate::persona::Persona;
 use crate::worker::http::SharedTokenizer;
+use crate::worker::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
+use crate::worker::persona::Persona;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
@@ -314,7 +316,7 @@ impl Worker {
             events_ready: Notify::new(),
             stop,
             lease_added: Notify::new(),
-            client: crate::pd::http_client(),
+            client: crate::worker::pd::http_client(),
             bootstrap_port,
         });
         let mut tasks = vec![
@@ -327,7 +329,7 @@ impl Worker {
             ))));
         }
         if let Some(listener) = side_channel {
-            tasks.push(tokio::spawn(crate::pd::serve_side_channel(
+            tasks.push(tokio::spawn(crate::worker::pd::serve_side_channel(
                 Arc::clone(&shared),
                 listener,
             )));
@@ -470,7 +472,7 @@ async fn iterate(shared: Arc<Shared>) {
         for emitted in step.emitted {
             if emitted.finished {
                 // Leased before the client hears of it, so its response can name it.
-                crate::pd::finished(&shared, &mut core, emitted.seq);
+                crate::worker::pd::finished(&shared, &mut core, emitted.seq);
             }
             let delivered = core
                 .streams

@@ -30,10 +30,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataValue;
 
 use crate::events::stored;
-use crate::pd::Role;
 use crate::pool::PoolEvent;
 use crate::view::RouterView;
 use crate::worker::Shared;
+use crate::worker::pd::Role;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);

@@ -27,8 +27,8 @@ use axum::routing::get;
 use serde_json::{Value, json};
 
 use crate::engine::{EngineStats, Load};
-use crate::pd::Role;
 use crate::worker::Shared;
+use crate::worker::pd::Role;
 
 /// The version the personas report.
 const VLLM_VERSION: &str = "0.11.0";
