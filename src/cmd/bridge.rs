@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 
 use clap::Args;
 use kvroute_bridge::BridgeConfig;
+use kvroute_bridge::{PdConvention, WorkerRole};
 use kvroute_tokenize::TokenizerSpec;
 
 #[derive(Args)]
@@ -67,6 +68,32 @@ pub struct BridgeArgs {
     /// router, which refuses a different one; without it the router cannot check.
     #[arg(long, value_name = "SPEC")]
     tokenizer: Option<TokenizerSpec>,
+    /// The engine's part in prefill/decode disaggregation (vLLM's
+    /// `kv_role`, SGLang's `--disaggregation-mode`), declared to the router.
+    #[arg(long, value_enum, default_value_t = RoleArg::Aggregated)]
+    role: RoleArg,
+    /// How a prefill engine hands its KV cache to a decode engine; required
+    /// with `--role prefill`.
+    #[arg(long, value_enum)]
+    pd_convention: Option<ConventionArg>,
+    /// A prefill engine's bootstrap server port on the engine URL's host
+    /// (SGLang's `--disaggregation-bootstrap-port`); required with
+    /// `--pd-convention sglang`.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    bootstrap_port: Option<u16>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RoleArg {
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ConventionArg {
+    Sglang,
+    Vllm,
 }
 
 pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
@@ -93,6 +120,17 @@ pub fn run(args: BridgeArgs) -> anyhow::Result<()> {
         tokenizer: args.tokenizer,
         digest_events: args.digest.digest_events,
         digest_interval: std::time::Duration::from_millis(args.digest.digest_interval_ms),
+        role: match args.role {
+            RoleArg::Aggregated => WorkerRole::Aggregated,
+            RoleArg::Prefill => WorkerRole::Prefill,
+            RoleArg::Decode => WorkerRole::Decode,
+        },
+        pd_convention: match args.pd_convention {
+            None => PdConvention::Unspecified,
+            Some(ConventionArg::Sglang) => PdConvention::Sglang,
+            Some(ConventionArg::Vllm) => PdConvention::Vllm,
+        },
+        bootstrap_port: args.bootstrap_port,
     };
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(kvroute_bridge::run(config))?;

@@ -1009,6 +1009,58 @@ async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration) {
     assert_eq!(reply.json()["overlap_blocks"], 8, "{}", reply.text());
 }
 
+/// The engine's part in a disaggregated fleet reaches the router as the
+/// bridge declares it; a prefill engine without its convention is refused at
+/// start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_declares_the_engines_prefill_role_convention_and_bootstrap_port() {
+    let router = start_router();
+    let engine_url = start_engine_http().await;
+    let events_port = free_ports(1);
+    let _bridge = Bridge::spawn(
+        &[
+            format!("--engine-events=tcp://127.0.0.1:{events_port}"),
+            format!("--router-token={TOKEN}"),
+            "--role=prefill".into(),
+            "--pd-convention=sglang".into(),
+            "--bootstrap-port=8998".into(),
+        ],
+        &router.grpc,
+        &engine_url,
+        ROUTER_BLOCK_SIZE,
+    );
+    let target = Target::Serve(router);
+    eventually("registration", || async { target.worker().await.is_some() }).await;
+    let worker = target.worker().await.unwrap();
+    assert_eq!(worker["role"], "prefill", "{worker}");
+    assert_eq!(worker["pd_convention"], "sglang", "{worker}");
+    assert_eq!(worker["bootstrap_port"], 8998, "{worker}");
+
+    let output = kvroute()
+        .args([
+            "bridge",
+            "--role=prefill",
+            "--engine-events=tcp://127.0.0.1:5557",
+        ])
+        .args([
+            "--engine-url=http://127.0.0.1:8000",
+            "--router=http://127.0.0.1:50051",
+        ])
+        .args([
+            "--worker-id=1",
+            "--block-size=16",
+            "--metrics-addr=127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("--role prefill needs --pd-convention"),
+        "stderr: {stderr}"
+    );
+}
+
 /// `kvroute sim`'s pools declare their roles, convention and bootstrap port at
 /// registration, as a bridge in front of a real engine does.
 #[tokio::test]

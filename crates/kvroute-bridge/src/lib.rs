@@ -67,6 +67,9 @@ pub enum BridgeError {
     Metrics(String),
 }
 
+/// The types of [`BridgeConfig`]'s disaggregation fields, as `Register` carries them.
+pub use kvroute_proto::{PdConvention, WorkerRole};
+
 /// Everything `kvroute bridge` is told on its command line.
 #[derive(Clone, Debug)]
 pub struct BridgeConfig {
@@ -103,6 +106,12 @@ pub struct BridgeConfig {
     pub digest_events: u64,
     /// Every rank's digest goes out at this interval (zero: never).
     pub digest_interval: Duration,
+    /// The engine's part in prefill/decode disaggregation.
+    pub role: kvroute_proto::WorkerRole,
+    /// A prefill engine's handoff convention.
+    pub pd_convention: kvroute_proto::PdConvention,
+    /// A prefill engine's bootstrap server port (SGLang convention).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Runs the bridge until the router refuses it or `/metrics` cannot be served.
@@ -112,6 +121,7 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
             "--block-size must be at least 1".into(),
         ));
     }
+    check_pd(&config)?;
     let ranks = rank_endpoints(&config)?;
     if config.routers.is_empty() {
         return Err(BridgeError::Config("--router is required".into()));
@@ -186,10 +196,32 @@ pub async fn run(config: BridgeConfig) -> Result<(), BridgeError> {
         engine,
         instance: instance_rx,
         digest_interval: config.digest_interval,
+        pd: (
+            config.role,
+            config.pd_convention,
+            config.bootstrap_port.map_or(0, u32::from),
+        ),
     };
     tokio::select! {
         refused = link.run(events_rx, loads_rx) => Err(refused),
         served = metrics::serve(listener, handle) => served,
+    }
+}
+
+/// What the router refuses a prefill worker for, refused here at start
+/// instead of at every registration.
+fn check_pd(config: &BridgeConfig) -> Result<(), BridgeError> {
+    use kvroute_proto::{PdConvention, WorkerRole};
+    match (config.role, config.pd_convention, config.bootstrap_port) {
+        (WorkerRole::Prefill, PdConvention::Unspecified, _) => Err(BridgeError::Config(
+            "--role prefill needs --pd-convention sglang|vllm".into(),
+        )),
+        (WorkerRole::Prefill, PdConvention::Sglang, None) => Err(BridgeError::Config(
+            "--pd-convention sglang needs --bootstrap-port (the engine's \
+             --disaggregation-bootstrap-port)"
+                .into(),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -422,6 +454,9 @@ mod tests {
             tokenizer: None,
             digest_events: 0,
             digest_interval: Duration::ZERO,
+            role: kvroute_proto::WorkerRole::Aggregated,
+            pd_convention: kvroute_proto::PdConvention::Unspecified,
+            bootstrap_port: None,
         };
         let printed = format!("{config:?} {config:#?}");
         assert!(!printed.contains("bridge-secret"), "{printed}");

@@ -50,6 +50,8 @@ pub struct RouterLink {
     pub instance: watch::Receiver<u64>,
     /// Every rank's digest goes out at this interval (zero: never).
     pub digest_interval: Duration,
+    /// `Register.role`, `pd_convention` and `bootstrap_port`.
+    pub pd: (proto::WorkerRole, proto::PdConvention, u32),
 }
 
 /// Why a stream ended.
@@ -141,7 +143,9 @@ impl RouterLink {
             lora_names: served.lora_names.clone(),
             tokenizer: self.tokenizer.clone(),
             instance_id: *instance.borrow_and_update(),
-            ..Default::default()
+            role: self.pd.0.into(),
+            pd_convention: self.pd.1.into(),
+            bootstrap_port: self.pd.2,
         };
         // Queued before the call starts, so it is the stream's first message;
         // the dumps follow once the call is open, before any event.

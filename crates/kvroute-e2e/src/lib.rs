@@ -26,7 +26,7 @@ use kvroute_router::config::Policy;
 use kvroute_router::server::{self, Running};
 use kvroute_sim::eviction::PolicyFigures;
 use kvroute_sim::trace::trace_tokens;
-use kvroute_sim::{EngineConfig, Worker, WorkerConfig, start_fleet};
+use kvroute_sim::{EngineConfig, PdConfig, Role, Worker, WorkerConfig, start_fleet};
 use kvroute_trace::TraceRequest;
 use serde::Serialize;
 use serde_json::Value;
@@ -44,6 +44,31 @@ impl Fleet {
     /// replaced) and `workers` engines registered with it.
     pub async fn start(
         workers: usize,
+        engine: &EngineConfig,
+        router: &kvroute_router::Config,
+        policy: Policy,
+    ) -> anyhow::Result<Fleet> {
+        let pools = [(workers, PdConfig::default())];
+        Self::start_pools(&pools, engine, router, policy).await
+    }
+
+    /// A disaggregated fleet: `prefill` prefill engines and `decode` decode
+    /// engines handing KV over in `pd`'s convention (its role replaced).
+    pub async fn start_pd(
+        prefill: usize,
+        decode: usize,
+        engine: &EngineConfig,
+        router: &kvroute_router::Config,
+        pd: &PdConfig,
+    ) -> anyhow::Result<Fleet> {
+        let pool = |role| PdConfig { role, ..pd.clone() };
+        let pools = [(prefill, pool(Role::Prefill)), (decode, pool(Role::Decode))];
+        Self::start_pools(&pools, engine, router, Policy::Kv).await
+    }
+
+    /// A router and one pool of engines per `(count, pd)`, with consecutive ids.
+    async fn start_pools(
+        pools: &[(usize, PdConfig)],
         engine: &EngineConfig,
         router: &kvroute_router::Config,
         policy: Policy,
@@ -67,10 +92,14 @@ impl Fleet {
         let router = server::start(config)
             .await
             .context("cannot start the router")?;
-        let mut template = WorkerConfig::new(0, engine.clone());
-        template.model = MODEL.into();
-        template.routers = vec![format!("http://{}", router.grpc_addr)];
-        let workers = start_fleet(&template, workers, 0).await?;
+        let mut workers = Vec::new();
+        for (count, pd) in pools {
+            let mut template = WorkerConfig::new(workers.len() as u64, engine.clone());
+            template.model = MODEL.into();
+            template.routers = vec![format!("http://{}", router.grpc_addr)];
+            template.pd = pd.clone();
+            workers.extend(start_fleet(&template, *count, 0).await?);
+        }
         let fleet = Fleet { router, workers };
         fleet.wait_registered().await?;
         Ok(fleet)

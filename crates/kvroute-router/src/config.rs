@@ -67,6 +67,7 @@ pub struct Config {
     pub epp: EppConfig,
     pub responses: ResponsesConfig,
     pub sessions: SessionsConfig,
+    pub disaggregation: DisaggregationConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -651,6 +652,96 @@ impl Default for SessionsConfig {
     }
 }
 
+/// When a name served by prefill and decode workers skips the prefill leg
+/// (see [`crate::pd`]).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    /// Prompts shorter than this (in tokens) go to a decode worker alone: a
+    /// transfer of their KV cache costs more than prefilling them there.
+    pub min_prompt_tokens: u64,
+    /// Conditional disaggregation: a request whose decode worker already holds
+    /// all but at most this many of its prompt tokens is prefilled there,
+    /// without a prefill leg.
+    pub max_local_prefill_tokens: u64,
+    /// Largest prefill leg response read (vLLM convention), in bytes: the
+    /// router parses it for `kv_transfer_params`.
+    pub max_prefill_response_bytes: usize,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        Self {
+            min_prompt_tokens: 512,
+            max_local_prefill_tokens: 256,
+            max_prefill_response_bytes: 1 << 20,
+        }
+    }
+}
+
+/// A worker's part in prefill/decode disaggregation (`Register.role`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Serves whole requests.
+    #[default]
+    Aggregated,
+    /// Computes prompts' KV caches and hands them to decode workers.
+    Prefill,
+    /// Generates from KV caches handed over by prefill workers (or computes
+    /// short prompts itself).
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Role::deserialize(serde::de::value::StrDeserializer::<serde::de::value::Error>::new(s))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// How a prefill worker hands its KV cache to a decode worker (`Register.pd_convention`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum PdConvention {
+    /// Bootstrap host, port and room in both legs' bodies, sent at once.
+    Sglang,
+    /// The prefill leg returns `kv_transfer_params`; the decode leg carries them.
+    Vllm,
+}
+
+impl PdConvention {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdConvention::Sglang => "sglang",
+            PdConvention::Vllm => "vllm",
+        }
+    }
+}
+
+impl std::str::FromStr for PdConvention {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        PdConvention::deserialize(
+            serde::de::value::StrDeserializer::<serde::de::value::Error>::new(s),
+        )
+        .map_err(|e| e.to_string())
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -661,6 +752,55 @@ pub struct StaticWorker {
     pub lora_names: Vec<String>,
     #[serde(default = "default_dp_ranks")]
     pub dp_ranks: Vec<u32>,
+    #[serde(default)]
+    pub role: Role,
+    /// A prefill worker's handoff convention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd_convention: Option<PdConvention>,
+    /// A prefill worker's bootstrap server port (SGLang convention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+}
+
+impl StaticWorker {
+    pub fn pd(&self) -> PdRole {
+        PdRole {
+            role: self.role,
+            convention: self.pd_convention,
+            bootstrap_port: self.bootstrap_port,
+        }
+    }
+}
+
+/// A worker's part in prefill/decode disaggregation, as it registered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PdRole {
+    pub role: Role,
+    /// How a prefill worker hands over its KV cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub convention: Option<PdConvention>,
+    /// A prefill worker's bootstrap server port, on its base URL's host (SGLang).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+}
+
+impl PdRole {
+    pub fn is_aggregated(&self) -> bool {
+        *self == PdRole::default()
+    }
+
+    /// What a prefill worker must declare for the router to hand its KV cache on.
+    pub fn check(&self) -> Result<(), String> {
+        match (self.role, self.convention, self.bootstrap_port) {
+            (Role::Prefill, None, _) => {
+                Err("a prefill worker must declare its pd_convention (sglang or vllm)".into())
+            }
+            (Role::Prefill, Some(PdConvention::Sglang), None | Some(0)) => Err(
+                "a prefill worker of the sglang convention must declare its bootstrap_port".into(),
+            ),
+            _ => Ok(()),
+        }
+    }
 }
 
 fn default_dp_ranks() -> Vec<u32> {
@@ -692,6 +832,7 @@ impl Default for Config {
             epp: EppConfig::default(),
             responses: ResponsesConfig::default(),
             sessions: SessionsConfig::default(),
+            disaggregation: DisaggregationConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -1002,6 +1143,9 @@ impl Config {
                 return fail(format!("limits.{name} must be at least 1"));
             }
         }
+        if self.disaggregation.max_prefill_response_bytes == 0 {
+            return fail("disaggregation.max_prefill_response_bytes must be at least 1".into());
+        }
         if self.index.max_blocks == 0 {
             return fail("index.max_blocks must be at least 1".into());
         }
@@ -1142,6 +1286,9 @@ impl Config {
             }
             if w.dp_ranks.is_empty() {
                 return fail(format!("workers: id {} has no dp rank", w.id));
+            }
+            if let Err(e) = w.pd().check() {
+                return fail(format!("workers: id {}: {e}", w.id));
             }
         }
         Ok(())

@@ -49,6 +49,7 @@ pub const GRPC_CONNECTIONS_PER_PEER: &str = "grpc_connections_per_peer";
 pub const HEADER_READ_TIMEOUT: &str = "header_read_timeout";
 pub const BODY_READ_TIMEOUT: &str = "body_read_timeout";
 pub const GRPC_IDLE_TIMEOUT: &str = "grpc_idle_timeout";
+pub const PREFILL_RESPONSE_BYTES: &str = "prefill_response_bytes";
 
 pub const ALL: &[&str] = &[
     DP_RANKS,
@@ -83,6 +84,7 @@ pub const ALL: &[&str] = &[
     HEADER_READ_TIMEOUT,
     BODY_READ_TIMEOUT,
     GRPC_IDLE_TIMEOUT,
+    PREFILL_RESPONSE_BYTES,
 ];
 
 /// Makes every limit's refusal count exist, at zero, in the process's

@@ -75,6 +75,12 @@ pub const RESPONSE_OWNER_LOOKUPS: &str = "kvroute_response_owner_lookups_total";
 pub const RESPONSE_OWNER_OUTCOMES: [&str; 3] = ["owner", "owner_gone", "unknown"];
 pub const SESSION_BINDINGS: &str = "kvroute_session_bindings";
 pub const SESSION_ROUTES: &str = "kvroute_session_routes_total";
+pub const PD_REQUESTS: &str = "kvroute_pd_requests_total";
+pub const PD_HANDOFF_FAILURES: &str = "kvroute_pd_handoff_failures_total";
+pub const PD_PREFILL: &str = "kvroute_pd_prefill_seconds";
+
+/// `path` values of [`PD_REQUESTS`].
+pub const PD_PATHS: [&str; 2] = ["disaggregated", "decode_only"];
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -286,6 +292,18 @@ pub const FAMILIES: &[(&str, &str)] = &[
         RESPONSE_OWNER_LOOKUPS,
         "Requests naming a response id (previous_response_id, or the id in the path), by outcome: owner, owner_gone, unknown",
     ),
+    (
+        PD_REQUESTS,
+        "Requests for disaggregated fleets, by path (disaggregated: a prefill leg and a decode leg; decode_only: the decode worker alone)",
+    ),
+    (
+        PD_HANDOFF_FAILURES,
+        "Prefill legs whose KV cache did not reach the decode worker, by reason",
+    ),
+    (
+        PD_PREFILL,
+        "Prefill legs, from sending to the prefill worker's answer",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -419,6 +437,9 @@ fn install() -> Renderer {
     for outcome in RESPONSE_OWNER_OUTCOMES {
         let _ = metrics::counter!(RESPONSE_OWNER_LOOKUPS, "outcome" => outcome);
     }
+    for path in PD_PATHS {
+        let _ = metrics::counter!(PD_REQUESTS, "path" => path);
+    }
     for name in [
         PREDICTED_OVERLAP,
         TTFT,
@@ -436,6 +457,7 @@ fn install() -> Renderer {
         CLUSTER_RECORDS_BEHIND,
         CLUSTER_APPLY_LAG,
         CLUSTER_SNAPSHOT_AGE,
+        PD_PREFILL,
     ] {
         if is_histogram(name) {
             let _ = metrics::histogram!(name);

@@ -20,7 +20,7 @@ use crate::metrics;
 use crate::replica::Replica;
 use crate::schedule::queue::WaitQueue;
 use crate::schedule::sessions::{Outcome, SessionRoute, Sessions};
-use crate::schedule::{Decision, NoWorker, RouteQuery, Scheduler};
+use crate::schedule::{Decision, NoWorker, Pool, RouteQuery, Scheduler};
 use crate::series::Renderer;
 use crate::tokenize::RouterTokenizer;
 
@@ -122,6 +122,7 @@ impl AppState {
                         base_url: w.base_url.clone(),
                         total_kv_blocks: 0,
                         tokenizer: String::new(),
+                        pd: w.pd(),
                     },
                     Source::Static,
                 )
@@ -224,6 +225,34 @@ impl AppState {
         })
     }
 
+    /// Whether requests for `name` are served by a disaggregated fleet: it has
+    /// routable decode ranks (see [`crate::pd`]).
+    pub fn disaggregated(&self, name: &str) -> bool {
+        Pool::Decode.group(&self.registry.lock(), name).is_some()
+    }
+
+    /// The deepest prefix of the prompt cached on a rank of `pool` that could
+    /// take it now, in blocks, and the prompt's length in tokens.
+    pub fn cached_now(
+        &self,
+        name: &str,
+        pool: Pool,
+        input: RouteInput<'_>,
+    ) -> Result<(u32, usize), RouterError> {
+        let (local_hashes, prompt_tokens) =
+            self.hash_prompt(name, input, tokio::time::Instant::now())?;
+        let query = RouteQuery {
+            name,
+            pool,
+            prompt_tokens,
+            local_hashes: &local_hashes,
+            pin: None,
+            bound: None,
+            exclude: &[],
+        };
+        Ok((self.scheduler.overlap_now(&query), prompt_tokens))
+    }
+
     /// Hashes the prompt and routes it with `choose` (which may book).
     fn try_route<B>(
         &self,
@@ -239,6 +268,7 @@ impl AppState {
         let bound = session.and_then(|id| self.sessions.bound(id, decided_at));
         let query = RouteQuery {
             name,
+            pool: Pool::Whole,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
@@ -304,9 +334,15 @@ impl AppState {
         pin: Option<u64>,
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
-        self.route_queued(name, input, pin, None, exclude, |query, now| {
-            self.scheduler.choose(query, now).map(|d| (d, ()))
-        })
+        self.route_queued(
+            name,
+            Pool::Whole,
+            input,
+            pin,
+            None,
+            exclude,
+            |query, now| self.scheduler.choose(query, now).map(|d| (d, ())),
+        )
         .await
     }
 
@@ -325,7 +361,21 @@ impl AppState {
         if let Some(id) = session {
             self.sessions.admit(id)?;
         }
-        self.route_queued(name, input, pin, session, exclude, |query, now| {
+        self.route_and_book_in(name, Pool::Whole, input, pin, session, exclude)
+            .await
+    }
+
+    /// Like [`Self::route_and_book`], among the ranks of `pool`.
+    pub async fn route_and_book_in(
+        &self,
+        name: &str,
+        pool: Pool,
+        input: RouteInput<'_>,
+        pin: Option<u64>,
+        session: Option<&str>,
+        exclude: &[u64],
+    ) -> Result<Routed<Booking>, RouterError> {
+        self.route_queued(name, pool, input, pin, session, exclude, |query, now| {
             self.scheduler.choose_and_book(query, now)
         })
         .await
@@ -339,6 +389,7 @@ impl AppState {
     async fn route_queued<B>(
         &self,
         name: &str,
+        pool: Pool,
         input: RouteInput<'_>,
         pin: Option<u64>,
         session: Option<&str>,
@@ -352,6 +403,7 @@ impl AppState {
         let route = |decision: &Decision| session.map(|_| session_route(bound, decision));
         let query = RouteQuery {
             name,
+            pool,
             prompt_tokens,
             local_hashes: &local_hashes,
             pin,
@@ -392,6 +444,7 @@ impl AppState {
         let key = |w: &Waiting| self.scheduler.overlap_now(&w.query());
         let waiting = Waiting {
             name: name.to_string(),
+            pool,
             prompt_tokens,
             local_hashes: local_hashes.clone(),
             pin,
@@ -400,7 +453,7 @@ impl AppState {
         };
         // Requests for one model that neither pin nor exclude a worker all
         // find the same workers busy or not.
-        let class = (pin.is_none() && exclude.is_empty()).then(|| name.to_string());
+        let class = (pin.is_none() && exclude.is_empty()).then(|| format!("{pool:?} {name}"));
         let ticket = self
             .queue
             .join(waiting, class, &key, !tried)
@@ -510,6 +563,7 @@ fn session_route(bound: Option<kvroute_index::WorkerKey>, decision: &Decision) -
 /// A request in the wait queue: what ranks it (see [`Scheduler::overlap_now`]).
 struct Waiting {
     name: String,
+    pool: Pool,
     prompt_tokens: usize,
     local_hashes: Vec<u64>,
     pin: Option<u64>,
@@ -521,6 +575,7 @@ impl Waiting {
     fn query(&self) -> RouteQuery<'_> {
         RouteQuery {
             name: &self.name,
+            pool: self.pool,
             prompt_tokens: self.prompt_tokens,
             local_hashes: &self.local_hashes,
             pin: self.pin,

@@ -1,5 +1,9 @@
-//! The fleet's groups (the routable ranks serving one model or adapter name),
-//! found by name and by a number.
+//! The fleet's groups (the routable ranks of one role serving one model or
+//! adapter name), found by role and name and by a number.
+//!
+//! A name served by a disaggregated fleet has a group of prefill ranks and one
+//! of decode ranks (see [`crate::config::Role`]); aggregated ranks keep
+//! theirs, so a request of today's path never meets a prefill rank.
 //!
 //! The scheduler finds a request's group by its name, once. A booking and its
 //! release re-key the booked rank in each of its worker's groups; a rank keeps
@@ -17,7 +21,9 @@ use std::sync::atomic::AtomicUsize;
 use kvroute_index::WorkerKey;
 use rustc_hash::FxHashMap;
 
-/// The routable ranks serving one model or adapter name.
+use crate::config::Role;
+
+/// The routable ranks of one role serving one model or adapter name.
 #[derive(Default)]
 pub struct Group {
     /// (load key, rank), cheapest first.
@@ -32,49 +38,61 @@ pub struct Group {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupId(u32);
 
-/// Every group, by name and by number.
+/// Every group, by role and name and by number.
 #[derive(Default)]
 pub struct Groups {
-    by_name: FxHashMap<String, GroupId>,
+    /// Indexed by [`Role`] in [`Role::ALL`]'s order.
+    by_name: [FxHashMap<String, GroupId>; 3],
     /// Indexed by number; a removed group's slot is empty and listed in `free`.
     slots: Vec<Group>,
     free: Vec<GroupId>,
 }
 
+fn slot(role: Role) -> usize {
+    match role {
+        Role::Aggregated => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
 impl Groups {
-    pub fn get(&self, name: &str) -> Option<&Group> {
-        self.by_name.get(name).map(|&id| &self.slots[id.0 as usize])
+    pub fn get(&self, role: Role, name: &str) -> Option<&Group> {
+        self.id(role, name).map(|id| &self.slots[id.0 as usize])
     }
 
-    /// The group of `name`, added empty if there is none.
-    pub fn id_or_insert(&mut self, name: &str) -> GroupId {
-        if let Some(&id) = self.by_name.get(name) {
+    /// The group of `role` ranks serving `name`, added empty if there is none.
+    pub fn id_or_insert(&mut self, role: Role, name: &str) -> GroupId {
+        if let Some(id) = self.id(role, name) {
             return id;
         }
         let id = self.free.pop().unwrap_or_else(|| {
             self.slots.push(Group::default());
             GroupId((self.slots.len() - 1) as u32)
         });
-        self.by_name.insert(name.to_owned(), id);
+        self.by_name[slot(role)].insert(name.to_owned(), id);
         id
     }
 
-    pub fn id(&self, name: &str) -> Option<GroupId> {
-        self.by_name.get(name).copied()
+    pub fn id(&self, role: Role, name: &str) -> Option<GroupId> {
+        self.by_name[slot(role)].get(name).copied()
     }
 
-    /// Forgets the group of `name`; its number goes to the next new name.
-    pub fn remove(&mut self, name: &str) {
-        if let Some(id) = self.by_name.remove(name) {
+    /// Forgets the group of `role` ranks serving `name`; its number goes to
+    /// the next new group.
+    pub fn remove(&mut self, role: Role, name: &str) {
+        if let Some(id) = self.by_name[slot(role)].remove(name) {
             self.slots[id.0 as usize] = Group::default();
             self.free.push(id);
         }
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Group)> {
-        self.by_name
-            .iter()
-            .map(|(name, id)| (name.as_str(), &self.slots[id.0 as usize]))
+    pub fn iter(&self) -> impl Iterator<Item = (Role, &str, &Group)> {
+        Role::ALL.into_iter().flat_map(move |role| {
+            self.by_name[slot(role)]
+                .iter()
+                .map(move |(name, id)| (role, name.as_str(), &self.slots[id.0 as usize]))
+        })
     }
 }
 
@@ -99,16 +117,19 @@ mod tests {
     #[test]
     fn a_removed_groups_number_goes_to_the_next_name_and_starts_empty() {
         let mut groups = Groups::default();
-        let m = groups.id_or_insert("m");
-        let n = groups.id_or_insert("n");
+        let m = groups.id_or_insert(Role::Aggregated, "m");
+        let n = groups.id_or_insert(Role::Aggregated, "n");
         assert_ne!(m, n);
-        assert_eq!(groups.id_or_insert("m"), m);
+        assert_eq!(groups.id_or_insert(Role::Aggregated, "m"), m);
+        let decode_m = groups.id_or_insert(Role::Decode, "m");
+        assert_ne!(decode_m, m, "each role has its own group of a name");
         groups[m].members.push(WorkerKey::new(1, 0));
-        groups.remove("m");
-        assert!(groups.get("m").is_none());
-        let o = groups.id_or_insert("o");
+        groups.remove(Role::Aggregated, "m");
+        assert!(groups.get(Role::Aggregated, "m").is_none());
+        assert!(groups.get(Role::Decode, "m").is_some());
+        let o = groups.id_or_insert(Role::Prefill, "o");
         assert_eq!(o, m);
         assert!(groups[o].members.is_empty());
-        assert_eq!(groups.iter().count(), 2);
+        assert_eq!(groups.iter().count(), 3);
     }
 }

@@ -37,7 +37,7 @@ use kvroute_index::WorkerKey;
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
-use crate::config::{Config, Policy};
+use crate::config::{Config, PdRole, Policy, Role};
 use crate::fleet::breaker::Breaker;
 use crate::fleet::claims::{ClaimRules, Claims};
 use crate::fleet::groups::{Group, GroupId, Groups};
@@ -58,6 +58,9 @@ pub struct Registration {
     /// tokenizes with; empty if it declared none the router has.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tokenizer: String,
+    /// Its part in prefill/decode disaggregation; aggregated for old workers.
+    #[serde(default, skip_serializing_if = "PdRole::is_aggregated")]
+    pub pd: PdRole,
 }
 
 impl Registration {
@@ -73,6 +76,7 @@ impl Registration {
             base_url: format!("http://127.0.0.1:{}", 9000 + worker_id),
             total_kv_blocks: 1024,
             tokenizer: String::new(),
+            pd: PdRole::default(),
         }
     }
 }
@@ -137,6 +141,8 @@ pub struct Worker {
     pub total_kv_blocks: u64,
     /// [`Registration::tokenizer`].
     pub tokenizer: String,
+    /// [`Registration::pd`]: which of its names' groups it is in.
+    pub pd: PdRole,
     pub source: Source,
     /// Registered over a stream on this replica: by whom.
     pub claimant: Option<Claimant>,
@@ -315,6 +321,12 @@ pub struct WorkerInfo {
     pub state: &'static str,
     pub breaker: &'static str,
     pub total_kv_blocks: u64,
+    /// Its part in prefill/decode disaggregation.
+    pub role: Role,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd_convention: Option<crate::config::PdConvention>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     pub ranks: Vec<RankInfo>,
 }
 
@@ -505,6 +517,7 @@ impl Registry {
             dp_ranks,
             total_kv_blocks: reg.total_kv_blocks,
             tokenizer: reg.tokenizer,
+            pd: reg.pd,
             source,
             claimant,
             connection: Connection::Connected,
@@ -724,17 +737,24 @@ impl Registry {
             .unwrap_or(0)
     }
 
-    /// Names served by routable workers, sorted.
+    /// Names served by routable workers that answer requests (aggregated or
+    /// decode; prefill workers answer none alone), sorted.
     pub fn served_names(&self) -> Vec<String> {
         let fleet = self.lock();
         let mut names: Vec<String> = fleet
             .groups
             .iter()
-            .filter(|(_, g)| !g.members.is_empty())
-            .map(|(n, _)| n.to_owned())
+            .filter(|&(role, _, g)| role != Role::Prefill && !g.members.is_empty())
+            .map(|(_, n, _)| n.to_owned())
             .collect();
         names.sort();
+        names.dedup();
         names
+    }
+
+    /// The part a registered worker plays in prefill/decode disaggregation.
+    pub fn pd_role(&self, worker_id: u64) -> Option<PdRole> {
+        self.lock().workers.get(&worker_id).map(|w| w.pd)
     }
 
     pub fn contains(&self, worker_id: u64) -> bool {
@@ -743,10 +763,13 @@ impl Registry {
 
     /// Whether a routable rank of `worker_id` serves `name`.
     pub fn serves(&self, worker_id: u64, name: &str) -> bool {
-        self.lock()
-            .groups
-            .get(name)
-            .is_some_and(|g| g.members.iter().any(|k| k.worker_id == worker_id))
+        let fleet = self.lock();
+        Role::ALL.into_iter().any(|role| {
+            fleet
+                .groups
+                .get(role, name)
+                .is_some_and(|g| g.members.iter().any(|k| k.worker_id == worker_id))
+        })
     }
 
     /// The base URL of `worker_id` while it is connected (draining or not):
@@ -761,7 +784,7 @@ impl Registry {
         self.lock()
             .groups
             .iter()
-            .any(|(_, g)| !g.members.is_empty())
+            .any(|(_, _, g)| !g.members.is_empty())
     }
 
     pub fn worker_info(&self, worker_id: Option<u64>) -> Vec<WorkerInfo> {
@@ -779,6 +802,9 @@ impl Registry {
                 state: w.state_name(),
                 breaker: w.breaker.name(),
                 total_kv_blocks: w.total_kv_blocks,
+                role: w.pd.role,
+                pd_convention: w.pd.convention,
+                bootstrap_port: w.pd.bootstrap_port,
                 ranks: w
                     .dp_ranks
                     .iter()
@@ -944,9 +970,10 @@ impl Fleet {
             return;
         };
         let routable = worker.routable();
+        let role = worker.pd.role;
         let ids: Vec<GroupId> = worker
             .names()
-            .map(|name| self.groups.id_or_insert(name))
+            .map(|name| self.groups.id_or_insert(role, name))
             .collect();
         for &dp_rank in &worker.dp_ranks {
             let key = WorkerKey::new(worker_id, dp_rank);
@@ -1011,13 +1038,14 @@ impl Fleet {
                 rank.groups.clear();
             }
         }
+        let role = worker.pd.role;
         for name in worker.names() {
-            if let Some(id) = self.groups.id(name) {
+            if let Some(id) = self.groups.id(role, name) {
                 let group = &mut self.groups[id];
                 group.by_load.retain(|&(_, k)| k.worker_id != worker_id);
                 group.members.retain(|k| k.worker_id != worker_id);
                 if group.members.is_empty() {
-                    self.groups.remove(name);
+                    self.groups.remove(role, name);
                 }
             }
             if let Some(usage) = self.names.get_mut(name) {
@@ -1082,6 +1110,7 @@ pub(crate) mod tests {
             base_url: format!("http://127.0.0.1:{}", 9000 + id),
             total_kv_blocks: 100,
             tokenizer: String::new(),
+            pd: PdRole::default(),
         }
     }
 
@@ -1128,9 +1157,9 @@ pub(crate) mod tests {
     /// exactly the groups it is a member of.
     fn check_invariant(registry: &Registry) {
         let fleet = registry.lock();
-        for (name, group) in fleet.groups.iter() {
+        for (role, name, group) in fleet.groups.iter() {
             assert_eq!(group.members.len(), group.by_load.len(), "{name}");
-            let id = fleet.groups.id(name).unwrap();
+            let id = fleet.groups.id(role, name).unwrap();
             for &(load_key, key) in &group.by_load {
                 assert_eq!(fleet.ranks[&key].load_key, load_key);
                 assert!(fleet.workers[&key.worker_id].routable());
@@ -1156,7 +1185,7 @@ pub(crate) mod tests {
             let fleet = registry.lock();
             let last = fleet
                 .groups
-                .get("m")
+                .get(Role::Aggregated, "m")
                 .unwrap()
                 .by_load
                 .iter()
@@ -1188,7 +1217,7 @@ pub(crate) mod tests {
         let fleet = registry.lock();
         let ranks: Vec<WorkerKey> = fleet
             .groups
-            .get("m")
+            .get(Role::Aggregated, "m")
             .unwrap()
             .by_load
             .iter()
@@ -1207,7 +1236,16 @@ pub(crate) mod tests {
         assert_eq!(registry.name_kind("adapter"), Some(NameKind::Lora));
         assert!(registry.disconnect(1, g1));
         check_invariant(&registry);
-        assert_eq!(registry.lock().groups.get("m").unwrap().members.len(), 1);
+        assert_eq!(
+            registry
+                .lock()
+                .groups
+                .get(Role::Aggregated, "m")
+                .unwrap()
+                .members
+                .len(),
+            1
+        );
         // A reconnect takes over; the old stream's purge must not remove it.
         let g2 = registry.register(reg(1, &["m"]), Source::Stream).unwrap();
         assert!(registry.purge(1, g1).is_none());

@@ -170,7 +170,7 @@ mod tests {
         assert_eq!(fleet.ranks[&two].active_blocks(), 40);
         let cheapest = fleet
             .groups
-            .get("m")
+            .get(crate::config::Role::Aggregated, "m")
             .unwrap()
             .by_load
             .iter()

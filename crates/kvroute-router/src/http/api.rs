@@ -638,22 +638,23 @@ async fn proxy(
         let pin = parsed
             .pin
             .or_else(|| owner(&state, parsed.follows.as_deref()?, &parsed.model));
-        let response = crate::http::proxy::forward(
-            &state,
-            Forward {
-                model: &parsed.model,
-                tokens: &parsed.tokens,
-                extra: &parsed.extra,
-                pin,
-                session: parsed.session.as_deref(),
-                path: endpoint.path(),
-                headers: &headers,
-                body: body.clone(),
-                received,
-                permit,
-            },
-        )
-        .await;
+        let request = Forward {
+            model: &parsed.model,
+            tokens: &parsed.tokens,
+            extra: &parsed.extra,
+            pin,
+            session: parsed.session.as_deref(),
+            path: endpoint.path(),
+            headers: &headers,
+            body: body.clone(),
+            received,
+            permit,
+        };
+        let response = if state.disaggregated(request.model) {
+            crate::http::pd::forward(&state, request).await
+        } else {
+            crate::http::proxy::forward(&state, request).await
+        };
         match response {
             Ok(response) if endpoint == Endpoint::Responses => Ok(record_owner(&state, response)),
             response => response,

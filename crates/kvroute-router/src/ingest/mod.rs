@@ -61,15 +61,16 @@ use dashmap::DashMap;
 use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier, WorkerKey};
 use kvroute_proto::kv_router_server::KvRouter;
 use kvroute_proto::{
-    Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
-    RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerScore, kv_event,
-    route_request, router_message, worker_message,
+    Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, PdConvention, Register,
+    ResyncRequest, RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerRole,
+    WorkerScore, kv_event, route_request, router_message, worker_message,
 };
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::config::{self, PdRole, Role};
 use crate::error::RouterError;
 use crate::fleet::{Claimant, Registration, ReportedLoad, worker_label};
 use crate::ingest::verify::Verdict;
@@ -505,6 +506,45 @@ fn check_tokenizer(state: &AppState, register: &Register) -> Result<String, Stat
     Ok(String::new())
 }
 
+/// The worker's part in prefill/decode disaggregation, as `Register` declares it.
+fn pd_role(register: &Register) -> Result<PdRole, Status> {
+    let role = match WorkerRole::try_from(register.role) {
+        Ok(WorkerRole::Aggregated) => Role::Aggregated,
+        Ok(WorkerRole::Prefill) => Role::Prefill,
+        Ok(WorkerRole::Decode) => Role::Decode,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "unknown Register.role {}",
+                register.role
+            )));
+        }
+    };
+    let convention = match PdConvention::try_from(register.pd_convention) {
+        Ok(PdConvention::Unspecified) => None,
+        Ok(PdConvention::Sglang) => Some(config::PdConvention::Sglang),
+        Ok(PdConvention::Vllm) => Some(config::PdConvention::Vllm),
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "unknown Register.pd_convention {}",
+                register.pd_convention
+            )));
+        }
+    };
+    let bootstrap_port = match register.bootstrap_port {
+        0 => None,
+        port => Some(u16::try_from(port).map_err(|_| {
+            Status::invalid_argument(format!("Register.bootstrap_port {port} is not a port"))
+        })?),
+    };
+    let pd = PdRole {
+        role,
+        convention,
+        bootstrap_port,
+    };
+    pd.check().map_err(Status::invalid_argument)?;
+    Ok(pd)
+}
+
 fn register_worker(
     state: &AppState,
     register: Register,
@@ -535,6 +575,7 @@ fn register_worker(
     } else {
         register.dp_ranks.clone()
     };
+    let pd = pd_role(&register)?;
     let registration = Registration {
         worker_id: register.worker_id,
         dp_ranks,
@@ -543,6 +584,7 @@ fn register_worker(
         base_url: register.base_url,
         total_kv_blocks: register.total_kv_blocks,
         tokenizer,
+        pd,
     };
     let registered = state
         .registry

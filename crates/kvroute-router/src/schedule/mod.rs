@@ -70,7 +70,7 @@ use kvroute_index::{KvIndex, PredictedIndex, WorkerKey};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::config::{Cost, Policy};
+use crate::config::{Cost, Policy, Role};
 use crate::fleet::booking::Booking;
 use crate::fleet::{Fleet, Limits, Rank, Registry};
 use crate::metrics;
@@ -80,9 +80,45 @@ const UNMATCHED_CANDIDATES: usize = 8;
 /// Most tied unmatched ranks considered, so that a fleet of idle ranks is not walked whole.
 const MAX_TIED: usize = 32;
 
+/// Which ranks a request is routed among, and what they do for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// Ranks that serve the whole request: the name's decode ranks where it
+    /// has routable ones (a disaggregated fleet), else its aggregated ones.
+    Whole,
+    /// Prefill ranks, for a prefill leg: costed as whole requests are, on
+    /// their cached prefix against their prefill load.
+    Prefill,
+    /// Decode ranks, for the decode leg of a prompt prefilled elsewhere:
+    /// costed on load alone, and booked no prefill.
+    Decode,
+}
+
+impl Pool {
+    /// The group of `name` this pool routes among, if it has a routable rank.
+    pub fn group<'f>(
+        self,
+        fleet: &'f Fleet,
+        name: &str,
+    ) -> Option<&'f crate::fleet::groups::Group> {
+        let routable = |role| {
+            fleet
+                .groups
+                .get(role, name)
+                .filter(|g| !g.members.is_empty())
+        };
+        match self {
+            Pool::Whole => routable(Role::Decode).or_else(|| routable(Role::Aggregated)),
+            Pool::Prefill => routable(Role::Prefill),
+            Pool::Decode => routable(Role::Decode),
+        }
+    }
+}
+
 pub struct RouteQuery<'a> {
     /// The model or adapter name the request asks for.
     pub name: &'a str,
+    pub pool: Pool,
     pub prompt_tokens: usize,
     pub local_hashes: &'a [u64],
     /// Only this worker's ranks (the `x-kvroute-worker` header).
@@ -232,7 +268,7 @@ impl Scheduler {
         let limits = &self.registry.limits;
         let request_blocks = (query.prompt_tokens as u64).div_ceil(limits.block_size as u64);
         let fleet = self.registry.lock();
-        let Some(group) = fleet.groups.get(query.name) else {
+        let Some(group) = query.pool.group(&fleet, query.name) else {
             return 0;
         };
         overlaps
@@ -304,11 +340,12 @@ impl Scheduler {
         now: Instant,
     ) -> Result<Decision, NoWorker> {
         let limits = &self.registry.limits;
-        let group = fleet
-            .groups
-            .get(query.name)
-            .filter(|g| !g.members.is_empty())
+        let group = query
+            .pool
+            .group(fleet, query.name)
             .ok_or(NoWorker::NoneRoutable)?;
+        // A decode leg's prompt is prefilled elsewhere: none of it is this rank's to prefill.
+        let prefills = query.pool != Pool::Decode;
         let eligible = |key: WorkerKey| {
             !query.exclude.contains(&key.worker_id) && fleet.available(key, limits, now)
         };
@@ -341,8 +378,12 @@ impl Scheduler {
             let overlap = event.max(predicted).min(request_blocks as u32);
             let reach = offload.min(request_blocks as u32).max(overlap);
             let scored = scored_overlap(overlap, reach, self.offload_weight);
-            let overlap_tokens = covered_tokens(query.prompt_tokens, scored, block_size);
-            let new_tokens = query.prompt_tokens as u64 - overlap_tokens;
+            let (overlap_tokens, new_tokens) = if prefills {
+                let overlap_tokens = covered_tokens(query.prompt_tokens, scored, block_size);
+                (overlap_tokens, query.prompt_tokens as u64 - overlap_tokens)
+            } else {
+                (0, 0)
+            };
             let load = RankLoad::of(rank);
             Some(Score {
                 worker_id: key.worker_id,
@@ -388,7 +429,8 @@ impl Scheduler {
                             .filter_map(score),
                     );
                     let cheapest = scores.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
-                    let floor = self.unmatched_floor(limits, query.prompt_tokens);
+                    let prefilled = if prefills { query.prompt_tokens } else { 0 };
+                    let floor = self.unmatched_floor(limits, prefilled, request_blocks);
                     let mut taken = 0;
                     let mut last_load = None;
                     for &(load, key) in &group.by_load {
@@ -457,8 +499,12 @@ impl Scheduler {
             overlap_blocks: score.overlap_blocks,
             claimed_blocks: score.event_overlap_blocks.min(score.overlap_blocks),
             request_blocks,
-            new_prefill_tokens: query.prompt_tokens as u64
-                - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size),
+            new_prefill_tokens: if prefills {
+                query.prompt_tokens as u64
+                    - covered_tokens(query.prompt_tokens, score.scored_overlap_blocks, block_size)
+            } else {
+                0
+            },
             scores,
         })
     }
@@ -503,11 +549,13 @@ impl Scheduler {
         &self,
         limits: &Limits,
         prompt_tokens: usize,
+        request_blocks: u64,
     ) -> Option<impl Fn(u64) -> f64> {
         if !matches!(limits.cost, Cost::Blocks) || self.temperature > 0.0 {
             return None;
         }
-        let prompt = request_cost(limits, prompt_tokens);
+        let prompt = limits.overlap_weight * prompt_tokens as f64 / limits.block_size as f64
+            + request_blocks as f64;
         // A key is its load's cost scaled and truncated: one step lower covers
         // any rounding, and the margin keeps near-ties costed.
         Some(move |load_key: u64| {
@@ -882,6 +930,7 @@ mod tests {
             .record(key, &locals, std::time::Instant::now());
         let query = RouteQuery {
             name: "m",
+            pool: Pool::Whole,
             prompt_tokens: tokens.len(),
             local_hashes: &locals,
             pin: None,

@@ -18,6 +18,7 @@
 //! instead of token ids through completions.
 
 mod goals;
+mod pd;
 mod replicas;
 
 use std::path::PathBuf;
@@ -88,6 +89,14 @@ pub struct E2eArgs {
     /// unless the config names one).
     #[arg(long, default_value = "completions")]
     api: kvroute_e2e::Api,
+    /// Disaggregated fleets of P prefill and D decode engines instead, each
+    /// beside an aggregated fleet of P + D engines under `kv`
+    /// (comma-separated, e.g. `2:6,4:4`; every split the same size).
+    #[arg(long, value_name = "P:D", value_delimiter = ',', conflicts_with_all = ["replicas", "workers"])]
+    pd: Vec<pd::Split>,
+    /// How `--pd` fleets hand KV over.
+    #[arg(long, value_enum, default_value = "vllm", requires = "pd")]
+    pd_convention: kvroute_sim::PdConvention,
     /// Engines (the trace needs `--block-size 512` for its blocks to be engine blocks).
     #[command(flatten)]
     engine: EngineArgs,
@@ -122,6 +131,24 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
             api: args.api,
         };
         return run_replicas(&args, replicas, &trace, &router, replay, &runtime);
+    }
+    if !args.pd.is_empty() {
+        let replay = |rate: f64| Replay {
+            time_scale: args.engine.speedup * rate,
+            max_output_tokens: args.max_output_tokens,
+            api: args.api,
+        };
+        let (report, top) = pd::run(
+            &args.pd,
+            args.pd_convention,
+            &trace,
+            &engine,
+            &router,
+            &args.rate,
+            replay,
+            &runtime,
+        )?;
+        return write_report(&args, &report, &top);
     }
     let mut runs = Vec::new();
     for &rate in &args.rate {
@@ -196,18 +223,31 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         })).collect::<Vec<_>>(),
         "goals": goals,
     });
-    let text = serde_json::to_string_pretty(&report)?;
+    let (_, top) = runs.last().expect("at least one rate");
+    write_report(&args, &report, top)?;
+    if let Some(path) = &args.plot
+        && runs.len() > 1
+    {
+        plot_rates(path, &runs, &goals)?;
+    }
+    Ok(())
+}
+
+/// Writes the JSON report (`--json`, else stdout) and the chart of `top`'s
+/// TTFT distributions (`--plot`).
+fn write_report(
+    args: &E2eArgs,
+    report: &serde_json::Value,
+    top: &[PolicyReport],
+) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(report)?;
     match &args.json {
         Some(path) => std::fs::write(path, text)
             .with_context(|| format!("cannot write {}", path.display()))?,
         None => println!("{text}"),
     }
     if let Some(path) = &args.plot {
-        let (_, top) = runs.last().expect("at least one rate");
         plot(path, top)?;
-        if runs.len() > 1 {
-            plot_rates(path, &runs, &goals)?;
-        }
     }
     Ok(())
 }

@@ -390,6 +390,7 @@ async fn hit_rates(
     let replay = Replay {
         time_scale: args.engine.speedup * args.trace_rate,
         max_output_tokens: None,
+        api: kvroute_e2e::Api::Completions,
     };
     let mut config = kvroute_router::Config::default();
     config.epp.addr = "127.0.0.1:0".into();

@@ -64,6 +64,7 @@ pub(super) fn register_workers(state: &AppState, n: u64) -> anyhow::Result<()> {
                     base_url: format!("http://127.0.0.1:{}", 10_000 + id),
                     total_kv_blocks: 1 << 20,
                     tokenizer: String::new(),
+                    pd: Default::default(),
                 },
                 Source::Stream,
             )
@@ -242,6 +243,9 @@ pub(super) fn proxy_config(worker_url: &str) -> Config {
         models: vec![MODEL.into()],
         lora_names: Vec::new(),
         dp_ranks: vec![0],
+        role: Default::default(),
+        pd_convention: None,
+        bootstrap_port: None,
     }];
     config
 }
