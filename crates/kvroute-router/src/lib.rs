@@ -9,7 +9,8 @@
 //! cached prefix and load make it cheapest, and the proxy books the load and
 //! forwards the request. [`state`] ties these together; [`ingest`] also decides
 //! which worker stream may write the index and checks the index against the
-//! digests workers send ([`faults`] corrupts it on purpose, for tests), and
+//! digests workers send (`faults`, behind the `test-hooks` feature, corrupts it
+//! on purpose for tests), and
 //! [`cached_tokens`] with [`fleet::claims`] stops crediting a worker whose
 //! responses keep contradicting its events; [`server`] starts the listeners,
 //! background tasks and the graceful shutdown ([`connections`] caps both
@@ -30,6 +31,7 @@ pub mod config;
 pub mod connections;
 pub mod epp;
 pub mod error;
+#[cfg(feature = "test-hooks")]
 pub mod faults;
 pub mod fleet;
 pub mod http;

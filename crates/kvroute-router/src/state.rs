@@ -49,10 +49,12 @@ pub struct AppState {
     /// A test hook: while a test holds it for writing, event batches and dumps
     /// wait in their queues instead of being applied, so that a full queue
     /// is reached without racing the index. Nothing else takes it for writing.
+    #[cfg(feature = "test-hooks")]
     pub ingest_gate: tokio::sync::RwLock<()>,
     /// Bytes of unfinished dumps all streams may hold (`ingest.dump_parts_bytes`).
     pub dump_parts: Arc<tokio::sync::Semaphore>,
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
+    #[cfg(feature = "test-hooks")]
     pub faults: crate::faults::Faults,
 }
 
@@ -147,6 +149,7 @@ impl AppState {
             temperature: config.scheduler.temperature,
         };
         let upstream = Upstream::new(&config.upstream)?;
+        #[cfg(feature = "test-hooks")]
         let faults = crate::faults::Faults::new(config.index.test_faults);
         let queue = WaitQueue::new(
             config.scheduler.queue_order,
@@ -169,8 +172,10 @@ impl AppState {
             replica: std::sync::OnceLock::new(),
             shared_predictions: std::sync::OnceLock::new(),
             queue,
+            #[cfg(feature = "test-hooks")]
             ingest_gate: tokio::sync::RwLock::new(()),
             dump_parts,
+            #[cfg(feature = "test-hooks")]
             faults,
         }))
     }

@@ -85,12 +85,13 @@ fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
     let admin = Router::new()
         .route("/workers", get(list_workers))
         .route("/workers/{id}", get(get_worker).delete(delete_worker))
-        .route("/workers/{id}/drain", post(drain_worker))
-        .route("/workers/{id}/drop-events", post(drop_events))
-        .route_layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
-            require_admin,
-        ));
+        .route("/workers/{id}/drain", post(drain_worker));
+    #[cfg(feature = "test-hooks")]
+    let admin = admin.route("/workers/{id}/drop-events", post(drop_events));
+    let admin = admin.route_layer(middleware::from_fn_with_state(
+        Arc::clone(&state),
+        require_admin,
+    ));
     Router::new()
         .route("/v1/completions", axum::routing::any(post_only))
         .route("/v1/chat/completions", axum::routing::any(post_only))
@@ -1052,6 +1053,7 @@ async fn delete_worker(
 
 /// The test-only hook of [`crate::faults`]: `{"dp_rank": R, "events": N,
 /// "whole": false}`.
+#[cfg(feature = "test-hooks")]
 async fn drop_events(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
