@@ -1,6 +1,7 @@
 //! kvroute-router: the router service behind `kvroute serve`.
 //!
-//! Workers stream KV-cache events to it over gRPC ([`ingest`]); it keeps them in
+//! Workers stream KV-cache events to it over gRPC ([`grpc`], whose streams
+//! [`ingest`] serves); it keeps them in
 //! the global index (`kvroute-index`) and tracks who can take requests and how
 //! loaded each worker is ([`fleet`]: the registry, with its bookings, breakers,
 //! groups and shared load). For every OpenAI-style request the HTTP API
@@ -34,6 +35,7 @@ pub mod error;
 #[cfg(feature = "test-hooks")]
 pub mod faults;
 pub mod fleet;
+pub mod grpc;
 pub mod http;
 pub mod ingest;
 mod kept;
