@@ -369,6 +369,7 @@ fn fuzz_register() {
                     total_kv_blocks,
                     instance_id,
                     tokenizer: None,
+                    ..Default::default()
                 }
             },
         );

@@ -436,6 +436,40 @@ async fn sse_passes_through_intact_and_a_client_cancel_reaches_the_worker() {
 }
 
 #[tokio::test]
+async fn an_http2_client_gets_answers_streams_and_json_errors() {
+    let router = RouterProcess::start("");
+    let (workers, _grpc) = fleet(&router, 1).await;
+    let http = Http::http2();
+    let url = format!("{}/v1/completions", router.http);
+
+    let response = http
+        .send(
+            "POST",
+            &url,
+            &[],
+            completion("m", &tokens(0, 40)).to_string(),
+        )
+        .await;
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-kvroute-worker"], "1");
+
+    let body = json!({"model": "m", "prompt": tokens(0, 40), "stream": true, "max_tokens": 6});
+    let reply = http.post(&url, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.headers["content-type"], "text/event-stream");
+    let expected: String = (0..6).map(|i| sse_chunk(1, i)).collect::<String>() + "data: [DONE]\n\n";
+    assert_eq!(reply.text(), expected);
+    assert_eq!(workers[0].received(), 2);
+
+    assert_eq!(
+        http.get(&format!("{}/healthz", router.http)).await.status,
+        200
+    );
+    http.get(&url).await.assert_error(405, "invalid_request");
+}
+
+#[tokio::test]
 async fn dead_and_failing_workers_are_retried_around() {
     let router = RouterProcess::start("");
     let (workers, mut grpc) = fleet(&router, 2).await;

@@ -86,6 +86,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let replay = Replay {
         time_scale: SPEEDUP,
         max_output_tokens: Some(32),
+        api: kvroute_e2e::Api::Completions,
     };
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {

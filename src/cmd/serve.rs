@@ -105,8 +105,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// The runtime the router serves on. On one CPU (pinned, or a container's
 /// quota of one) the multi-threaded scheduler would run every task on its one
 /// worker thread anyway, paying for queues and wake-ups built for several; the
-/// single-threaded scheduler does the same work for less (`kvroute-lab bench proxy`:
-/// ~0.8k fewer instructions per proxied request, callgrind). Tokenization and
+/// single-threaded scheduler does the same work for less (see
+/// docs/measurements/proxy-vs-nginx.md, "Current numbers"). Tokenization and
 /// blocking work have threads of their own either way.
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     let one_cpu = std::thread::available_parallelism().is_ok_and(|cpus| cpus.get() == 1);

@@ -1,6 +1,7 @@
 //! `kvroute sim`: a fleet of simulated inference engines in one process (see
 //! `crates/kvroute-sim`), each with its own HTTP port and its own event stream
-//! to the router. Prints `worker ID http://ADDR` per engine once all listen,
+//! to the router. Prints `worker ID http://ADDR` per engine once all listen
+//! (followed by `role=ROLE bootstrap=PORT` for prefill and decode engines),
 //! then serves until SIGINT or SIGTERM.
 
 use std::net::IpAddr;
@@ -9,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute_sim::cli::EngineArgs;
-use kvroute_sim::{WorkerConfig, start_fleet};
+use kvroute_sim::cli::{EngineArgs, PdArgs};
+use kvroute_sim::{Role, Worker, WorkerConfig, start_fleet};
 use kvroute_tls::GrpcClientTls;
 use kvroute_tokenize::TokenizerSpec;
 
@@ -52,9 +53,16 @@ impl From<RouterTlsArgs> for GrpcClientTls {
 
 #[derive(Args)]
 pub struct SimArgs {
-    /// Number of engines.
+    /// Number of engines (of --role).
     #[arg(long, default_value_t = 1)]
     workers: usize,
+    /// Start a disaggregated fleet: this many prefill engines (ids and ports
+    /// first), beside --decode-workers decode engines; replaces --workers and --role.
+    #[arg(long, requires = "decode_workers", conflicts_with_all = ["workers", "role"])]
+    prefill_workers: Option<usize>,
+    /// Decode engines of a disaggregated fleet (with --prefill-workers).
+    #[arg(long, requires = "prefill_workers")]
+    decode_workers: Option<usize>,
     /// The router's gRPC URL, e.g. http://127.0.0.1:50051 (https:// for TLS),
     /// or several replicas' URLs separated by commas: a failed or refused stream
     /// moves on to the next, round and round. Without it no events are published.
@@ -94,14 +102,33 @@ pub struct SimArgs {
     /// Log one line per eviction (time, policy, blocks freed, why).
     #[arg(long)]
     log_evictions: bool,
+    /// How long each engine keeps a stored Responses API response, for
+    /// previous_response_id and GET /v1/responses/{id}, in seconds.
+    #[arg(long, default_value_t = kvroute_sim::worker::DEFAULT_RESPONSES_TTL.as_secs())]
+    responses_ttl_s: u64,
     #[command(flatten)]
     digest: DigestArgs,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    pd: PdArgs,
 }
 
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    // (role, engines) of each pool, in the order of their ids and ports.
+    let pools = match (args.prefill_workers, args.decode_workers) {
+        (Some(prefill), Some(decode)) => {
+            anyhow::ensure!(
+                prefill > 0 && decode > 0,
+                "--prefill-workers and --decode-workers must be at least 1"
+            );
+            vec![(Role::Prefill, prefill), (Role::Decode, decode)]
+        }
+        _ => {
+            anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+            vec![(args.pd.role, args.workers)]
+        }
+    };
     anyhow::ensure!(
         args.engine.eviction.len() == 1,
         "--eviction takes one policy here (bench e2e compares several)"
@@ -125,11 +152,33 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     template.tokenizer = args.tokenizer;
     template.load_report_interval = Duration::from_millis(args.load_report_ms.max(1));
     template.log_evictions = args.log_evictions;
+    template.persona = args.pd.persona;
+    template.responses_ttl = Duration::from_secs(args.responses_ttl_s);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     runtime.block_on(async {
-        let workers = start_fleet(&template, args.workers, args.base_port).await?;
+        let mut workers: Vec<Worker> = Vec::new();
+        for (role, count) in pools {
+            let mut pool = template.clone();
+            pool.pd = args.pd.pd_config(role)?;
+            pool.worker_id = template.worker_id + workers.len() as u64;
+            let base_port = match args.base_port {
+                0 => 0,
+                port => u16::try_from(port as usize + workers.len())
+                    .context("--base-port plus the engines passes port 65535")?,
+            };
+            workers.extend(start_fleet(&pool, count, base_port).await?);
+        }
         for worker in &workers {
-            println!("worker {} {}", worker.id(), worker.base_url());
+            match worker.role() {
+                Role::Aggregated => println!("worker {} {}", worker.id(), worker.base_url()),
+                role => println!(
+                    "worker {} {} role={} bootstrap={}",
+                    worker.id(),
+                    worker.base_url(),
+                    role.name(),
+                    worker.bootstrap_port()
+                ),
+            }
         }
         crate::cmd::serve::shutdown_signal().await;
         for worker in workers {

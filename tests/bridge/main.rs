@@ -21,6 +21,7 @@ use common::{
     https, kvroute, metric,
 };
 use kvroute_index::{BlockHasher, EventKind, KvEvent, KvIndex, StoredBlock, WorkerKey};
+use kvroute_proto::{PdConvention, WorkerRole};
 use publisher::{Encoding, EngineEvent, Hash, Publisher, encode};
 use recorder::{ROUTER_BLOCK_SIZE, Recorded};
 
@@ -1006,4 +1007,58 @@ async fn mirror_registers_and_resyncs(blocks: u64, deadline: Duration) {
     )
     .await;
     assert_eq!(reply.json()["overlap_blocks"], 8, "{}", reply.text());
+}
+
+/// `kvroute sim`'s pools declare their roles, convention and bootstrap port at
+/// registration, as a bridge in front of a real engine does.
+#[tokio::test]
+async fn the_sims_pools_register_their_roles() {
+    let recorded = Arc::new(Recorded::default());
+    let addr = recorder::start("127.0.0.1:0".parse().unwrap(), recorded.clone()).await;
+    let router = format!("http://{addr}");
+    let block_size = ROUTER_BLOCK_SIZE.to_string();
+    let sim = Process::spawn(
+        &[
+            "sim",
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
+            "--pd-convention",
+            "sglang",
+            "--block-size",
+            &block_size,
+            "--tokenizer",
+            "none",
+            "--router",
+            &router,
+        ],
+        |lines| lines.iter().filter(|l| l.starts_with("worker ")).count() == 2,
+    );
+    let bootstrap: u32 = sim.lines[0]
+        .rsplit_once("bootstrap=")
+        .and_then(|(_, port)| port.parse().ok())
+        .unwrap();
+    eventually("both pools to register", || async {
+        recorded.registrations.lock().unwrap().len() >= 2
+    })
+    .await;
+    let mut declared: Vec<(u64, i32, i32, u32)> = (recorded.registrations.lock().unwrap())
+        .iter()
+        .map(|r| (r.worker_id, r.role, r.pd_convention, r.bootstrap_port))
+        .collect();
+    declared.sort();
+    declared.dedup();
+    assert_eq!(
+        declared,
+        [
+            (
+                0,
+                WorkerRole::Prefill as i32,
+                PdConvention::Sglang as i32,
+                bootstrap
+            ),
+            (1, WorkerRole::Decode as i32, PdConvention::Sglang as i32, 0),
+        ]
+    );
 }

@@ -407,6 +407,15 @@ impl Default for Http {
 }
 
 impl Http {
+    /// A client that speaks HTTP/2 only, by prior knowledge (h2c).
+    pub fn http2() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build(HttpConnector::new()),
+        }
+    }
+
     pub async fn send(
         &self,
         method: &str,
@@ -1010,6 +1019,7 @@ pub fn register(id: u64, base_url: &str, models: &[&str], block_size: u32) -> Re
         lora_names: Vec::new(),
         tokenizer: None,
         instance_id: 1,
+        ..Default::default()
     }
 }
 

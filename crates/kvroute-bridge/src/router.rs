@@ -141,6 +141,7 @@ impl RouterLink {
             lora_names: served.lora_names.clone(),
             tokenizer: self.tokenizer.clone(),
             instance_id: *instance.borrow_and_update(),
+            ..Default::default()
         };
         // Queued before the call starts, so it is the stream's first message;
         // the dumps follow once the call is open, before any event.

@@ -129,6 +129,91 @@ pub struct Replay {
     pub time_scale: f64,
     /// Caps each request's output tokens (the trace's `output_length`).
     pub max_output_tokens: Option<u32>,
+    /// The API the requests use.
+    pub api: Api,
+}
+
+/// The API a replay's requests use: completions with the trace's token ids,
+/// or one of the chat-like APIs with a text of the same prefixes ([`trace_text`]),
+/// which router and engines tokenize (both need a tokenizer).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    #[default]
+    Completions,
+    Chat,
+    Responses,
+    Messages,
+}
+
+impl Api {
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        }
+    }
+
+    /// The streaming request body for a trace request: its token ids for
+    /// completions, else their [`trace_text`] as one user turn.
+    pub fn body(self, tokens: &[u32], max_tokens: u64, class: u8) -> String {
+        let text = || serde_json::Value::String(trace_text(tokens));
+        let turn = || serde_json::json!([{"role": "user", "content": text()}]);
+        let body = match self {
+            Api::Completions => return completion_body(tokens, max_tokens, class),
+            Api::Chat => serde_json::json!({
+                "model": MODEL, "max_tokens": max_tokens, "priority_class": class,
+                "stream": true, "stream_options": {"include_usage": true}, "messages": turn(),
+            }),
+            // Not stored: nothing continues these responses.
+            Api::Responses => serde_json::json!({
+                "model": MODEL, "max_output_tokens": max_tokens, "priority_class": class,
+                "stream": true, "store": false, "input": text(),
+            }),
+            Api::Messages => serde_json::json!({
+                "model": MODEL, "max_tokens": max_tokens, "priority_class": class,
+                "stream": true, "messages": turn(),
+            }),
+        };
+        body.to_string()
+    }
+}
+
+impl std::str::FromStr for Api {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name {
+            "completions" => Ok(Api::Completions),
+            "chat" => Ok(Api::Chat),
+            "responses" => Ok(Api::Responses),
+            "messages" => Ok(Api::Messages),
+            _ => Err(format!(
+                "unknown API {name:?}: completions, chat, responses or messages"
+            )),
+        }
+    }
+}
+
+/// Words that are one cl100k_base token each, with their leading space.
+const WORDS: [&str; 64] = [
+    " the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " was",
+    " on", " be", " at", " by", " this", " had", " not", " are", " but", " from", " or", " have",
+    " an", " they", " which", " one", " you", " were", " her", " all", " she", " there", " would",
+    " their", " we", " him", " been", " has", " when", " who", " will", " more", " no", " if",
+    " out", " so", " said", " what", " up", " its", " about", " into", " than", " them", " can",
+    " only", " other", " new", " some", " could", " time", " these",
+];
+
+/// A text of one word per trace token: prompts that share a prefix of
+/// token ids share the same prefix of text, so of tokens once tokenized.
+pub fn trace_text(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|&t| WORDS[t as usize % WORDS.len()])
+        .collect()
 }
 
 /// What the client saw of one request.
@@ -234,7 +319,7 @@ pub async fn run(
     trace: &[TraceRequest],
     replay: Replay,
 ) -> anyhow::Result<PolicyReport> {
-    let url: hyper::Uri = format!("{}/v1/completions", fleet.http_url()).parse()?;
+    let url: hyper::Uri = format!("{}{}", fleet.http_url(), replay.api.path()).parse()?;
     let before = fleet.router.state.render_metrics();
     let (outcomes, duration_s) = replay_through(&[url], trace, replay).await;
     let after = fleet.router.state.render_metrics();
@@ -283,7 +368,8 @@ pub async fn replay_through(
         let client = client.clone();
         let url = urls[index % urls.len()].clone();
         tasks.push(tokio::spawn(async move {
-            let body = completion_body(&trace_tokens(&hash_ids, input_length), max_tokens, class);
+            let tokens = trace_tokens(&hash_ids, input_length);
+            let body = replay.api.body(&tokens, max_tokens, class);
             let mut outcome = send(&client, url, body).await.unwrap_or_default();
             outcome.class = class;
             outcome
@@ -342,7 +428,9 @@ pub async fn send(
         buffer.push_str(std::str::from_utf8(data).ok()?);
         while let Some(end) = buffer.find("\n\n") {
             let event: String = buffer.drain(..end + 2).collect();
-            let Some(data) = event.trim().strip_prefix("data: ") else {
+            // Typed events (Responses, Messages) name their type on an
+            // `event:` line first.
+            let Some(data) = event.lines().find_map(|line| line.strip_prefix("data: ")) else {
                 continue;
             };
             if data == "[DONE]" {
@@ -351,13 +439,27 @@ pub async fn send(
                 return Some(outcome);
             }
             let chunk: Value = serde_json::from_str(data).ok()?;
-            if let Some(usage) = chunk.get("usage") {
-                outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-                outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
+            // Completions and chat: chunks with `choices`, the usage last.
+            // Responses and Messages: typed events.
+            let kind = chunk["type"].as_str().unwrap_or_default();
+            let usage = match kind {
+                "response.completed" => chunk["response"].get("usage"),
+                "message_start" => chunk["message"].get("usage"),
+                _ => chunk.get("usage").filter(|_| kind.is_empty()),
+            };
+            if let Some(usage) = usage {
+                (outcome.prompt_tokens, outcome.cached_tokens) = prompt_usage(usage);
             }
-            if chunk["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+            if matches!(kind, "response.completed" | "message_stop") {
+                outcome.ok = true;
+                outcome.e2e_s = sent.elapsed().as_secs_f64();
+                return Some(outcome);
+            }
+            let token = match kind {
+                "" => chunk["choices"].as_array().is_some_and(|c| !c.is_empty()),
+                kind => kind == "response.output_text.delta" || kind == "content_block_delta",
+            };
+            if token {
                 let now = Instant::now();
                 match last_token {
                     None => outcome.ttft_s = (now - sent).as_secs_f64(),
@@ -369,6 +471,21 @@ pub async fn send(
         }
     }
     None
+}
+
+/// (prompt tokens, cached prompt tokens) of a usage object in any API's
+/// shape. Anthropic's `input_tokens` leaves out the tokens read from cache.
+fn prompt_usage(usage: &Value) -> (u64, u64) {
+    let number = |pointer: &str| usage.pointer(pointer).and_then(Value::as_u64);
+    if let Some(cached) = number("/cache_read_input_tokens") {
+        let uncached = number("/input_tokens").unwrap_or(0)
+            + number("/cache_creation_input_tokens").unwrap_or(0);
+        return (uncached + cached, cached);
+    }
+    let prompt = number("/prompt_tokens").or_else(|| number("/input_tokens"));
+    let cached = number("/prompt_tokens_details/cached_tokens")
+        .or_else(|| number("/input_tokens_details/cached_tokens"));
+    (prompt.unwrap_or(0), cached.unwrap_or(0))
 }
 
 /// (predicted cached tokens, routed prompt tokens) so far, from a router's

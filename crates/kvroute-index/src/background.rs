@@ -5,9 +5,8 @@
 //! A lookup or a record wakes them from the routing decision's path. Woken as
 //! ordinary threads, the kernel often ran them at once on the waker's core, and
 //! on a busy machine the decision then waited a time slice (0.3–12 ms) for its
-//! core back: that was most of the 8k-token decision's p99 of 300 on the shared
-//! 2-core bench machine (docs/measurements/index-vs-dynamo.md, "Layout
-//! choices": "The decision's tail, third pass"). On Linux they run in
+//! core back: that was most of the 8k-token decision's p99 on the shared
+//! 2-core bench machine (docs/measurements/index-vs-dynamo.md, "Layout choices"). On Linux they run in
 //! `SCHED_BATCH`: the same share of the CPU as any thread of the process, but a
 //! wake-up never preempts a running thread; they start on an idle core at once,
 //! or at the running thread's next tick. (`SCHED_IDLE`, as the tokenizing

@@ -28,9 +28,9 @@ const MIN_SLOTS: usize = 4;
 /// Slots a table grows by at least.
 const MIN_GROWTH: usize = 8;
 /// Tables shorter than this double: a growing index resizes each worker's
-/// small engine map fewer times (at 1,024 workers, 2 % fewer instructions in
-/// the comparator's replay, 0.1 B more per membership; doubling below 256 slots
-/// saved 11 % but cost 4 B, over the 48 B goal).
+/// small engine map fewer times. The bound is low because doubling longer
+/// tables costs bytes per membership, which the memory goal counts
+/// (docs/measurements/index-vs-dynamo.md, "Layout choices").
 const DOUBLED_BELOW: usize = 64;
 /// A table with a floor (a block-table shard) shorter than this many floors
 /// grows at least twofold, to a length of the same chain of quarter growths (see
@@ -52,16 +52,11 @@ const MAX_EIGHTHS: usize = 7;
 /// shifts back the rest of one, about 17 slots at 7/8 full, 6 at 5/8 and 3 at
 /// 1/2. Tables that only grow (a fleet filling up) stay dense: their cost is
 /// growth, not probing, and their bytes are what the memory goals count.
-/// Indexed by whether the table has a floor: a block-table shard 3/4 → 5/8 (5/8
-/// → 1/2 for both kinds gave the 16-worker replay ~7 % more ops per CPU-second
-/// for ~11 % more heap per membership in its churned state), a worker's engine
-/// map 1/2 → 7/16 (its 512 blocks in 719 slots, 0.71 full, were not laid out
-/// again at 3/4; at 5/8 → 9/16 the replay gained ~8 % for ~6 % more heap in its
-/// churned state, docs/measurements/index-vs-dynamo.md, "Layout choices":
-/// "Fifth pass at 16 workers"; 1/2 → 7/16 took a further 4.7 % of a replay
-/// thread's instructions, the removals' shifts and the inserts' probes shorter,
-/// for ~9 % more heap at the end of the replay, "Ninth pass at 16 workers").
-/// Sparser still is not faster: a table laid out 3/8 or 5/16 full is near the
+/// Indexed by whether the table has a floor: a block-table shard 3/4 → 5/8, a
+/// worker's engine map 1/2 → 7/16 (a full pool's engine map sits near 0.71
+/// full, so a 3/4 trigger would never lay it out again). Each trades some heap
+/// per membership in the churned state for shorter shifts and probes
+/// (docs/measurements/index-vs-dynamo.md, "Layout choices"). Sparser still is not faster: a table laid out 3/8 or 5/16 full is near the
 /// shrink bound (a quarter of what it may hold), and a pool dipping below it
 /// shrank and regrew.
 const CHURN_MAX_SIXTEENTHS: [usize; 2] = [8, 12];
@@ -72,10 +67,9 @@ const CHURN_SIXTEENTHS: [usize; 2] = [7, 10];
 /// what it may hold, a table without one under a quarter. At 16 workers a shard's
 /// share of the blocks swings between ~70 and ~300 entries as conversations come
 /// and go, and under a quarter the shards went round 256 → 782 → 389 → 256 slots a
-/// few times a round (~750 resizes in a replay of 257k operations). Under a sixth:
-/// ~3 % more ops per CPU-second for ~6 % more heap in the churned state; under an
-/// eighth ~5 % for ~11 % (docs/measurements/index-vs-dynamo.md, "Layout choices":
-/// "Ingest under churn", fifth pass).
+/// few times a round. A sixth trades a little heap in the churned state for
+/// fewer resizes; an eighth cost twice the heap for little more
+/// (docs/measurements/index-vs-dynamo.md, "Layout choices").
 const FLOORED_SHRINK_UNDER: usize = 6;
 /// Old slots a resize gathers the entries of before placing them.
 const RESIZE_CHUNK: usize = 32;
@@ -167,16 +161,11 @@ fn gather<V: Copy>(slots: &[Slot<V>], into: &mut [Slot<V>; RESIZE_CHUNK]) -> usi
 /// (moving it would put it before its home): one unsigned range test modulo
 /// 2^64, `home − (hole + 1) ≥ next − hole`, which is the cyclic one because
 /// homes are below the length (the part of the interval through 2^64 holds no
-/// home), whether or not the shift has wrapped. The entry's cyclic distance
-/// from its home against the hole's, counted along, took ~1.3 instructions a
-/// shifted slot more (docs/measurements/index-vs-dynamo.md, "Layout choices":
-/// "Tenth pass at 16 workers"). Chosen and copied without a branch (a slot
-/// moved onto itself when it may not; a plain `if` compiled to a branch):
-/// whether a slot of a churned table may move is a coin the predictor loses
-/// often, 3.2 mispredicts an engine-map removal with the branch, 1.3 without
-/// (its exits'), and ops per CPU-second at 16 workers +10–14 %
-/// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ingest under
-/// churn").
+/// home), whether or not the shift has wrapped. Chosen and copied without a
+/// branch (a slot moved onto itself when it may not): whether a slot of a
+/// churned table may move is a coin the branch predictor loses often, and
+/// removals from churned tables are the 16-worker replay's main cost
+/// (docs/measurements/index-vs-dynamo.md, "Layout choices").
 #[inline(always)]
 fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize) -> bool {
     let len = slots.len();
@@ -187,9 +176,8 @@ fn shift_back<V: Copy>(slots: &mut [Slot<V>], hole: &mut usize, mut next: usize)
         }
         let movable = home_in(key, len).wrapping_sub(*hole + 1) >= next.wrapping_sub(*hole);
         let from = std::hint::select_unpredictable(movable, next, *hole);
-        // Indexed unchecked: the bounds checks were ~20 instructions a removal
-        // at 16 workers (docs/measurements/index-vs-dynamo.md, "Layout
-        // choices": "Sixth pass at 16 and 1,024 workers").
+        // Indexed unchecked: this loop is the removal's hot path
+        // (docs/measurements/index-vs-dynamo.md, "Layout choices").
         // SAFETY: `hole` is a slot of the table (the caller's, or an earlier
         // `next`), and `from` is `next` or `hole`.
         unsafe { *slots.get_unchecked_mut(*hole) = *slots.get_unchecked(from) };
@@ -219,19 +207,14 @@ pub(crate) struct FlatMap<V, const FLOOR: usize = 0> {
     /// it was last laid out, or since it was last found not dense enough to be
     /// laid out again (see [`CHURN_MAX_SIXTEENTHS`]): its length less those
     /// removals. Counted down, so that a removal decrements and tests it in
-    /// place, where a count up was loaded, stored and compared with the length
-    /// (~5 instructions of each table's removal at 16 workers;
-    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Tenth pass at
-    /// 16 workers").
+    /// place instead of comparing a count with the length.
     removals_left: u32,
     /// The table shrinks once it holds fewer entries than this (see
     /// [`Self::shrink_below`]).
     shrink_below: u32,
     /// The most entries the table holds before it grows ([`MAX_EIGHTHS`] of its
-    /// slots), kept from its last layout: an insert compares, where it computed
-    /// the bound (~3 instructions of each of a stored block's two inserts;
-    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Ninth pass at
-    /// 16 workers").
+    /// slots), kept from its last layout, so that an insert only compares. It
+    /// must be set again wherever the slots are laid out.
     most: u32,
     zero: Option<V>,
 }
@@ -366,16 +349,12 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
     }
 
     /// The value of `key`, made by `make` if absent; and whether it was made.
-    /// Inlined, as [`Self::insert`]: a stored chain inserts each block into
-    /// both tables, and the two calls were ~25 of its ~400 instructions a block
-    /// at 16 workers (docs/measurements/index-vs-dynamo.md, "Layout choices":
-    /// "Seventh pass at 16 workers"). Always inlined, as the other map
-    /// operations the event path calls (`remove`, `change_or_remove`,
-    /// `remove_at`, the shard's `insert` and `remove`): that path is compiled
-    /// once for each kind of index (`index::Limit`), and with the callers that
-    /// added LLVM left them out of line (+11 % instructions at 16 workers;
-    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Eleventh pass
-    /// at 16 workers").
+    /// Always inlined, as the other map operations the event path calls
+    /// (`insert`, `remove`, `change_or_remove`, `remove_at`, the shard's
+    /// `insert` and `remove`): a stored chain inserts each block into both
+    /// tables, and that path is compiled once for each kind of index
+    /// (`index::Limit`), where LLVM would otherwise leave them out of line
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(always)]
     pub fn get_or_insert(&mut self, key: u64, make: impl FnOnce() -> V) -> (&mut V, bool) {
         if key == EMPTY {
@@ -387,8 +366,7 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         }
         let at = self.key_or_empty(key);
         // SAFETY: `key_or_empty` returns a slot of the table (indexed
-        // unchecked: its three bounds checks were ~4 % of a stored chain's
-        // instructions at 16 workers).
+        // unchecked: the insert is on the event path's hot loop).
         let slot = unsafe { self.slots.get_unchecked_mut(at) };
         if slot.key() == key {
             return (&mut slot.value, false);
@@ -443,11 +421,8 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         (!made).then(|| std::mem::replace(slot, value))
     }
 
-    /// Inlined: a worker's removal event called it for its engine map, and
-    /// since the removal's bounds are tested without computing them the call
-    /// was ~1 % of a 16-worker replay's instructions
-    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Ninth pass at
-    /// 16 workers"). Always inlined: see [`Self::get_or_insert`].
+    /// Always inlined: a worker's removal event calls it for its engine map
+    /// (see [`Self::get_or_insert`]).
     #[inline(always)]
     pub fn remove(&mut self, key: u64) -> Option<V> {
         if key == EMPTY {
@@ -481,20 +456,15 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         true
     }
 
-    /// Removes the entry in slot `at`; returns its value. Inlined: a
-    /// block-table shard's removal (`change_or_remove`) called it, ~2.7 % of a
-    /// 16-worker replay's instructions in the call and the code around it
-    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "Eighth pass at
-    /// 16 workers"). Always inlined: see [`Self::get_or_insert`].
+    /// Removes the entry in slot `at`; returns its value. Always inlined: a
+    /// block-table shard's removal calls it (see [`Self::get_or_insert`]).
     #[inline(always)]
     fn remove_at(&mut self, at: usize) -> V {
         let removed = self.slots[at].value;
         // Moves back the slots after the hole that probed past it, to the end
         // of the cluster: up to the table's end, then from its start if the
         // cluster goes on. Two loops, where one wrapped `next` at each slot:
-        // the loop's bound is the wrap's test (~2.5 instructions a shifted slot
-        // fewer; docs/measurements/index-vs-dynamo.md, "Layout choices": "Tenth
-        // pass at 16 workers").
+        // the loop's bound is the wrap's test.
         let mut hole = at;
         if !shift_back(self.slots.as_mut_slice(), &mut hole, at + 1) {
             shift_back(self.slots.as_mut_slice(), &mut hole, 0);
@@ -502,10 +472,9 @@ impl<V: Zeroable, const FLOOR: usize> FlatMap<V, FLOOR> {
         self.slots[hole].set_key(EMPTY);
         self.in_slots -= 1;
         self.removals_left -= 1;
-        // Two compares a removal; what they call for is worked out only then
-        // (computed at every removal, the bounds were ~25 instructions of each
-        // table's removal: docs/measurements/index-vs-dynamo.md, "Layout
-        // choices": "Ninth pass at 16 workers").
+        // Two compares a removal; what they call for is worked out only then:
+        // removals from full tables are the 16-worker replay's main cost
+        // (docs/measurements/index-vs-dynamo.md, "Layout choices").
         if self.in_slots < self.shrink_below || self.removals_left == 0 {
             self.relayout_after_removals();
         }

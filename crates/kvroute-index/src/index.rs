@@ -213,9 +213,8 @@ impl WorkerSlot {
     /// and one an event in a bounded index): writers of `held` are serialised,
     /// the worker's own event writer (holding its mutex) or the dump building
     /// or releasing a slot no event reaches. The evictor counts apart
-    /// ([`Self::count_evicted`]). Inlined: left to itself, LLVM made it a call
-    /// in both kinds' event paths (docs/measurements/index-vs-dynamo.md,
-    /// "Layout choices": "The bounded index, eleventh pass").
+    /// ([`Self::count_evicted`]). Always inlined: left to itself, LLVM made it
+    /// a call in both kinds' event paths (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(always)]
     fn add_held(&self, delta: i64) {
         if delta != 0 {
@@ -316,7 +315,8 @@ const REGISTRY_SHARDS: usize = 16;
 type WorkerMap = WorkerHashMap<WorkerKey, Arc<WorkerSlot>>;
 
 /// A map keyed by workers' keys or serials: hashed by [`EngineHasher`], not
-/// SipHash (~100 instructions a lookup; the keys come from the fleet, not clients).
+/// SipHash: the keys come from the fleet, not clients, so flooding is not a
+/// concern, and these maps are on every event's path.
 pub(crate) type WorkerHashMap<K, V> = HashMap<K, V, BuildHasherDefault<EngineHasher>>;
 
 /// Interned worker indices. Indices are reused smallest first, so a fleet of up
@@ -397,8 +397,8 @@ const READY_IDS: usize = 1024;
 
 thread_local! {
     /// The lists of this thread's last run (empty, their room kept): fresh
-    /// ones were two to five allocations a run, ~6 % of a bounded replay's
-    /// instructions at 16 workers.
+    /// ones were two to five allocations a run, a visible share of a bounded
+    /// index's ingest (docs/measurements/index-vs-dynamo.md, "Layout choices").
     static SPARE_DEFERRED: std::cell::Cell<Deferred> = std::cell::Cell::default();
 }
 
@@ -700,13 +700,12 @@ pub struct WorkerEvents<'a> {
 const RUN_SHARD_BLOCKS: usize = 32;
 
 impl WorkerEvents<'_> {
-    /// [`KvIndex::apply`] of one event. Inlined, with [`KvIndex::apply_locked`],
-    /// into the caller: the 24-byte outcome returned through memory was stored
-    /// in parts and read back whole by the caller's copy of it (a failed store
-    /// forwarding, three quarters of the comparator's run loop at 16 workers;
-    /// docs/measurements/index-vs-dynamo.md, "Layout choices": "Fifth pass at 16
-    /// workers"). Always: with a copy of the event path for each kind of index
-    /// in it, LLVM no longer did.
+    /// [`KvIndex::apply`] of one event. Always inlined, with
+    /// [`KvIndex::apply_locked`], into the caller: the 24-byte outcome
+    /// returned through memory was stored in parts and read back whole by the
+    /// caller's copy of it, a failed store forwarding on every event
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices"). With a copy of the event path for each kind of index in it,
+    /// LLVM no longer inlines it by itself.
     #[inline(always)]
     pub fn apply(&mut self, event: &KvEvent) -> ApplyOutcome {
         match self.index.eviction.as_deref() {
@@ -888,7 +887,7 @@ impl KvIndex {
 
     /// [`Self::apply`] under the worker's lock; with the outcome, the
     /// blocks the event changed ([`blocks_changed`]), taken where its kind
-    /// is matched: matched again after the event, it was ~10 instructions.
+    /// is matched, not matched again after the event.
     #[inline]
     fn apply_locked<'a, 'l>(
         &'a self,
@@ -910,7 +909,7 @@ impl KvIndex {
                 self.sweep_dangling(slot, state, writer, limit.limited().is_some());
                 // An upkeep for each arm: one made before the match lived in
                 // memory for `apply_kind`'s call, and the inlined removal
-                // read it there (14–20 instructions an event).
+                // read it there.
                 let (applied, changed) = match &event.kind {
                     EventKind::Removed { block_hashes } => {
                         let upkeep = &mut Upkeep {
@@ -2010,11 +2009,10 @@ impl KvIndex {
         }
     }
 
-    /// A `Removed` event's blocks taken from the worker. Inlined into the
-    /// event's apply, apart from the rest of [`Self::apply_kind`]: at 16
-    /// workers nearly every event is a one-block removal, and the calls were
-    /// ~18 of its instructions (docs/measurements/index-vs-dynamo.md, "Layout
-    /// choices": "Sixth pass at 16 and 1,024 workers").
+    /// A `Removed` event's blocks taken from the worker. Always inlined into
+    /// the event's apply, apart from the rest of [`Self::apply_kind`]: at 16
+    /// workers nearly every event is a one-block removal, whose cost is
+    /// mostly the calls around it (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(always)]
     fn remove_blocks<'l>(
         &self,
@@ -2396,8 +2394,7 @@ mod tests {
     }
 
     /// A removal lowers the run's count, so it takes no run over the limit
-    /// and hands nothing over (the test was ~5 instructions of a one-block
-    /// removal event): a run whose count other runs' hand-overs took over the
+    /// and hands nothing over (no test on a one-block removal event): a run whose count other runs' hand-overs took over the
     /// limit hands over at its next store or its end, and evicts then.
     #[test]
     fn a_removal_hands_nothing_over_and_the_run_evicts_at_its_end() {

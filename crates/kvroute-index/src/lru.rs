@@ -168,8 +168,7 @@ impl Slab {
 
     /// Adds `n` free nodes (see [`FREE`]); returns their ids. In bulk: one
     /// node at a time, each call reserved and probed the 28 KiB stack frame
-    /// a chunk was built in (then copied), ~85 instructions a node, 5 % of a
-    /// replay thread's at 1,024 workers.
+    /// a chunk was built in (then copied).
     fn add_free(&mut self, n: usize) -> std::ops::Range<u32> {
         let start = self.len;
         let end = start + u32::try_from(n).expect("fewer than 2^32 nodes");
@@ -208,10 +207,9 @@ fn free_chunk() -> Box<[Node; CHUNK]> {
 impl std::ops::Index<u32> for Slab {
     type Output = Node;
 
-    /// Checked against `len`, not against the chunks' vector's length as
-    /// indexing it would: 1.8M fewer of a bounded replay's 276M instructions at
-    /// 16 workers (docs/measurements/index-vs-dynamo.md, "Layout choices": "The
-    /// bounded index, fifth pass"). A plain assert: with a message, 8.5M more.
+    /// Checked against `len` (one test that also covers the chunk), not
+    /// against the chunks' vector's length as indexing it would. A plain
+    /// assert: a message's formatting would be inlined at every index.
     #[inline]
     fn index(&self, id: u32) -> &Node {
         assert!(id < self.len);
@@ -249,8 +247,7 @@ pub(crate) struct Lru {
     /// Nodes given out ([`Self::give_ids`]) whose insertion is still to be
     /// applied and that carry a mark for it: doomed (their block's removal came
     /// first) or pinned. While there are none, a run of inserts need not read
-    /// its nodes before writing them (docs/measurements/index-vs-dynamo.md,
-    /// "Layout choices": "The bounded index, seventh pass").
+    /// its nodes before writing them (docs/measurements/index-vs-dynamo.md, "Layout choices").
     marked_pending: u32,
     /// Nodes the eviction scan has visited, for the cost-bound test.
     pub visited: u64,
@@ -434,8 +431,8 @@ impl Lru {
                 }
                 Change::Touches(upto) => {
                     // Done here, not deferred: the next change would do
-                    // them first anyway, and a move from the deferred
-                    // list was ~30 instructions more a touch.
+                    // them first anyway, after a move through the deferred
+                    // list.
                     let upto = (upto as usize).max(touched);
                     self.apply_pending();
                     self.touch_in_order(&touches[touched..upto]);
@@ -454,9 +451,7 @@ impl Lru {
     /// node), moved to the head if still in the order. Out of line, as the
     /// compiler left it before it called [`Self::move_to_head`]: inlined, it
     /// changed the code of [`crate::index::KvIndex::apply_kind`] around it (a
-    /// dump's store calls it there), which both indexes run
-    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "The bounded
-    /// index, ninth pass").
+    /// dump's store calls it there), which both indexes run (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(never)]
     pub fn start_chain(&mut self, parent: Option<Touch>) -> ChainPlace {
         self.apply_pending();
@@ -482,10 +477,9 @@ impl Lru {
     /// Adds a new block, a chain's next at `place` (a fresh place: the newest),
     /// under `parent` (its key and node) if that is still in the order; returns
     /// its node, for the block's entry. Out of line: only a caller holding the
-    /// order's lock (a dump's build) inserts at once, and inlined into the
-    /// event path's code it cost the unbounded index's replay ~1M instructions
-    /// (docs/measurements/index-vs-dynamo.md, "Layout choices": "The bounded
-    /// index, fifth pass").
+    /// order's lock (a dump's build) inserts at once, and inlined it would
+    /// weigh on the event path's code, which the unbounded index runs too
+    /// (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(never)]
     pub fn insert(
         &mut self,
@@ -554,8 +548,7 @@ impl Lru {
     /// read once and written once, whole (its neighbours are the blocks before
     /// and after it in the run), and `prev`'s older neighbour is given the last
     /// as its newer once: one block at a time read and wrote the block before
-    /// and that neighbour for each (docs/measurements/index-vs-dynamo.md,
-    /// "Layout choices": "The bounded index, sixth pass").
+    /// and that neighbour for each (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(always)]
     fn insert_run_below(&mut self, prev: u32, changes: &[Change]) -> Option<(usize, Touch)> {
         debug_assert!(self.pending.is_empty());
@@ -666,8 +659,7 @@ impl Lru {
     /// order (a chain's blocks going leaf first, as an engine evicts them) is
     /// taken out with it as one piece: the child's release is counted as its
     /// node is read, and the piece's neighbours are joined once, which leaves
-    /// what removing each in turn leaves (docs/measurements/index-vs-dynamo.md,
-    /// "Layout choices": "The bounded index, seventh pass").
+    /// what removing each in turn leaves (docs/measurements/index-vs-dynamo.md, "Layout choices").
     #[inline(never)]
     fn remove_run(&mut self, changes: &[Change]) -> usize {
         debug_assert!(self.pending.is_empty());
@@ -849,8 +841,7 @@ impl Lru {
     /// [`Self::move_to_head`] of each in turn would, and a run of them whose
     /// blocks lie in the order already as that leaves them (each right newer
     /// than the one before: a path touched or stored before) as one piece,
-    /// reading each of its nodes once (docs/measurements/index-vs-dynamo.md,
-    /// "Layout choices": "The bounded index, sixth pass").
+    /// reading each of its nodes once (docs/measurements/index-vs-dynamo.md, "Layout choices").
     fn touch_in_order(&mut self, touches: &[Touch]) {
         let mut at = 0;
         while let Some(&oldest) = touches.get(at) {

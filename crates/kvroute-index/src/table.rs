@@ -25,12 +25,10 @@ pub(crate) const SHARDS: usize = 64;
 
 /// Slots a shard's table keeps once it grew past them (8 KB): see [`FlatMap`].
 /// At 16 workers a shard's share of the blocks swings between ~70 and ~300
-/// entries, and with 256 slots the shards went round 256 → 320 → 400 → 256
-/// several times a replay, their resizes ~6 % of its instructions; 400 keeps
-/// them at 400: ~6 % more ops per CPU-second for 9 B more heap a membership in
-/// the churned state (89 → 98 B; 512 slots: as fast, 111 B), and nothing in a
-/// memory pass (docs/measurements/index-vs-dynamo.md, "Layout choices": "Sixth
-/// pass at 16 and 1,024 workers").
+/// entries: with a lower floor the shards grew and shrank round the same
+/// lengths several times a replay. 400 keeps them at 400 for a few bytes more
+/// heap a membership in the churned state, and nothing once a fleet fills the
+/// shards past it (docs/measurements/index-vs-dynamo.md, "Layout choices").
 const SHARD_FLOOR: usize = 400;
 
 /// Marks "no parent" (a depth-0 block) in [`Entry::parent`].

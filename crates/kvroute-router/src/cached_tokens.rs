@@ -108,9 +108,8 @@ fn cached_tokens_in(text: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"cached_tokens\"";
     // Made once: making a finder per search was most of a small response's check.
     static FINDER: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(KEY));
-    // The last one, found forwards from just after each (memchr's forward
-    // search is vectorized, its reverse one is not: about 350 instructions
-    // for a small response).
+    // The last one, found forwards from just after each: memchr's forward
+    // search is vectorized, its reverse one is not.
     let mut at = FINDER.find(text)?;
     while let Some(next) = FINDER.find(&text[at + 1..]) {
         at += 1 + next;

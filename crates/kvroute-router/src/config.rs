@@ -65,6 +65,7 @@ pub struct Config {
     pub tls: TlsConfig,
     pub cluster: ClusterConfig,
     pub epp: EppConfig,
+    pub responses: ResponsesConfig,
     /// Workers without an event stream, routed on predicted entries alone.
     pub workers: Vec<StaticWorker>,
     /// `KVROUTE_...` variables that named no key and were skipped, for the log.
@@ -341,6 +342,9 @@ pub struct LimitsConfig {
     pub max_chat_parts: usize,
     /// Image parts of a chat request.
     pub max_chat_images: usize,
+    /// Response ids whose worker the router remembers; past it the least
+    /// used are forgotten (their follow-ups are routed by their prefix).
+    pub max_response_owners: usize,
     /// Connections open at once on the HTTP port; more are refused at accept.
     pub max_http_connections: usize,
     /// The same from one peer IP address.
@@ -570,6 +574,21 @@ impl EppConfig {
     }
 }
 
+/// OpenAI Responses conversations: which worker stores each response.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ResponsesConfig {
+    /// How long the router remembers which worker created a response id:
+    /// as long as the engines keep stored responses.
+    pub owner_ttl_s: u64,
+}
+
+impl Default for ResponsesConfig {
+    fn default() -> Self {
+        Self { owner_ttl_s: 3600 }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticWorker {
@@ -609,6 +628,7 @@ impl Default for Config {
             tls: TlsConfig::default(),
             cluster: ClusterConfig::default(),
             epp: EppConfig::default(),
+            responses: ResponsesConfig::default(),
             workers: Vec::new(),
             skipped_env: Vec::new(),
         }
@@ -703,6 +723,8 @@ impl Default for LimitsConfig {
             max_inflight_requests: 8192,
             max_chat_parts: 4096,
             max_chat_images: 256,
+            // About 100 bytes each: 50 MB.
+            max_response_owners: 500_000,
             // Behind a load balancer every client shares its few addresses:
             // a peer may hold a quarter of the port.
             max_http_connections: 16_384,
@@ -877,6 +899,7 @@ impl Config {
             ("max_inflight_requests", l.max_inflight_requests),
             ("max_chat_parts", l.max_chat_parts),
             ("max_chat_images", l.max_chat_images),
+            ("max_response_owners", l.max_response_owners),
             ("max_http_connections", l.max_http_connections),
             (
                 "max_http_connections_per_peer",
@@ -1080,6 +1103,10 @@ impl Config {
                 self.cluster.load_full_state_ms,
             ),
             ("cluster.load_expiry_ms", self.cluster.load_expiry_ms),
+            (
+                "responses.owner_ttl_s (in ms)",
+                self.responses.owner_ttl_s.saturating_mul(1000),
+            ),
         ] {
             if ms > MAX_DURATION_MS {
                 return Err(RouterError::Config(format!(

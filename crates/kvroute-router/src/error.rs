@@ -1,7 +1,8 @@
 //! The crate's one error type, and how each error looks to an HTTP client.
 //!
 //! HTTP errors follow OpenAI's shape, `{"error": {"message", "type", "code"}}`,
-//! so clients written against OpenAI's API report them sensibly.
+//! so clients written against OpenAI's API report them sensibly; on Anthropic's
+//! Messages endpoints they follow Anthropic's (see [`RouterError::into_anthropic`]).
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -90,6 +91,49 @@ impl RouterError {
     }
 }
 
+impl RouterError {
+    /// Anthropic's status and `error.type` for this error: Anthropic's API
+    /// answers 400, 401, 403, 404, 413, 429, 500 and 529 (overloaded), and
+    /// its clients retry on 408, 429 and 5xx.
+    fn anthropic_kind(&self) -> (StatusCode, &'static str) {
+        let overloaded = StatusCode::from_u16(529).expect("529 is a status code");
+        match self {
+            RouterError::BadRequest(_)
+            | RouterError::Tokenize(_)
+            | RouterError::RequestTimeout(_) => (self.status(), "invalid_request_error"),
+            RouterError::PayloadTooLarge(_) => (self.status(), "request_too_large"),
+            RouterError::Unauthorized => (self.status(), "authentication_error"),
+            RouterError::Forbidden(_) => (self.status(), "permission_error"),
+            RouterError::UnknownModel(_) | RouterError::UnknownWorker(_) => {
+                (self.status(), "not_found_error")
+            }
+            RouterError::Unavailable { .. }
+            | RouterError::QueueFull
+            | RouterError::Overloaded(_) => (overloaded, "overloaded_error"),
+            RouterError::Config(_)
+            | RouterError::Io(_)
+            | RouterError::Upstream(_)
+            | RouterError::UpstreamTimeout(_) => (StatusCode::INTERNAL_SERVER_ERROR, "api_error"),
+        }
+    }
+
+    /// The error as Anthropic's API answers one:
+    /// `{"type": "error", "error": {"type", "message"}}` with Anthropic's
+    /// status, and the same headers as [`IntoResponse`] gives.
+    pub fn into_anthropic(self) -> Response {
+        let (status, kind) = self.anthropic_kind();
+        let body = serde_json::json!({
+            "type": "error",
+            "error": { "type": kind, "message": self.to_string() }
+        });
+        let mut response = self.into_response();
+        *response.status_mut() = status;
+        *response.body_mut() = axum::body::Body::from(body.to_string());
+        response.headers_mut().remove(header::CONTENT_LENGTH);
+        response
+    }
+}
+
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), axum::Json(self.body())).into_response();
@@ -120,5 +164,55 @@ impl IntoResponse for RouterError {
             _ => {}
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    async fn anthropic(error: RouterError) -> (u16, serde_json::Value, Response) {
+        let response = error.into_anthropic();
+        let status = response.status().as_u16();
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&body).unwrap();
+        (
+            status,
+            json,
+            Response::from_parts(parts, axum::body::Body::empty()),
+        )
+    }
+
+    #[tokio::test]
+    async fn anthropic_errors_have_anthropics_shape_and_status() {
+        let (status, body, _) = anthropic(RouterError::BadRequest("no".into())).await;
+        assert_eq!(status, 400);
+        assert_eq!(
+            body,
+            serde_json::json!({"type": "error", "error": {"type": "invalid_request_error", "message": "no"}})
+        );
+        let (status, body, response) = anthropic(RouterError::QueueFull).await;
+        assert_eq!(
+            (status, &body["error"]["type"]),
+            (529, &serde_json::json!("overloaded_error"))
+        );
+        assert!(response.headers().contains_key(header::RETRY_AFTER));
+        let (status, body, response) = anthropic(RouterError::Unauthorized).await;
+        assert_eq!(body["error"]["type"], "authentication_error");
+        assert_eq!(status, 401);
+        assert!(response.headers().contains_key(header::WWW_AUTHENTICATE));
+        let (status, body, _) = anthropic(RouterError::Upstream("x".into())).await;
+        assert_eq!(
+            (status, body["error"]["type"].as_str()),
+            (500, Some("api_error"))
+        );
+        let (status, body, _) = anthropic(RouterError::PayloadTooLarge(8)).await;
+        assert_eq!(
+            (status, body["error"]["type"].as_str()),
+            (413, Some("request_too_large"))
+        );
     }
 }

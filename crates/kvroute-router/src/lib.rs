@@ -18,7 +18,9 @@
 //! listeners'). With `[cluster]`, [`replica`] is the seam through which
 //! replicas share their workers' events (the NATS side lives in
 //! `kvroute-cluster`). With `[epp]`, [`epp`] answers a gateway's ext_proc
-//! stream with the same routing instead of proxying. [`config`], [`error`],
+//! stream with the same routing instead of proxying. [`http::responses`]
+//! keeps an OpenAI Responses conversation on the worker that stores it.
+//! [`config`], [`error`],
 //! [`metrics`] (with [`series`]), [`limits`] and [`auth`] are shared.
 //!
 //! No module imports one that imports it back (`tests/layout.rs` checks): a
@@ -26,7 +28,6 @@
 //! circle.
 
 pub mod auth;
-mod bucketed;
 pub mod cached_tokens;
 pub mod config;
 pub mod connections;
@@ -38,7 +39,6 @@ pub mod fleet;
 pub mod grpc;
 pub mod http;
 pub mod ingest;
-mod kept;
 pub mod limits;
 pub mod low_priority;
 pub mod metrics;

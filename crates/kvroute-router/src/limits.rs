@@ -38,6 +38,8 @@ pub const PREDICTED_BLOCKS: &str = "predicted_blocks";
 pub const INFLIGHT_REQUESTS: &str = "inflight_requests";
 pub const CHAT_PARTS: &str = "chat_parts";
 pub const CHAT_IMAGES: &str = "chat_images";
+/// A response id forgotten before its TTL to make room (`max_response_owners`).
+pub const RESPONSE_OWNERS: &str = "response_owners";
 pub const HTTP_CONNECTIONS: &str = "http_connections";
 pub const HTTP_CONNECTIONS_PER_PEER: &str = "http_connections_per_peer";
 pub const GRPC_CONNECTIONS: &str = "grpc_connections";
@@ -69,6 +71,7 @@ pub const ALL: &[&str] = &[
     INFLIGHT_REQUESTS,
     CHAT_PARTS,
     CHAT_IMAGES,
+    RESPONSE_OWNERS,
     HTTP_CONNECTIONS,
     HTTP_CONNECTIONS_PER_PEER,
     GRPC_CONNECTIONS,

@@ -4,7 +4,7 @@
 //! for counters. The Grafana dashboard in `deploy/` is checked against [`FAMILIES`].
 //! Histograms carry no worker label, to keep the series count flat in the fleet size.
 
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use metrics_util::MetricKindMask;
 
 use crate::series::{Expiring, Renderer};
@@ -69,6 +69,10 @@ pub const TOKENIZER_CACHE_TOKENS: &str = "kvroute_tokenizer_cache_tokens";
 pub const TOKENIZER_CACHE_HITS: &str = "kvroute_tokenizer_cache_hit_tokens_total";
 pub const TOKENIZED_TOKENS: &str = "kvroute_tokenized_tokens_total";
 pub const TOKENIZE_ABANDONED: &str = "kvroute_tokenize_abandoned_total";
+pub const RESPONSE_OWNERS: &str = "kvroute_response_owners";
+pub const RESPONSE_OWNER_LOOKUPS: &str = "kvroute_response_owner_lookups_total";
+/// The `outcome`s of [`RESPONSE_OWNER_LOOKUPS`] (see `http::responses`).
+pub const RESPONSE_OWNER_OUTCOMES: [&str; 3] = ["owner", "owner_gone", "unknown"];
 
 /// (name, help) of every family.
 pub const FAMILIES: &[(&str, &str)] = &[
@@ -264,6 +268,14 @@ pub const FAMILIES: &[(&str, &str)] = &[
         TOKENIZE_ABANDONED,
         "Requests not tokenized because their client went away while they waited for a tokenizing thread",
     ),
+    (
+        RESPONSE_OWNERS,
+        "Response ids whose creating worker the router remembers",
+    ),
+    (
+        RESPONSE_OWNER_LOOKUPS,
+        "Requests naming a response id (previous_response_id, or the id in the path), by outcome: owner, owner_gone, unknown",
+    ),
 ];
 
 const SECONDS_BUCKETS: &[f64] = &[
@@ -282,25 +294,35 @@ const TOKEN_ERROR_BUCKETS: &[f64] = &[
     16384.0,
 ];
 
-/// The bucket bounds of the histogram family `name` (a full name's before a
-/// suffix's); `None` for a family that is not a bucketed histogram.
-fn buckets(name: &str) -> Option<&'static [f64]> {
-    if name == CLUSTER_APPLY_LAG {
-        Some(APPLY_LAG_BUCKETS)
-    } else if name == CACHED_TOKENS_ERROR {
-        Some(TOKEN_ERROR_BUCKETS)
-    } else if name.ends_with("_seconds") {
-        Some(SECONDS_BUCKETS)
-    } else if name.ends_with("_ratio") {
-        Some(RATIO_BUCKETS)
-    } else {
-        None
+/// Which histogram families have which bucket bounds. A full name wins over
+/// a suffix, as it does in the exporter, which is given this table.
+enum Families {
+    Named(&'static str),
+    EndingIn(&'static str),
+}
+
+const BUCKETS: [(Families, &[f64]); 4] = [
+    (Families::Named(CLUSTER_APPLY_LAG), APPLY_LAG_BUCKETS),
+    (Families::Named(CACHED_TOKENS_ERROR), TOKEN_ERROR_BUCKETS),
+    (Families::EndingIn("_seconds"), SECONDS_BUCKETS),
+    (Families::EndingIn("_ratio"), RATIO_BUCKETS),
+];
+
+impl Families {
+    fn matcher(&self) -> Matcher {
+        match *self {
+            Families::Named(name) => Matcher::Full(name.into()),
+            Families::EndingIn(suffix) => Matcher::Suffix(suffix.into()),
+        }
     }
 }
 
 /// Whether the family `name` is a histogram (exported as `_bucket`, `_sum` and `_count`).
 pub fn is_histogram(name: &str) -> bool {
-    buckets(name).is_some()
+    BUCKETS.iter().any(|(families, _)| match *families {
+        Families::Named(full) => name == full,
+        Families::EndingIn(suffix) => name.ends_with(suffix),
+    })
 }
 
 static HANDLE: std::sync::OnceLock<Renderer> = std::sync::OnceLock::new();
@@ -320,11 +342,11 @@ pub fn forget_worker(worker_id: u64) {
 /// How often histogram samples are folded into their buckets.
 const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The exporter keeps every sample of its own histograms (those without
-/// buckets, see [`crate::series`]) until something drains it; a render does,
-/// but a router nobody scrapes would hold every sample it ever recorded. A
-/// thread of its own drains them, as the exporter's own `install` would (that
-/// one also opens a listener, which `/metrics` already is).
+/// The exporter queues every histogram sample until something drains the
+/// queue into the buckets; a render does, but a router nobody scrapes would
+/// hold every sample it ever recorded. A thread of its own drains them, as
+/// the exporter's own `install` would (that one also opens a listener, which
+/// `/metrics` already is).
 fn drain_histograms_periodically(handle: metrics_exporter_prometheus::PrometheusHandle) {
     let started = std::thread::Builder::new()
         .name("kvroute-metrics-upkeep".into())
@@ -340,7 +362,14 @@ fn drain_histograms_periodically(handle: metrics_exporter_prometheus::Prometheus
 }
 
 fn install() -> Renderer {
-    let recorder = PrometheusBuilder::new()
+    let builder = BUCKETS
+        .iter()
+        .fold(PrometheusBuilder::new(), |builder, (families, bounds)| {
+            builder
+                .set_buckets_for_metric(families.matcher(), bounds)
+                .expect("every family's bucket bounds are given")
+        });
+    let recorder = builder
         // Counters and gauges not touched before a render go: series::Expiring
         // touches all but those of forgotten workers.
         .idle_timeout(
@@ -349,7 +378,7 @@ fn install() -> Renderer {
         )
         .build_recorder();
     drain_histograms_periodically(recorder.handle());
-    let (recorder, handle) = Expiring::new(recorder, buckets);
+    let (recorder, handle) = Expiring::new(recorder);
     metrics::set_global_recorder(recorder)
         .expect("the metrics recorder is installed once per process");
     for &(name, help) in FAMILIES {
@@ -376,6 +405,9 @@ fn install() -> Renderer {
     }
     for reason in ["connect", "status", "left"] {
         let _ = metrics::counter!(RETRIES, "reason" => reason);
+    }
+    for outcome in RESPONSE_OWNER_OUTCOMES {
+        let _ = metrics::counter!(RESPONSE_OWNER_LOOKUPS, "outcome" => outcome);
     }
     for name in [
         PREDICTED_OVERLAP,

@@ -35,10 +35,11 @@
 //! This module knows nothing of NATS: without `[cluster]` none of it runs.
 
 use std::any::Any;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use dashmap::DashMap;
 use futures_util::future::BoxFuture;
 use kvroute_index::WorkerKey;
 use kvroute_proto::{Digest, Dump, EventBatch};
@@ -171,6 +172,9 @@ impl PeerDigest {
 /// Digests kept for comparison, this replica's and its peers', by (seq,
 /// worker, rank); the oldest go past [`PEER_DIGESTS_KEPT`] each.
 #[derive(Default)]
+/// Two books under one lock, on purpose: a digest filed in one is looked for
+/// in the other in the same step, so a peer's and this replica's digests of a
+/// point that arrive at once are still compared. (Not a concurrent map's job.)
 struct PeerDigests {
     own: BTreeMap<(u64, u64, u32), PeerDigest>,
     theirs: BTreeMap<(u64, u64, u32), Vec<PeerDigest>>,
@@ -197,13 +201,13 @@ pub struct Replica {
     /// This replica's name (`cluster.replica_id`), in its claims.
     pub replica_id: String,
     /// Streams held here, by worker: their claim, and their context.
-    held: Mutex<HashMap<u64, Holding>>,
+    held: DashMap<u64, Holding>,
     connected: AtomicBool,
     caught_up: AtomicBool,
     /// Records of the log not applied here yet, as the last one read said.
     behind: AtomicU64,
     /// (worker, rank) → the claim and the first event id applied here only.
-    unlogged: Mutex<HashMap<(u64, u32), (u64, u64)>>,
+    unlogged: DashMap<(u64, u32), (u64, u64)>,
     peer_digests: Mutex<PeerDigests>,
 }
 
@@ -212,11 +216,11 @@ impl Replica {
         Self {
             log,
             replica_id,
-            held: Mutex::default(),
+            held: DashMap::new(),
             connected: AtomicBool::new(true),
             caught_up: AtomicBool::new(false),
             behind: AtomicU64::new(0),
-            unlogged: Mutex::default(),
+            unlogged: DashMap::new(),
             peer_digests: Mutex::default(),
         }
     }
@@ -247,9 +251,11 @@ impl Replica {
     /// only while the log did not answer, so that they reach the log, and
     /// every other replica, after all. Here they are stale: nothing changes.
     async fn replay_unlogged(&self) {
-        let unlogged: Vec<_> = std::mem::take(&mut *self.unlogged.lock().unwrap())
-            .into_iter()
-            .collect();
+        let mut unlogged = Vec::new();
+        self.unlogged.retain(|&rank, &mut since| {
+            unlogged.push((rank, since));
+            false
+        });
         for ((worker_id, dp_rank), (claim, from)) in unlogged {
             if let Some(stream) = self.holder(worker_id, claim) {
                 tracing::info!(
@@ -394,22 +400,19 @@ impl Replica {
 
     pub(crate) fn hold(&self, claim: u64, stream: Arc<dyn HeldStream>) {
         let worker_id = stream.worker_id();
-        self.held.lock().unwrap().insert(worker_id, (claim, stream));
+        self.held.insert(worker_id, (claim, stream));
     }
 
     /// The stream of `claim` ended.
     pub(crate) fn release(&self, worker_id: u64, claim: u64) {
-        let mut held = self.held.lock().unwrap();
-        if held.get(&worker_id).is_some_and(|(c, _)| *c == claim) {
-            held.remove(&worker_id);
-        }
+        self.held.remove_if(&worker_id, |_, (c, _)| *c == claim);
     }
 
     pub(crate) fn holder(&self, worker_id: u64, claim: u64) -> Option<Arc<dyn HeldStream>> {
-        let held = self.held.lock().unwrap();
-        held.get(&worker_id)
-            .filter(|(c, _)| *c == claim)
-            .map(|(_, s)| Arc::clone(s))
+        self.held
+            .get(&worker_id)
+            .filter(|held| held.0 == claim)
+            .map(|held| Arc::clone(&held.1))
     }
 
     /// Appends a stream's queued work; gives it back when the log did not take
@@ -473,8 +476,6 @@ impl Replica {
                     return Some(work);
                 }
                 self.unlogged
-                    .lock()
-                    .unwrap()
                     .entry((worker_id, rank))
                     .and_modify(|(c, f)| {
                         if *c == claim {

@@ -20,35 +20,22 @@
 //! rendering the exporter directly would delete live series. Histograms carry no
 //! worker label and never expire.
 //!
-//! Histograms with buckets are kept here, not by the exporter, as
-//! [`Bucketed`] counts (see [`crate::bucketed`]), and rendered after the
-//! exporter's families; a histogram without buckets (a summary) is the
-//! exporter's.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{PrometheusHandle, PrometheusRecorder};
 
-use crate::bucketed::{self, Bucketed};
-
-/// A histogram family's bucket bounds, if it has buckets.
-pub type Buckets = fn(&str) -> Option<&'static [f64]>;
-
 #[derive(Default)]
 struct Kept {
     counters: HashMap<Key, Counter>,
     gauges: HashMap<Key, Gauge>,
-    histograms: HashMap<Key, Arc<Bucketed>>,
-    /// Help texts of the bucketed histogram families, by name.
-    histogram_help: HashMap<String, SharedString>,
 }
 
 /// The recorder installed in front of the Prometheus exporter's.
 pub struct Expiring {
     inner: PrometheusRecorder,
-    buckets: Buckets,
     kept: Arc<RwLock<Kept>>,
 }
 
@@ -61,21 +48,14 @@ pub struct Renderer {
 
 impl Expiring {
     /// `inner` must be built with an idle timeout of zero for counters and
-    /// gauges; `buckets` gives the histograms kept here their bounds.
-    pub fn new(inner: PrometheusRecorder, buckets: Buckets) -> (Self, Renderer) {
+    /// gauges.
+    pub fn new(inner: PrometheusRecorder) -> (Self, Renderer) {
         let kept = Arc::default();
         let renderer = Renderer {
             prometheus: inner.handle(),
             kept: Arc::clone(&kept),
         };
-        (
-            Self {
-                inner,
-                buckets,
-                kept,
-            },
-            renderer,
-        )
+        (Self { inner, kept }, renderer)
     }
 }
 
@@ -89,13 +69,7 @@ impl Recorder for Expiring {
     }
 
     fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        if (self.buckets)(key.as_str()).is_some() {
-            write(&self.kept)
-                .histogram_help
-                .insert(key.as_str().to_owned(), description);
-        } else {
-            self.inner.describe_histogram(key, unit, description);
-        }
+        self.inner.describe_histogram(key, unit, description);
     }
 
     fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
@@ -121,19 +95,7 @@ impl Recorder for Expiring {
     }
 
     fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
-        let Some(bounds) = (self.buckets)(key.name()) else {
-            return self.inner.register_histogram(key, metadata);
-        };
-        if let Some(histogram) = read(&self.kept).histograms.get(key) {
-            return Histogram::from_arc(Arc::clone(histogram) as _);
-        }
-        let histogram = Arc::clone(
-            write(&self.kept)
-                .histograms
-                .entry(key.clone())
-                .or_insert_with(|| Arc::new(Bucketed::new(bounds))),
-        );
-        Histogram::from_arc(histogram)
+        self.inner.register_histogram(key, metadata)
     }
 }
 
@@ -148,20 +110,7 @@ impl Renderer {
         for gauge in kept.gauges.values() {
             gauge.increment(0.0);
         }
-        let mut text = self.prometheus.render();
-        let mut families: BTreeMap<&str, Vec<(&Key, &Bucketed)>> = BTreeMap::new();
-        for (key, histogram) in &kept.histograms {
-            families
-                .entry(key.name())
-                .or_default()
-                .push((key, histogram));
-        }
-        for (name, mut series) in families {
-            series.sort_by(|a, b| a.0.cmp(b.0));
-            let help = kept.histogram_help.get(name).map(|help| &**help);
-            bucketed::render_family(&mut text, name, help, &series);
-        }
-        text
+        self.prometheus.render()
     }
 
     /// Lets every series labelled with `worker_id` (`worker="7"`, or a rank's
@@ -202,7 +151,7 @@ mod tests {
                 Some(std::time::Duration::ZERO),
             )
             .build_recorder();
-        let (recorder, renderer) = Expiring::new(inner, |_| None);
+        let (recorder, renderer) = Expiring::new(inner);
         metrics::with_local_recorder(&recorder, || {
             // A handle held across renders, as the registry holds its gauges.
             let held = metrics::gauge!("g", "worker" => "2");
@@ -228,70 +177,5 @@ mod tests {
                 assert!(renderer.render().contains("c{worker=\"1\"} 1"));
             }
         });
-    }
-
-    /// Bounds for the test's bucketed family, `h_seconds`.
-    fn test_buckets(name: &str) -> Option<&'static [f64]> {
-        (name == "h_seconds").then_some(&[0.001, 0.01, 0.1, 1.0][..])
-    }
-
-    #[test]
-    fn a_bucketed_histogram_renders_as_the_exporters_own() {
-        let samples = [
-            0.0005,
-            f64::NAN,
-            0.001,
-            0.002,
-            0.01,
-            0.5,
-            1.0,
-            2.0,
-            -1.0,
-            0.0,
-        ];
-        let record_all = || {
-            metrics::describe_histogram!("h_seconds", "A test histogram");
-            for phase in ["a", "b"] {
-                let histogram = metrics::histogram!("h_seconds", "phase" => phase);
-                for (i, &sample) in samples.iter().enumerate() {
-                    if phase == "a" || i % 2 == 0 {
-                        histogram.record(sample);
-                    }
-                }
-            }
-        };
-        let reference = PrometheusBuilder::new()
-            .set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Full("h_seconds".into()),
-                test_buckets("h_seconds").unwrap(),
-            )
-            .unwrap()
-            .build_recorder();
-        let reference_handle = reference.handle();
-        metrics::with_local_recorder(&reference, record_all);
-        let (recorder, renderer) =
-            Expiring::new(PrometheusBuilder::new().build_recorder(), test_buckets);
-        metrics::with_local_recorder(&recorder, record_all);
-
-        // The family's lines, its series in either order: the exporter's
-        // order of series is its registry's hash order.
-        let family = |text: &str| -> Vec<String> {
-            let mut lines: Vec<String> = text
-                .lines()
-                .filter(|line| line.contains("h_seconds"))
-                .map(str::to_owned)
-                .collect();
-            lines.sort();
-            lines
-        };
-        let expected = family(&reference_handle.render());
-        assert!(
-            expected.contains(&"h_seconds_bucket{phase=\"a\",le=\"0.001\"} 4".to_owned()),
-            "{expected:?}"
-        );
-        let text = renderer.render();
-        assert_eq!(family(&text), expected);
-        assert!(text.starts_with("# HELP h_seconds"), "{text}");
-        assert!(text.ends_with("\n\n"), "{text}");
     }
 }

@@ -2,7 +2,6 @@
 //! the proxy and the `Route` RPC all use, so that a dry run and a proxied request
 //! decide the same way.
 
-use std::cell::Cell;
 use std::sync::Arc;
 
 use kvroute_index::{
@@ -56,6 +55,8 @@ pub struct AppState {
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
     #[cfg(feature = "test-hooks")]
     pub faults: crate::faults::Faults,
+    /// Which worker created each OpenAI response id.
+    pub response_owners: Arc<crate::http::responses::ResponseOwners>,
 }
 
 /// What to route: token ids, or block hashes computed elsewhere.
@@ -79,22 +80,6 @@ pub struct Routed<B = ()> {
     pub booking: B,
     /// The clock reading the decision was made as of.
     pub decided_at: tokio::time::Instant,
-}
-
-thread_local! {
-    /// A routed request's block hashes, given back by [`keep_hashes`] once
-    /// its path is pinned: the next prompt hashed on the thread fills it
-    /// rather than a new vector (an allocation per proxied request).
-    static KEPT_HASHES: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
-}
-
-/// Blocks of the longest hash list kept for the thread's next prompt (64 KiB);
-/// a longer one is let go.
-const KEPT_HASHES_MAX: usize = 8192;
-
-/// Gives a [`Routed`]'s block hashes back for the thread's next prompt.
-pub fn keep_hashes(hashes: Vec<u64>) {
-    crate::kept::keep(&KEPT_HASHES, hashes, KEPT_HASHES_MAX);
 }
 
 impl AppState {
@@ -157,6 +142,10 @@ impl AppState {
             config.scheduler.queue_max_bypass,
         );
         let dump_parts = Arc::new(tokio::sync::Semaphore::new(config.ingest.dump_parts_bytes));
+        let response_owners = Arc::new(crate::http::responses::ResponseOwners::new(
+            std::time::Duration::from_secs(config.responses.owner_ttl_s),
+            config.limits.max_response_owners,
+        ));
         Ok(Arc::new(Self {
             credentials: Credentials::new(&config),
             config,
@@ -177,6 +166,7 @@ impl AppState {
             dump_parts,
             #[cfg(feature = "test-hooks")]
             faults,
+            response_owners,
         }))
     }
 
@@ -278,7 +268,7 @@ impl AppState {
             NameKind::Lora => BlockHasher::with_lora(block_size, name),
             NameKind::Model => BlockHasher::new(block_size),
         };
-        let mut hashes = crate::kept::take(&KEPT_HASHES);
+        let mut hashes = Vec::new();
         let prompt_tokens = match input {
             RouteInput::Tokens(tokens) => {
                 hasher.local_hashes_into(tokens, &mut hashes);
@@ -459,6 +449,7 @@ impl AppState {
         ::metrics::gauge!(metrics::INDEXED_BLOCKS).set(stats.blocks as f64);
         ::metrics::gauge!(metrics::INDEX_MEMBERSHIPS).set(stats.memberships as f64);
         ::metrics::gauge!(metrics::PREDICTED_ENTRIES).set(self.predicted.len() as f64);
+        ::metrics::gauge!(metrics::RESPONSE_OWNERS).set(self.response_owners.len() as f64);
         ::metrics::counter!(metrics::INDEX_EVICTED).absolute(self.index.evicted_blocks());
         ::metrics::counter!(metrics::INDEX_EVICTION_SCANS_CUT)
             .absolute(self.index.eviction_scans_cut());

@@ -1,10 +1,12 @@
 //! The engines' options as command-line flags, for the binaries that start
 //! simulated engines: `kvroute sim` and `kvroute-lab bench e2e`.
 
+use std::time::Duration;
+
 use clap::Args;
 use kvroute_cache::PolicyKind;
 
-use crate::{CostModel, EngineConfig, EngineKind};
+use crate::{CostModel, EngineConfig, EngineKind, PdConfig, PdConvention, Persona, Role, SimError};
 
 /// Engine options shared by `kvroute sim` and `kvroute-lab bench e2e`.
 #[derive(Args, Clone, Debug)]
@@ -55,5 +57,68 @@ impl EngineArgs {
             },
             offload_blocks: self.offload_blocks,
         }
+    }
+}
+
+/// Persona and prefill/decode options shared by `kvroute sim` and `kvroute-lab bench e2e`.
+#[derive(Args, Clone, Debug)]
+pub struct PdArgs {
+    /// Whose HTTP surface the engines show: vllm (/version, vllm:* metrics) or
+    /// sglang (/server_info, /get_load, sglang:* metrics).
+    #[arg(long, default_value = "vllm")]
+    pub persona: Persona,
+    /// The engines' part in prefill/decode disaggregation: aggregated, prefill or decode.
+    #[arg(long, default_value = "aggregated")]
+    pub role: Role,
+    /// How prefill hands KV to decode: sglang (bootstrap room) or vllm
+    /// (kv_transfer_params). Default: the persona's.
+    #[arg(long)]
+    pub pd_convention: Option<PdConvention>,
+    /// Port of the side channel prefill engines serve for decode engines to
+    /// take KV from (SGLang's bootstrap server, vLLM's remote_port); engine i
+    /// uses P+i. 0: any free ports.
+    #[arg(long, default_value_t = 0)]
+    pub bootstrap_port: u16,
+    /// Bandwidth of the KV transfer between prefill and decode engines, in
+    /// gigabits per second.
+    #[arg(long, default_value_t = 100.0)]
+    pub kv_transfer_gbps: f64,
+    /// Seconds a finished prefill keeps its blocks for a decode that has not
+    /// taken them, before freeing them (counted as lease-expired blocks).
+    #[arg(long, default_value_t = 480.0)]
+    pub kv_lease_timeout_secs: f64,
+    /// Seconds an SGLang-convention decode waits for its prefill before failing.
+    #[arg(long, default_value_t = 300.0)]
+    pub bootstrap_timeout_secs: f64,
+}
+
+impl PdArgs {
+    /// The P/D configuration of an engine of `role`.
+    pub fn pd_config(&self, role: Role) -> Result<PdConfig, SimError> {
+        if !(self.kv_transfer_gbps > 0.0 && self.kv_transfer_gbps.is_finite()) {
+            return Err(SimError::Config(format!(
+                "--kv-transfer-gbps must be a positive number, got {}",
+                self.kv_transfer_gbps
+            )));
+        }
+        let seconds = |flag: &str, value: f64| {
+            Duration::try_from_secs_f64(value)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    SimError::Config(format!("--{flag} must be a positive number, got {value}"))
+                })
+        };
+        Ok(PdConfig {
+            role,
+            convention: self.pd_convention.unwrap_or(match self.persona {
+                Persona::Vllm => PdConvention::Vllm,
+                Persona::Sglang => PdConvention::Sglang,
+            }),
+            bootstrap_port: self.bootstrap_port,
+            kv_transfer_gbps: self.kv_transfer_gbps,
+            lease_timeout: seconds("kv-lease-timeout-secs", self.kv_lease_timeout_secs)?,
+            bootstrap_timeout: seconds("bootstrap-timeout-secs", self.bootstrap_timeout_secs)?,
+        })
     }
 }

@@ -26,11 +26,20 @@
 //!   against ~50 µs of prefill compute; PCIe 5.0 halves that. Cheap next to a
 //!   prefill, but not free.
 //!
+//! - A disaggregated decode receives a prefill engine's blocks over the
+//!   network instead of computing them: `blocks × block bytes ÷ bandwidth`
+//!   (`--kv-transfer-gbps`), block bytes being the block size times the same
+//!   128 KiB per token. Paid by the decode request before it is queued, not
+//!   by the batch: the engines move KV beside the forward pass.
+//!
 //! The defaults approximate an 8B-parameter model on one H100-class GPU:
 //! about 20,000 prefill tokens/s, a 25-sequence decode batch at 8k context in
 //! roughly 15 ms per token.
 
 use std::time::Duration;
+
+/// KV cache bytes per token of the modelled 8B model (see the module docs).
+pub const KV_BYTES_PER_TOKEN: f64 = 131_072.0;
 
 /// Per-iteration costs, in seconds, before the speedup.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -82,6 +91,13 @@ impl CostModel {
             + self.attention_per_kv_token_s * batch.decode_kv_tokens as f64
             + self.offload_load_per_token_s * batch.loaded_tokens as f64;
         Duration::from_secs_f64(seconds / self.speedup)
+    }
+
+    /// Time to move `blocks` KV blocks of `block_size` tokens between engines
+    /// at `gbps` gigabits per second, speedup applied.
+    pub fn transfer_time(&self, blocks: usize, block_size: usize, gbps: f64) -> Duration {
+        let bits = blocks as f64 * block_size as f64 * KV_BYTES_PER_TOKEN * 8.0;
+        Duration::from_secs_f64(bits / (gbps * 1e9) / self.speedup)
     }
 }
 

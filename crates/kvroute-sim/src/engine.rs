@@ -25,7 +25,7 @@
 //! SGLang's radix tree): one engine fed one request at a time hits exactly
 //! what `kvroute-lab replay --order vllm` (or `--order sglang`) predicts.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use kvroute_cache::{PolicyKind, Priority};
@@ -100,6 +100,9 @@ pub struct EngineStats {
     /// Prompt tokens loaded from the host tier instead of computed.
     pub offload_tokens: u64,
     pub computed_prompt_tokens: u64,
+    /// Prompt tokens received from a prefill engine (disaggregated decode)
+    /// beyond the local prefix hit; counted in `cached_tokens` too.
+    pub transferred_tokens: u64,
     pub generated_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
@@ -142,6 +145,13 @@ struct Seq {
     cached_tokens: usize,
     counted: bool,
     priority: Priority,
+    /// Keep the blocks when the request finishes, until [`Engine::release_held`]:
+    /// a prefill whose KV a decode engine is yet to pull.
+    hold: bool,
+    /// Leading block hashes whose KV a prefill engine sent (see [`Handoff`]);
+    /// emptied at the first admission.
+    transferred: Vec<u64>,
+    transferred_tokens: usize,
 }
 
 impl Seq {
@@ -156,12 +166,28 @@ impl Seq {
     }
 }
 
+/// A request's part in a prefill/decode handoff.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Handoff {
+    /// A prefill leg: its blocks stay held once it finishes, until released.
+    pub hold: bool,
+    /// A decode leg: the full block hashes a prefill engine computed. The
+    /// prompt's leading blocks that match them count as cached, less the
+    /// prompt's last token (the first output token needs a forward pass).
+    pub transferred: Vec<u64>,
+    /// The prefill's prompt length: when every full block matched, its
+    /// partial last block came too.
+    pub transferred_tokens: usize,
+}
+
 pub struct Engine {
     config: EngineConfig,
     hasher: BlockHasher,
     pool: KvPool,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Finished prefill legs whose blocks wait for a decode engine.
+    held: HashMap<SeqId, Seq>,
     next_id: SeqId,
     stats: EngineStats,
 }
@@ -191,6 +217,7 @@ impl Engine {
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            held: HashMap::new(),
             next_id: 0,
             stats: EngineStats::default(),
         })
@@ -247,7 +274,7 @@ impl Engine {
             let cached = if s.holds_blocks {
                 0
             } else {
-                self.pool.match_prefix(&s.blocks) * bs
+                self.pool.match_prefix(&s.blocks).max(s.transferred.len()) * bs
             };
             s.prefill_left().saturating_sub(cached) as u64
         };
@@ -287,6 +314,18 @@ impl Engine {
         extra: &ExtraKeys,
         priority: Priority,
     ) -> Result<SeqId, SimError> {
+        self.submit_handoff(tokens, max_tokens, extra, priority, Handoff::default())
+    }
+
+    /// Queues a request that takes part in a prefill/decode handoff.
+    pub fn submit_handoff(
+        &mut self,
+        tokens: &[u32],
+        max_tokens: u32,
+        extra: &ExtraKeys,
+        priority: Priority,
+        handoff: Handoff,
+    ) -> Result<SeqId, SimError> {
         if tokens.is_empty() {
             return Err(SimError::BadRequest("the prompt has no tokens".into()));
         }
@@ -324,8 +363,29 @@ impl Engine {
             cached_tokens: 0,
             counted: false,
             priority,
+            hold: handoff.hold,
+            transferred: handoff.transferred,
+            transferred_tokens: handoff.transferred_tokens,
         });
         Ok(id)
+    }
+
+    /// The full prompt blocks' hashes and the prompt length of a held
+    /// (finished prefill) request.
+    pub fn held_prompt(&self, id: SeqId) -> Option<(Vec<u64>, usize)> {
+        let seq = self.held.get(&id)?;
+        Some((seq.blocks.iter().map(|b| b.hash).collect(), seq.prompt_len))
+    }
+
+    /// Gives a held request's blocks back to the cache, tail first; returns
+    /// how many blocks it held (none if it is not held).
+    pub fn release_held(&mut self, id: SeqId) -> usize {
+        let Some(mut seq) = self.held.remove(&id) else {
+            return 0;
+        };
+        let blocks = seq.blocks.len() + seq.private;
+        self.release(&mut seq);
+        blocks
     }
 
     /// Drops a request (its client went away); its blocks are released.
@@ -338,6 +398,8 @@ impl Engine {
             let mut seq = self.running.remove(pos);
             self.release(&mut seq);
             self.stats.aborted += 1;
+        } else {
+            self.release_held(id);
         }
     }
 
@@ -349,6 +411,7 @@ impl Engine {
             .chain(self.waiting.drain(..))
             .map(|s| s.id)
             .collect();
+        self.held.clear();
         self.pool.clear()?;
         Ok(dropped)
     }
@@ -463,8 +526,12 @@ impl Engine {
         finished.sort_unstable();
         for index in finished.into_iter().rev() {
             let mut seq = self.running.remove(index);
-            self.release(&mut seq);
             self.stats.finished += 1;
+            if seq.hold {
+                self.held.insert(seq.id, seq);
+            } else {
+                self.release(&mut seq);
+            }
         }
         self.stats.steps += 1;
         let duration = self.config.cost.step_time(batch);
@@ -513,12 +580,32 @@ impl Engine {
         let loaded = self.pool.load_from_host(&seq.blocks, hit);
         seq.holds_blocks = true;
         seq.published = hit + loaded;
-        let computed = ((hit + loaded) * bs).min(seq.prefill_target() - 1);
+        // Received blocks are published as the next step computes past them.
+        let sent = seq.transferred.len();
+        let matched = seq
+            .blocks
+            .iter()
+            .zip(std::mem::take(&mut seq.transferred))
+            .take_while(|(block, hash)| block.hash == *hash)
+            .count();
+        // The partial last block is the prefill's only if the full ones all are.
+        let transferred = if matched > 0 && matched == seq.blocks.len() && matched == sent {
+            std::mem::take(&mut seq.transferred_tokens).min(seq.prompt_len)
+        } else {
+            matched * bs
+        };
+        let cap = seq.prefill_target() - 1;
+        let computed = ((hit + loaded) * bs).min(cap);
         let loaded_tokens = computed.saturating_sub(hit * bs);
+        let received = transferred.min(cap).saturating_sub(computed);
         if first_admission {
             self.stats.offload_tokens += loaded_tokens as u64;
+            self.stats.transferred_tokens += received as u64;
+            self.stats.cached_tokens += received as u64;
+            self.stats.classes[seq.priority.class() as usize].cached_tokens += received as u64;
+            seq.cached_tokens += received;
         }
-        seq.computed = computed;
+        seq.computed = computed + received;
         self.running.push(seq);
         loaded_tokens
     }
@@ -642,6 +729,82 @@ mod tests {
         let load = engine.load();
         assert_eq!(load.waiting, 2);
         assert_eq!(load.prefill_tokens, 4 + 16);
+    }
+
+    #[test]
+    fn a_held_prefill_keeps_its_blocks_until_released_and_a_decode_receives_them() {
+        let mut prefill = Engine::new(config(64)).unwrap();
+        let prompt = tokens(0..18); // 4 full blocks and a partial one
+        let hold = Handoff {
+            hold: true,
+            ..Handoff::default()
+        };
+        let seq = prefill
+            .submit_handoff(&prompt, 1, &ExtraKeys::default(), Priority::Normal, hold)
+            .unwrap();
+        run(&mut prefill);
+        assert_eq!(prefill.load().kv_blocks_used, 5, "held after finishing");
+        let (hashes, prompt_tokens) = prefill.held_prompt(seq).unwrap();
+        assert_eq!((hashes.len(), prompt_tokens), (4, 18));
+        assert_eq!(prefill.release_held(seq), 5);
+        assert_eq!(prefill.load().kv_blocks_used, 0);
+        assert_eq!(prefill.release_held(seq), 0, "released once");
+        prefill.pool().check();
+
+        let mut decode = Engine::new(config(64)).unwrap();
+        decode.take_events();
+        let received = Handoff {
+            hold: false,
+            transferred: hashes.clone(),
+            transferred_tokens: prompt_tokens,
+        };
+        decode
+            .submit_handoff(
+                &prompt,
+                2,
+                &ExtraKeys::default(),
+                Priority::Normal,
+                received,
+            )
+            .unwrap();
+        let out = run(&mut decode);
+        assert_eq!(
+            out[0].cached_tokens, 17,
+            "the whole prompt less its last token"
+        );
+        let stats = decode.stats();
+        assert_eq!(
+            (stats.transferred_tokens, stats.computed_prompt_tokens),
+            (17, 1)
+        );
+        let stored = decode
+            .take_events()
+            .iter()
+            .filter(|e| matches!(e, PoolEvent::Stored { .. }))
+            .count();
+        assert_eq!(
+            stored, 4,
+            "received blocks are announced as the decode's own"
+        );
+
+        // Blocks of another prompt are not this one's: recomputed.
+        let mut other = Engine::new(config(64)).unwrap();
+        let mismatched = Handoff {
+            hold: false,
+            transferred: hashes[1..].to_vec(),
+            transferred_tokens: prompt_tokens,
+        };
+        other
+            .submit_handoff(
+                &prompt,
+                1,
+                &ExtraKeys::default(),
+                Priority::Normal,
+                mismatched,
+            )
+            .unwrap();
+        assert_eq!(run(&mut other)[0].cached_tokens, 0);
+        assert_eq!(other.stats().computed_prompt_tokens, 18);
     }
 
     #[test]

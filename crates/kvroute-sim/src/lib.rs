@@ -16,7 +16,13 @@
 //!   recent events to answer resync requests;
 //! - [`worker`]: one engine made live: its iteration loop on tokio, the gRPC
 //!   stream to the router ([`worker::publisher`], with the digests of [`view`]), the
-//!   OpenAI-compatible HTTP server ([`worker::http`]) and the faults tests inject;
+//!   OpenAI-compatible HTTP server ([`worker::http`]), with the Responses API,
+//!   the Anthropic Messages API and vLLM's endpoints without KV cache, and the
+//!   faults tests inject;
+//! - [`worker::pd`]: prefill/decode disaggregation: roles, vLLM's and SGLang's
+//!   handoff conventions, prefill leases and the side channel decode engines
+//!   take KV from;
+//! - [`worker::persona`]: whose HTTP surface an engine shows, vLLM's or SGLang's;
 //! - [`trace`]: Mooncake trace requests turned into token ids;
 //! - [`cli`]: the engines' options as command-line flags.
 
@@ -31,8 +37,10 @@ pub mod view;
 pub mod worker;
 
 pub use cost::CostModel;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, Handoff};
 pub use pool::EngineKind;
+pub use worker::pd::{PdConfig, PdConvention, PdStats, Role};
+pub use worker::persona::Persona;
 pub use worker::{Fault, Worker, WorkerConfig, start_fleet};
 
 /// Everything that can go wrong in the simulator.

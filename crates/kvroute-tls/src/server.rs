@@ -57,7 +57,8 @@ impl ServerTls {
             .with_single_cert(certs.clone(), key.clone_key())
             .map_err(|e| unusable(cert_file, e))?;
         grpc.alpn_protocols = vec![b"h2".to_vec()];
-        let http = https_config(certs, key, cert_file)?;
+        // The router's HTTP API serves HTTP/2 as well.
+        let http = https_config(certs, key, cert_file, &[b"h2", b"http/1.1"])?;
         Ok(ServerTls {
             http,
             grpc: Arc::new(grpc),
@@ -72,7 +73,7 @@ pub fn https_server_config(
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let certs = pem::certificates(cert_file)?;
     let key = pem::private_key(key_file)?;
-    https_config(certs.parsed, key.parsed, cert_file)
+    https_config(certs.parsed, key.parsed, cert_file, &[b"http/1.1"])
 }
 
 fn unusable(cert_file: &Path, e: rustls::Error) -> TlsError {
@@ -86,6 +87,7 @@ fn https_config(
     certs: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
     cert_file: &Path,
+    alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let mut config = ServerConfig::builder_with_provider(crate::provider())
         .with_safe_default_protocol_versions()
@@ -93,7 +95,7 @@ fn https_config(
         .with_no_client_auth()
         .with_single_cert(certs, key)
         .map_err(|e| unusable(cert_file, e))?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
 }
 

@@ -136,6 +136,21 @@ impl HfTokenizer {
         ))
     }
 
+    /// The text of `ids`, special tokens written out.
+    pub(crate) fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        let size = self.tokenizer.get_vocab_size(true);
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= size) {
+            return Err(TokenizeError::InvalidPrompt {
+                message: format!("token id {bad} is not in the vocabulary ({size} tokens)"),
+            });
+        }
+        self.tokenizer
+            .decode(ids, false)
+            .map_err(|error| TokenizeError::Encode {
+                message: error.to_string(),
+            })
+    }
+
     /// Encodes `text`, adding special tokens when `add_special_tokens`.
     pub(crate) fn encode(
         &self,

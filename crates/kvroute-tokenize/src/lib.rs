@@ -17,12 +17,14 @@
 //!   bounded cache (`cache` module) because prompts repeat, chunk by chunk
 //!   (`chunks` module) because conversations grow.
 //! - [`parse_completion_prompt`] and [`ChatMessage`] read the prompt shapes
-//!   OpenAI clients send.
+//!   OpenAI clients send; [`responses_messages`] and [`anthropic_messages`]
+//!   turn Responses and Messages prompts into chat messages (`apis` module).
 //! - [`Tokenizer::fingerprint`] names what decides the ids (vocabulary, rules,
 //!   chat template), so that a router and its workers can check that they
 //!   tokenize alike before any prompt is routed.
 //! - [`TokenizeError`] is the one error type; no input makes this crate panic.
 
+mod apis;
 mod cache;
 mod chat_template;
 mod chunks;
@@ -37,6 +39,7 @@ mod split;
 mod tiktoken;
 mod vocab;
 
+pub use apis::{anthropic_messages, responses_input, responses_messages};
 pub use cache::{CacheStats, DEFAULT_CACHE_TOKENS};
 pub use error::TokenizeError;
 pub use hf::byte_chars;
@@ -126,6 +129,15 @@ impl Tokenizer {
         match &self.backend {
             Backend::Tiktoken(tiktoken) => tiktoken.encode_cached(text, &self.cache),
             Backend::HuggingFace(hf) => hf.encode_prompt(text, &self.cache),
+        }
+    }
+
+    /// The text of token ids (`/detokenize`); an id outside the vocabulary,
+    /// or ids that end inside a character, are refused.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        match &self.backend {
+            Backend::Tiktoken(tiktoken) => tiktoken.decode(ids),
+            Backend::HuggingFace(hf) => hf.decode(ids),
         }
     }
 

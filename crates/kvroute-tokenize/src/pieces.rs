@@ -32,9 +32,9 @@ pub(crate) const MAX_CACHED_PIECE_BYTES: usize = 32;
 
 /// Pieces of more tokens are encoded every time (rare: pieces of odd
 /// bytes). Rare words BPE splits into many tokens are the costliest to merge
-/// again (merging is quadratic in a piece's length): with 6, the router
-/// bench's steady state merged ~120 such pieces per prompt at ~1,800
-/// instructions each (callgrind).
+/// again (merging is quadratic in a piece's length), so the bound is high
+/// enough to keep them (docs/measurements/tokenize.md, "Where a request's CPU
+/// goes").
 pub(crate) const MAX_CACHED_IDS: usize = 14;
 
 /// Entries per set.

@@ -11,9 +11,9 @@
 //! itself does first; each thread remembers the ids of recent pieces of
 //! several tokens (`pieces` module); and only the rest is merged, by this
 //! crate's BPE (`merges` module; `bpe-openai`'s for pieces longer than it
-//! takes). On the router bench's prompts that is 2.0M instructions per
-//! 8.2k-token prompt, from 4.2M with `bpe-openai` merging the pieces the cache
-//! missed (callgrind). The tables are megabytes, and most of the time went
+//! takes), where the merges of pieces the cache missed are a third of a
+//! request's CPU (docs/measurements/tokenize.md, "Where a request's CPU
+//! goes"). The tables are megabytes, and most of the time went
 //! to waiting for them, so pieces are split a batch ahead of their lookups,
 //! which prefetch (`encode` module).
 //!
@@ -139,6 +139,27 @@ impl TiktokenTokenizer {
             Some(merges) if merges.merge_into(piece, ids) => {}
             _ => ids.extend(self.bpe.bpe.encode_via_backtracking(piece)),
         }
+    }
+
+    /// The text of `ids`; `<|im_start|>` and `<|im_end|>` written out.
+    pub(crate) fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        let size = self.bpe.bpe.num_tokens();
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            match id {
+                id if id == self.im_start => bytes.extend_from_slice(b"<|im_start|>"),
+                id if id == self.im_end => bytes.extend_from_slice(b"<|im_end|>"),
+                id if (id as usize) < size => bytes.extend_from_slice(self.bpe.bpe.token_bytes(id)),
+                id => {
+                    return Err(TokenizeError::InvalidPrompt {
+                        message: format!("token id {id} is not in the vocabulary ({size} tokens)"),
+                    });
+                }
+            }
+        }
+        String::from_utf8(bytes).map_err(|_| TokenizeError::InvalidPrompt {
+            message: "the token ids end inside a character (not valid UTF-8)".into(),
+        })
     }
 
     /// [`Self::encode`], chunk by chunk through `cache`.

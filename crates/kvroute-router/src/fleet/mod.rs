@@ -231,7 +231,8 @@ struct NameUse {
 }
 
 /// Fx-hashed maps: the request path looks ranks, workers and names up several
-/// times per decision, and SipHash was a tenth of a decision's instructions.
+/// times per decision, and the keys are the fleet's, not clients', so SipHash's
+/// flood resistance buys nothing here.
 pub struct Fleet {
     pub workers: FxHashMap<u64, Worker>,
     pub ranks: FxHashMap<WorkerKey, Rank>,
@@ -738,6 +739,22 @@ impl Registry {
 
     pub fn contains(&self, worker_id: u64) -> bool {
         self.lock().workers.contains_key(&worker_id)
+    }
+
+    /// Whether a routable rank of `worker_id` serves `name`.
+    pub fn serves(&self, worker_id: u64, name: &str) -> bool {
+        self.lock()
+            .groups
+            .get(name)
+            .is_some_and(|g| g.members.iter().any(|k| k.worker_id == worker_id))
+    }
+
+    /// The base URL of `worker_id` while it is connected (draining or not):
+    /// where what it stores can still be asked for.
+    pub fn connected_base_url(&self, worker_id: u64) -> Option<Arc<str>> {
+        let fleet = self.lock();
+        let worker = fleet.workers.get(&worker_id)?;
+        (worker.connection == Connection::Connected).then(|| Arc::clone(&worker.base_url))
     }
 
     pub fn any_routable(&self) -> bool {

@@ -82,13 +82,10 @@ pub async fn forward(
         // The worker uses these blocks until the response ends: keep them indexed.
         let pinned = state.index.pin_path_owned(&routed.local_hashes);
         let Routed {
-            mut decision,
+            decision,
             mut booking,
-            local_hashes,
             ..
         } = routed;
-        crate::state::keep_hashes(local_hashes);
-        crate::schedule::keep_scores(std::mem::take(&mut decision.scores));
         let worker = decision.worker;
         if decision.request_blocks > 0 {
             metrics::hot()

@@ -21,7 +21,6 @@
 //! `https://` workers get rustls (trusting the system's roots and
 //! `upstream.ca_file`); `http://` ones never touch TLS.
 
-use std::cell::RefCell;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -88,7 +87,7 @@ pub enum Failure {
 /// Request headers not forwarded: hop-by-hop ones, and the router's own,
 /// credentials included: a client's or operator's token is the router's to
 /// check, and would hand a worker the operator's rights.
-const DROPPED_REQUEST_HEADERS: [&str; 8] = [
+const DROPPED_REQUEST_HEADERS: [&str; 9] = [
     "host",
     "content-length",
     "connection",
@@ -97,6 +96,8 @@ const DROPPED_REQUEST_HEADERS: [&str; 8] = [
     "x-kvroute-worker",
     "authorization",
     "proxy-authorization",
+    // Anthropic clients send their key here.
+    "x-api-key",
 ];
 
 /// Whether a `Content-Length` value says `length`, in plain digits.
@@ -153,10 +154,9 @@ impl Link {
 
     /// Whether an idle connection can take a request now. One that asked hyper
     /// for the next request when its last response ended is not driven here:
-    /// that drive would find the connection as the request's own first drive
-    /// does, once more (~800 instructions a request, most of them an empty
-    /// poll of hyper's request queue). A close by the worker is seen there
-    /// instead, and the request comes back unsent (see [`Upstream::send`]).
+    /// the request's own first drive finds the connection's state anyway. A
+    /// close by the worker is seen there instead, and the request must then
+    /// come back unsent (see [`Upstream::send`]).
     fn usable(&mut self, cx: &mut Context<'_>) -> bool {
         match self.send.poll_ready(cx) {
             Poll::Ready(ready) => ready.is_ok() && !self.closed(),
@@ -268,53 +268,14 @@ impl Target {
     }
 
     /// The request line's origin-form URI for `path`.
-    fn path(&self, path: &'static str) -> Result<Uri, String> {
+    fn path(&self, path: PathAndQuery) -> Result<Uri, String> {
         match &self.prefix {
-            None => Ok(Uri::from(parsed_path(path))),
+            None => Ok(Uri::from(path)),
             Some(prefix) => format!("{prefix}{path}")
                 .parse()
                 .map_err(|e| format!("{e}")),
         }
     }
-}
-
-/// `path` parsed, once per thread: parsing it per request cost ~200
-/// instructions, a copy of a parsed one a few. Paths are the router's own
-/// constants, so the list stays as short as their number.
-fn parsed_path(path: &'static str) -> PathAndQuery {
-    thread_local! {
-        static PARSED: RefCell<Vec<(&'static str, PathAndQuery)>> = const { RefCell::new(Vec::new()) };
-    }
-    PARSED.with_borrow_mut(|parsed| {
-        if let Some((_, known)) = parsed.iter().find(|(p, _)| *p == path) {
-            return known.clone();
-        }
-        let known = PathAndQuery::from_static(path);
-        parsed.push((path, known.clone()));
-        known
-    })
-}
-
-/// Most emptied header maps a thread keeps (see [`recycle_headers`]): requests
-/// in flight end and start in bursts, so one kept map would be overwritten
-/// before the next request takes it about half the time.
-const SPARE_HEADER_MAPS: usize = 64;
-
-thread_local! {
-    static SPARE_HEADERS: RefCell<Vec<HeaderMap>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Keeps `headers`, a forwarded request's own that nothing needs any more,
-/// emptied, for a later request this thread forwards: its headers go to the
-/// worker in it. A map made per forwarded request while the client's was
-/// dropped took two allocations and two frees per request (callgrind).
-pub fn recycle_headers(mut headers: HeaderMap) {
-    SPARE_HEADERS.with_borrow_mut(|spares| {
-        if spares.len() < SPARE_HEADER_MAPS {
-            headers.clear();
-            spares.push(headers);
-        }
-    });
 }
 
 /// Each worker's address and idle connections, most recently used last.
@@ -467,7 +428,7 @@ impl Upstream {
         &self,
         base_url: &Arc<str>,
         method: Method,
-        path: &'static str,
+        path: PathAndQuery,
         headers: Option<&HeaderMap>,
         body: Bytes,
         deadlines: &mut impl Deadlines,
@@ -479,9 +440,6 @@ impl Upstream {
         *request.uri_mut() = target.path(path).map_err(Failure::Other)?;
         let forwarded = request.headers_mut();
         if let Some(headers) = headers {
-            if let Some(spare) = SPARE_HEADERS.with_borrow_mut(Vec::pop) {
-                *forwarded = spare;
-            }
             forwarded.reserve(headers.len() + 1);
             let (mut content_length, mut lengths) = (None, 0);
             for (name, value) in headers {
@@ -556,8 +514,31 @@ impl Upstream {
         body: Bytes,
         deadlines: &mut impl Deadlines,
     ) -> Result<Response<WorkerBody>, Failure> {
+        self.call(
+            base_url,
+            Method::POST,
+            PathAndQuery::from_static(path),
+            headers,
+            body,
+            deadlines,
+        )
+        .await
+    }
+
+    /// Sends `method` `path` with `body` to `base_url` and waits for the
+    /// response headers within `deadlines`: [`Self::post`] for any method and
+    /// a path made per request (a stored response's id).
+    pub async fn call(
+        &self,
+        base_url: &Arc<str>,
+        method: Method,
+        path: PathAndQuery,
+        headers: &HeaderMap,
+        body: Bytes,
+        deadlines: &mut impl Deadlines,
+    ) -> Result<Response<WorkerBody>, Failure> {
         let (response, conn) = self
-            .send(base_url, Method::POST, path, Some(headers), body, deadlines)
+            .send(base_url, method, path, Some(headers), body, deadlines)
             .await?;
         let (parts, body) = response.into_parts();
         let body = WorkerBody::new(body, conn, Arc::clone(&self.pool), Arc::clone(base_url));
@@ -570,7 +551,7 @@ impl Upstream {
         let sent = self.send(
             base_url,
             Method::GET,
-            "/health",
+            PathAndQuery::from_static("/health"),
             None,
             Bytes::new(),
             &mut deadline,
@@ -1366,29 +1347,6 @@ mod tests {
                 .collect();
             assert_eq!(lengths, [sent], "{given:?}: {head}");
         }
-    }
-
-    #[tokio::test]
-    async fn a_recycled_header_map_carries_only_the_next_requests_headers() {
-        let (url, mut events) = raw_worker(None).await;
-        let upstream = Upstream::new(&UpstreamConfig::default()).unwrap();
-        let mut old = HeaderMap::new();
-        old.insert("x-old", "1".parse().unwrap());
-        super::recycle_headers(old);
-        let mut headers = HeaderMap::new();
-        headers.insert("x-new", "2".parse().unwrap());
-        let response = post_by(&upstream, &url, &headers, an_hour()).await.unwrap();
-        response.into_body().collect().await.unwrap();
-        let head = loop {
-            match events.recv().await.unwrap() {
-                head if head.starts_with("POST") => break head,
-                _ => {}
-            }
-        };
-        assert!(
-            head.contains("x-new: 2") && !head.contains("x-old"),
-            "{head}"
-        );
     }
 
     #[tokio::test]

@@ -57,6 +57,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dashmap::DashMap;
 use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier, WorkerKey};
 use kvroute_proto::{
     Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, Register, ResyncRequest,
@@ -101,7 +102,7 @@ impl Ingest {
 }
 
 /// Ranks awaiting a resync.
-type Pending = Arc<Mutex<HashMap<u32, Resync>>>;
+type Pending = Arc<DashMap<u32, Resync>>;
 
 /// A resync request awaiting its answer.
 #[derive(Clone, Copy, Debug)]
@@ -578,7 +579,7 @@ impl Stream {
                     if let Some(&from) = dropped_from.get(&rank) {
                         // The answer to the resync request will hold these events
                         // too, unless it was given up (the rank cleared, to start afresh).
-                        let awaited = self.pending.lock().unwrap().contains_key(&rank);
+                        let awaited = self.pending.contains_key(&rank);
                         if awaited && first_id > from {
                             self.count_dropped_batch();
                             continue;
@@ -716,7 +717,7 @@ impl Stream {
                 .await;
             return None;
         };
-        let resyncing = asked || self.pending.lock().unwrap().contains_key(&key.dp_rank);
+        let resyncing = asked || self.pending.contains_key(&key.dp_rank);
         let verdict = crate::ingest::verify::check(&self.state, key, &digest, resyncing);
         if verdict == Verdict::Diverged {
             self.request_dump(key.dp_rank).await;
@@ -730,12 +731,7 @@ impl Stream {
         if !self.holds || self.key(dp_rank).is_none() {
             return;
         }
-        let asked = self
-            .pending
-            .lock()
-            .unwrap()
-            .get(&dp_rank)
-            .is_some_and(|r| r.dump);
+        let asked = self.pending.get(&dp_rank).is_some_and(|r| r.dump);
         if !asked {
             tracing::info!(
                 worker = self.worker_id,
@@ -749,7 +745,7 @@ impl Stream {
 
     /// Whether a resync of `dp_rank` is awaited (only the holder awaits any).
     pub(crate) fn resyncing(&self, dp_rank: u32) -> bool {
-        self.pending.lock().unwrap().contains_key(&dp_rank)
+        self.pending.contains_key(&dp_rank)
     }
 
     /// Whether this replica holds the worker's stream.
@@ -758,8 +754,7 @@ impl Stream {
     }
 
     fn next_resync_deadline(&self) -> Option<Instant> {
-        let pending = self.pending.lock().unwrap();
-        pending.values().map(|r| r.deadline).min()
+        self.pending.iter().map(|r| r.deadline).min()
     }
 
     /// Asks again for resyncs past their deadline; clears the ranks whose every
@@ -769,22 +764,19 @@ impl Stream {
         let now = Instant::now();
         let mut again = Vec::new();
         let mut abandoned = Vec::new();
-        {
-            let mut pending = self.pending.lock().unwrap();
-            pending.retain(|&rank, resync| {
-                if resync.deadline > now {
-                    return true;
-                }
-                if resync.attempts >= ingest.resync_attempts {
-                    abandoned.push((rank, *resync));
-                    return false;
-                }
-                resync.attempts += 1;
-                resync.deadline = now + resync_timeout(&self.state);
-                again.push((rank, resync.from));
-                true
-            });
-        }
+        self.pending.retain(|&rank, resync| {
+            if resync.deadline > now {
+                return true;
+            }
+            if resync.attempts >= ingest.resync_attempts {
+                abandoned.push((rank, *resync));
+                return false;
+            }
+            resync.attempts += 1;
+            resync.deadline = now + resync_timeout(&self.state);
+            again.push((rank, resync.from));
+            true
+        });
         for (rank, from) in again {
             tracing::debug!(
                 worker = self.worker_id,
@@ -867,8 +859,6 @@ impl Stream {
                     tracing::debug!(worker = %label, expected, got, "event gap");
                     let asked = self
                         .pending
-                        .lock()
-                        .unwrap()
                         .get(&key.dp_rank)
                         .is_some_and(|r| r.from == expected);
                     if !asked {
@@ -876,13 +866,8 @@ impl Stream {
                     }
                 }
                 kvroute_index::ApplyOutcome::Applied { .. } => {
-                    let mut pending = self.pending.lock().unwrap();
-                    if pending
-                        .get(&key.dp_rank)
-                        .is_some_and(|r| !r.dump && event.event_id >= r.from)
-                    {
-                        pending.remove(&key.dp_rank);
-                    }
+                    self.pending
+                        .remove_if(&key.dp_rank, |_, r| !r.dump && event.event_id >= r.from);
                 }
                 kvroute_index::ApplyOutcome::Stale { .. } => {}
             }
@@ -933,7 +918,7 @@ impl Stream {
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         dumps.applied.insert(rank);
-        self.pending.lock().unwrap().remove(&rank);
+        self.pending.remove(&rank);
         // The rank holds exactly what the worker says now: its claims start afresh.
         self.state.registry.restore_claims(key);
         let label = worker_label(key);
@@ -1080,7 +1065,7 @@ impl Stream {
             deadline: Instant::now() + resync_timeout(&self.state),
             dump,
         };
-        self.pending.lock().unwrap().insert(dp_rank, resync);
+        self.pending.insert(dp_rank, resync);
         self.resync_asked.notify_one();
         self.send_resync(dp_rank, from).await;
     }

@@ -15,9 +15,8 @@
 //! removed: a reconnect of the same instance keeps its state, a new instance
 //! means everything held for the old one is gone.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
 use kvroute_index::WorkerKey;
 use tokio::sync::{oneshot, watch};
 
@@ -93,7 +92,7 @@ pub struct Claim {
 
 #[derive(Default)]
 pub struct Writers {
-    slots: Mutex<HashMap<u64, Slot>>,
+    slots: DashMap<u64, Slot>,
 }
 
 impl Writers {
@@ -115,15 +114,14 @@ impl Writers {
             fence: fence_tx,
             applier_stopped,
         };
-        let previous = {
-            let mut slots = self.slots.lock().unwrap();
-            if slots
-                .get(&worker_id)
-                .is_some_and(|s| s.generation > generation)
-            {
-                return None;
+        // The entry's shard lock is let go before any await.
+        let previous = match self.slots.entry(worker_id) {
+            Entry::Occupied(held) if held.get().generation > generation => return None,
+            Entry::Occupied(mut held) => Some(held.insert(slot)),
+            Entry::Vacant(free) => {
+                free.insert(slot);
+                None
             }
-            slots.insert(worker_id, slot)
         };
         let mut stale_ranks = Vec::new();
         if let Some(previous) = previous {
@@ -149,8 +147,7 @@ impl Writers {
     /// An operator removed the worker: fences its stream, waits for its applier
     /// to stop, and forgets it. The caller then clears its entries.
     pub async fn remove(&self, worker_id: u64) {
-        let slot = self.slots.lock().unwrap().remove(&worker_id);
-        if let Some(slot) = slot {
+        if let Some((_, slot)) = self.slots.remove(&worker_id) {
             slot.fence(worker_id, Fenced::Removed).await;
         }
     }
@@ -158,12 +155,7 @@ impl Writers {
     /// The worker was purged after its stream ended: forgets its instance, unless
     /// a newer registration owns the slot.
     pub fn forget(&self, worker_id: u64, generation: u64) {
-        let mut slots = self.slots.lock().unwrap();
-        if slots
-            .get(&worker_id)
-            .is_some_and(|s| s.generation == generation)
-        {
-            slots.remove(&worker_id);
-        }
+        self.slots
+            .remove_if(&worker_id, |_, s| s.generation == generation);
     }
 }

@@ -60,7 +60,7 @@
 
 pub mod queue;
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -107,22 +107,6 @@ pub struct Score {
     pub prefill_blocks: f64,
     pub decode_blocks: f64,
     pub cost: f64,
-}
-
-thread_local! {
-    /// A proxied request's [`Decision::scores`], given back by
-    /// [`keep_scores`] once it is sent: the thread's next decision fills it
-    /// rather than a new vector (an allocation per proxied request).
-    static KEPT_SCORES: Cell<Vec<Score>> = const { Cell::new(Vec::new()) };
-}
-
-/// Ranks of the longest scores list kept for the thread's next decision (16
-/// KiB); a longer one is let go.
-const KEPT_SCORES_MAX: usize = 256;
-
-/// Gives a decision's scores back for the thread's next decision.
-pub fn keep_scores(scores: Vec<Score>) {
-    crate::kept::keep(&KEPT_SCORES, scores, KEPT_SCORES_MAX);
 }
 
 #[derive(Clone, Debug)]
@@ -353,7 +337,7 @@ impl Scheduler {
             })
         };
 
-        let mut scores = crate::kept::take(&KEPT_SCORES);
+        let mut scores = Vec::new();
         if let Some(pin) = query.pin {
             // A pinned request skips busy and breaker checks: the caller asked for it.
             scores.extend(

@@ -11,7 +11,12 @@
 //!   key them (see `kvroute_index::hash`); `stream: true` for
 //!   SSE (a final usage chunk when `stream_options.include_usage` is set);
 //!   `usage.prompt_tokens_details.cached_tokens` reports the prefix hit.
-//! - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text).
+//! - `GET /metrics` (Prometheus text), and the endpoints of the engine's
+//!   persona (see [`crate::worker::persona`]): `/health`, `/v1/models`, ...
+//! - Validated as the engines validate: `stream_options` without `stream`,
+//!   or both `max_tokens` and `max_completion_tokens`, is a 400 in the
+//!   persona's error shape.
+//! - Prefill and decode legs of a disaggregated fleet: see [`crate::worker::pd`].
 //! - `POST /admin/fault` with `{"fault": "stop_events" | "resume_events" |
 //!   "drop_events" | "restart" | "die", "count": N}` (count for drop_events).
 //! - `POST /admin/eviction` with `{"policy": NAME}` switches the eviction
@@ -21,6 +26,12 @@
 //!   `/admin/fault`, these have no token: the simulator is a test fixture.
 //! - A request's `priority_class` (0 low, 1 normal, 2 high; default 1) is its
 //!   class under the `qos` eviction policy; the router forwards the body as is.
+//! - The OpenAI Responses API ([`responses`]), the Anthropic Messages API
+//!   ([`messages`]) and vLLM's endpoints without KV cache ([`passthrough`]).
+
+pub mod messages;
+pub mod passthrough;
+pub mod responses;
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -44,7 +55,9 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::SimError;
-use crate::engine::{Emitted, SeqId};
+use crate::engine::{Emitted, Handoff, SeqId};
+use crate::worker::pd::{LeaseKey, Leg, PdConvention};
+use crate::worker::persona::Persona;
 use crate::worker::{Fault, Shared, inject};
 
 /// The tokenizer, loaded on the first text prompt (token-id traffic never pays for it).
@@ -82,7 +95,7 @@ impl SharedTokenizer {
         }
     }
 
-    fn get(&self) -> Result<&Tokenizer, ApiError> {
+    pub fn get(&self) -> Result<&Tokenizer, ApiError> {
         self.loaded
             .get_or_init(|| Tokenizer::load(&self.spec).map_err(|e| e.to_string()))
             .as_ref()
@@ -94,8 +107,20 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
     let app = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/embeddings", post(passthrough::embeddings))
+        .route("/v1/rerank", post(passthrough::rerank))
+        .route("/v1/score", post(passthrough::score))
+        .route("/tokenize", post(passthrough::tokenize))
+        .route("/detokenize", post(passthrough::detokenize))
+        .merge(shared.config.persona.routes())
         .route("/metrics", get(metrics))
         .route("/admin/fault", post(fault))
         .route("/admin/eviction", get(eviction_stats).post(switch_eviction))
@@ -134,23 +159,23 @@ pub(crate) async fn serve(shared: Arc<Shared>, listener: TcpListener) {
 
 /// An OpenAI-style error response.
 pub(crate) struct ApiError {
-    status: StatusCode,
-    message: String,
+    pub status: StatusCode,
+    pub message: String,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             message: message.into(),
         }
     }
 
-    fn bad(message: impl Into<String>) -> Self {
+    pub fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
-    fn server(message: impl Into<String>) -> Self {
+    pub fn server(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
 }
@@ -165,16 +190,18 @@ impl From<SimError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = if self.status.is_client_error() {
-            "invalid_request_error"
-        } else {
-            "server_error"
-        };
-        let body =
-            json!({"error": {"message": self.message, "type": kind, "code": self.status.as_u16()}});
+impl ApiError {
+    /// The error in `persona`'s shape.
+    fn render(self, persona: Persona) -> Response {
+        let body = persona.error_body(self.status, &self.message);
         (self.status, Json(body)).into_response()
+    }
+}
+
+impl IntoResponse for ApiError {
+    /// The admin endpoints' errors, in vLLM's shape.
+    fn into_response(self) -> Response {
+        self.render(Persona::Vllm)
     }
 }
 
@@ -194,24 +221,26 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     priority: Priority,
+    /// The whole body, for the handoff fields (see [`crate::worker::pd::leg`]).
+    body: Value,
 }
 
 fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
     let json: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))?;
-    let model = json
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad("missing field `model` (a string)"))?;
-    if model != shared.config.model {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "model `{model}` is not served here (serving `{}`)",
-                shared.config.model
-            ),
+    let present = |name: &str| json.get(name).is_some_and(|v| !v.is_null());
+    let stream = json.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    if present("stream_options") && !stream {
+        return Err(ApiError::bad(
+            "stream_options can only be defined when stream is true",
         ));
     }
+    if present("max_tokens") && present("max_completion_tokens") {
+        return Err(ApiError::bad(
+            "max_tokens and max_completion_tokens cannot both be set; use max_completion_tokens",
+        ));
+    }
+    let model = served_model(shared, &json)?;
     let mut multimodal = Vec::new();
     let tokens = match kind {
         Kind::Completion => {
@@ -242,11 +271,6 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             tokens
         }
     };
-    let cache_salt = match json.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(salt)) => Some(salt.clone()),
-        Some(_) => return Err(ApiError::bad("`cache_salt` must be a string")),
-    };
     let max_tokens = match json
         .get("max_completion_tokens")
         .or_else(|| json.get("max_tokens"))
@@ -258,46 +282,80 @@ fn parse(shared: &Shared, body: &[u8], kind: Kind) -> Result<Parsed, ApiError> {
             .filter(|&n| n > 0)
             .ok_or_else(|| ApiError::bad("max_tokens must be a positive integer"))?,
     };
-    let priority = match json.get("priority_class") {
-        None | Some(Value::Null) => Priority::Normal,
-        Some(v) => v.as_u64().and_then(Priority::from_class).ok_or_else(|| {
-            ApiError::bad("`priority_class` must be 0 (low), 1 (normal) or 2 (high)")
-        })?,
-    };
     Ok(Parsed {
-        priority,
+        priority: priority(&json)?,
         model: model.to_string(),
         tokens,
         extra: ExtraKeys {
-            cache_salt,
+            cache_salt: cache_salt(&json)?,
             multimodal,
         },
         max_tokens,
-        stream: json.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        stream,
         include_usage: json
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        body: json,
     })
 }
 
+/// The request's `model`, if this engine serves it (else 404).
+pub(crate) fn served_model<'a>(shared: &Shared, json: &'a Value) -> Result<&'a str, ApiError> {
+    let model = json
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad("missing field `model` (a string)"))?;
+    if model != shared.config.model {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "model `{model}` is not served here (serving `{}`)",
+                shared.config.model
+            ),
+        ));
+    }
+    Ok(model)
+}
+
+/// The request's `cache_salt`, which keys its blocks.
+pub(crate) fn cache_salt(json: &Value) -> Result<Option<String>, ApiError> {
+    match json.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(salt)) => Ok(Some(salt.clone())),
+        Some(_) => Err(ApiError::bad("`cache_salt` must be a string")),
+    }
+}
+
+/// The request's `priority_class`, its class under the `qos` eviction policy.
+pub(crate) fn priority(json: &Value) -> Result<Priority, ApiError> {
+    match json.get("priority_class") {
+        None | Some(Value::Null) => Ok(Priority::Normal),
+        Some(v) => v.as_u64().and_then(Priority::from_class).ok_or_else(|| {
+            ApiError::bad("`priority_class` must be 0 (low), 1 (normal) or 2 (high)")
+        }),
+    }
+}
+
 async fn completions(State(shared): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let persona = shared.config.persona;
     generate(shared, &body, Kind::Completion)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
+        .unwrap_or_else(|e| e.render(persona))
 }
 
 async fn chat_completions(State(shared): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let persona = shared.config.persona;
     generate(shared, &body, Kind::Chat)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
+        .unwrap_or_else(|e| e.render(persona))
 }
 
 /// Aborts the request in the engine if the response is dropped before it finished.
-struct AbortGuard {
-    shared: Arc<Shared>,
-    id: SeqId,
-    done: bool,
+pub(crate) struct AbortGuard {
+    pub shared: Arc<Shared>,
+    pub id: SeqId,
+    pub done: bool,
 }
 
 impl Drop for AbortGuard {
@@ -312,7 +370,7 @@ const FILLER: [&str; 8] = [
     " the", " quick", " brown", " fox", " jumps", " over", " a", " dog",
 ];
 
-fn filler(index: u32) -> &'static str {
+pub(crate) fn filler(index: u32) -> &'static str {
     FILLER[index as usize % FILLER.len()]
 }
 
@@ -327,11 +385,48 @@ fn usage(last: &Emitted) -> Value {
 
 async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Response, ApiError> {
     let parsed = parse(&shared, body, kind)?;
+    let prefix = if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    let request_id = format!(
+        "{prefix}-{}-{:016x}",
+        shared.config.worker_id,
+        rand::random::<u64>()
+    );
+    let pd = &shared.config.pd;
+    let (handoff, lease) = match crate::worker::pd::leg(pd, &parsed.body, &request_id) {
+        Leg::Whole => (Handoff::default(), None),
+        Leg::Prefill(key) => (Handoff::default(), Some(key)),
+        Leg::Decode { url, request } => {
+            match crate::worker::pd::receive(&shared, &url, &request).await {
+                Ok(handoff) => (handoff, None),
+                Err(why) if pd.convention == PdConvention::Vllm => {
+                    tracing::warn!(
+                        worker = shared.config.worker_id,
+                        "KV transfer failed, recomputing: {why}"
+                    );
+                    shared.core().pd.stats.recomputes += 1;
+                    (Handoff::default(), None)
+                }
+                Err(why) => return Err(ApiError::server(format!("KV transfer failed: {why}"))),
+            }
+        }
+    };
+    // An SGLang prefill server stops at the first token whatever the body
+    // asks: the same body goes to the decode, which generates the rest.
+    let max_tokens = match lease {
+        Some(LeaseKey::Sglang(_)) => 1,
+        _ => parsed.max_tokens,
+    };
     let (id, rx) = shared.submit(
         &parsed.tokens,
-        parsed.max_tokens,
+        max_tokens,
         &parsed.extra,
         parsed.priority,
+        handoff,
+        lease.clone(),
     )?;
     let guard = AbortGuard {
         shared: Arc::clone(&shared),
@@ -341,22 +436,44 @@ async fn generate(shared: Arc<Shared>, body: &[u8], kind: Kind) -> Result<Respon
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let prefix = if kind == Kind::Chat {
-        "chatcmpl"
-    } else {
-        "cmpl"
-    };
     let meta = Meta {
-        id: format!("{prefix}-{}-{id}", shared.config.worker_id),
+        id: request_id,
         created,
         model: parsed.model,
         kind,
     };
     if parsed.stream {
-        Ok(stream_response(meta, rx, guard, parsed.include_usage))
-    } else {
-        whole_response(meta, rx, guard).await
+        return Ok(stream_response(meta, rx, guard, parsed.include_usage));
     }
+    let request_id = meta.id.clone();
+    let mut body = whole_response(meta, rx, guard).await?;
+    if let Some(key @ LeaseKey::Vllm(_)) = &lease {
+        let block_ids = shared.core().pd.block_ids(key);
+        if let Some(block_ids) = block_ids {
+            body["kv_transfer_params"] = kv_transfer_params(&shared, &request_id, block_ids);
+        }
+    }
+    Ok(Json(body).into_response())
+}
+
+/// What a vLLM prefill returns for its decode leg to pull with.
+fn kv_transfer_params(shared: &Shared, request_id: &str, block_ids: Vec<u64>) -> Value {
+    let ip = shared.config.http_addr.ip();
+    let host = if ip.is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        ip.to_string()
+    };
+    json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_engine_id": format!("sim-{}", shared.config.worker_id),
+        "remote_block_ids": block_ids,
+        "remote_host": host,
+        "remote_port": shared.bootstrap_port,
+        "remote_request_id": request_id,
+        "tp_size": 1,
+    })
 }
 
 struct Meta {
@@ -398,28 +515,38 @@ impl Meta {
     }
 }
 
-fn ended_early() -> ApiError {
+pub(crate) fn ended_early() -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the engine dropped the request (restarted or stopped)",
     )
 }
 
-async fn whole_response(
-    meta: Meta,
+/// The whole reply: its text and its last emission (with the usage);
+/// `None` if the engine dropped the request first.
+pub(crate) async fn reply(
     mut rx: mpsc::UnboundedReceiver<Emitted>,
     mut guard: AbortGuard,
-) -> Result<Response, ApiError> {
+) -> Option<(String, Emitted)> {
     let mut text = String::new();
     loop {
-        let emitted = rx.recv().await.ok_or_else(ended_early)?;
+        let emitted = rx.recv().await?;
         text.push_str(filler(emitted.generated - 1));
         if emitted.finished {
             guard.done = true;
-            let choice = meta.choice(&text, Some("length"), false);
-            return Ok(Json(meta.body(vec![choice], Some(usage(&emitted)), false)).into_response());
+            return Some((text, emitted));
         }
     }
+}
+
+async fn whole_response(
+    meta: Meta,
+    rx: mpsc::UnboundedReceiver<Emitted>,
+    guard: AbortGuard,
+) -> Result<Value, ApiError> {
+    let (text, last) = reply(rx, guard).await.ok_or_else(ended_early)?;
+    let choice = meta.choice(&text, Some("length"), false);
+    Ok(meta.body(vec![choice], Some(usage(&last)), false))
 }
 
 fn stream_response(
@@ -463,12 +590,6 @@ fn stream_response(
     Sse::new(events).into_response()
 }
 
-async fn models(State(shared): State<Arc<Shared>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [
-        {"id": shared.config.model, "object": "model", "owned_by": "kvroute-sim"}
-    ]}))
-}
-
 async fn fault(
     State(shared): State<Arc<Shared>>,
     body: axum::body::Bytes,
@@ -502,7 +623,7 @@ async fn fault(
 }
 
 /// An admin request's body as JSON, or a 400 saying why not.
-fn json_body(body: &[u8]) -> Result<Value, ApiError> {
+pub(crate) fn json_body(body: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}")))
 }
@@ -565,13 +686,14 @@ async fn eviction_stats(State(shared): State<Arc<Shared>>) -> Json<Value> {
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
-    let (stats, load, last_event_id, evictions) = {
+    let (stats, load, last_event_id, evictions, pd) = {
         let core = shared.core();
         (
             core.engine.stats(),
             core.engine.load(),
             core.log.last_id(),
             core.engine.evictions(),
+            core.pd.stats,
         )
     };
     let hit_ratio = if stats.prompt_tokens == 0 {
@@ -581,7 +703,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     };
     let usage = load.kv_blocks_used as f64 / load.kv_blocks_total.max(1) as f64;
     let worker = shared.config.worker_id;
-    let series: [(&str, &str, &str, f64); 17] = [
+    let series: [(&str, &str, &str, f64); 21] = [
         (
             "kvroute_sim_requests_total",
             "counter",
@@ -684,6 +806,30 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             "Id of the last KV event",
             last_event_id as f64,
         ),
+        (
+            "kvroute_sim_transferred_prompt_tokens_total",
+            "counter",
+            "Prompt tokens received from prefill engines instead of prefilled",
+            stats.transferred_tokens as f64,
+        ),
+        (
+            "kvroute_sim_pd_handoffs_total",
+            "counter",
+            "Prefill/decode handoffs: leases taken (prefill), KV received (decode)",
+            pd.handoffs as f64,
+        ),
+        (
+            "kvroute_sim_pd_lease_expired_blocks_total",
+            "counter",
+            "Blocks a prefill held for a decode that never took them, freed by lease timeout",
+            pd.lease_expired_blocks as f64,
+        ),
+        (
+            "kvroute_sim_pd_recomputes_total",
+            "counter",
+            "Decode legs computed in full: their KV was unknown, expired or unreachable",
+            pd.recomputes as f64,
+        ),
     ];
     let mut text = String::new();
     for (name, kind, help, value) in series {
@@ -692,6 +838,14 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{worker=\"{worker}\"}} {value}"
         );
     }
+    let config = &shared.config;
+    config.persona.metrics(
+        &config.model,
+        config.engine.block_size,
+        &stats,
+        &load,
+        &mut text,
+    );
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -8,6 +8,8 @@
 //! passed over its computation. Requests whose client went away are aborted.
 
 pub mod http;
+pub mod pd;
+pub mod persona;
 pub mod publisher;
 
 use std::collections::HashMap;
@@ -24,14 +26,19 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::SimError;
-use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Load, SeqId};
+use crate::engine::{Emitted, Engine, EngineConfig, EngineStats, Handoff, Load, SeqId};
 use crate::events::{DEFAULT_RING_EVENTS, EventLog};
 use crate::worker::http::SharedTokenizer;
+use crate::worker::http::responses::ResponseStore;
+use crate::worker::pd::{HttpClient, LeaseKey, Leases, PdConfig, PdStats, Role};
+use crate::worker::persona::Persona;
 
 /// Events between two digests of the cache, by default.
 pub const DEFAULT_DIGEST_EVENTS: u64 = 1000;
 /// Longest time between two digests, by default.
 pub const DEFAULT_DIGEST_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a stored response is kept by default (`--responses-ttl-s`).
+pub const DEFAULT_RESPONSES_TTL: Duration = Duration::from_secs(3600);
 
 /// How to run one simulated worker.
 #[derive(Clone, Debug)]
@@ -63,6 +70,13 @@ pub struct WorkerConfig {
     pub digest_interval: Duration,
     /// Log one line per eviction decision (time, policy, blocks freed, why).
     pub log_evictions: bool,
+    /// Which engine's HTTP surface to imitate.
+    pub persona: Persona,
+    /// The engine's part in prefill/decode disaggregation.
+    pub pd: PdConfig,
+    /// How long a stored Responses API response (`/v1/responses`) is kept,
+    /// for `previous_response_id` and `GET /v1/responses/{id}`.
+    pub responses_ttl: Duration,
 }
 
 impl WorkerConfig {
@@ -84,6 +98,9 @@ impl WorkerConfig {
             digest_events: DEFAULT_DIGEST_EVENTS,
             digest_interval: DEFAULT_DIGEST_INTERVAL,
             log_evictions: false,
+            persona: Persona::Vllm,
+            pd: PdConfig::default(),
+            responses_ttl: DEFAULT_RESPONSES_TTL,
         }
     }
 }
@@ -114,6 +131,8 @@ pub(crate) struct Core {
     pub publishing: bool,
     pub drop_next: u64,
     pub pacing: Pacing,
+    /// Prefill legs' blocks held for decode engines.
+    pub pd: Leases,
 }
 
 /// How far the iteration loop ran behind the cost model's clock.
@@ -156,6 +175,14 @@ pub(crate) struct Shared {
     pub events_ready: Notify,
     pub stop: watch::Sender<bool>,
     pub tokenizer: SharedTokenizer,
+    /// A prefill leg finished: a decode waiting at the rendezvous may take it.
+    pub lease_added: Notify,
+    /// Takes decode legs' KV from prefill engines' side channels.
+    pub client: HttpClient,
+    /// The side channel's port (prefill engines; 0 for the others).
+    pub bootstrap_port: u16,
+    /// The stored Responses API responses.
+    pub responses: ResponseStore,
 }
 
 impl Shared {
@@ -165,13 +192,16 @@ impl Shared {
             .expect("no code panics while holding the core")
     }
 
-    /// Queues a request; its tokens arrive on the returned channel.
+    /// Queues a request; its tokens arrive on the returned channel. A prefill
+    /// leg (`lease`) keeps its blocks under that key once it finishes.
     pub fn submit(
         &self,
         tokens: &[u32],
         max_tokens: u32,
         extra: &ExtraKeys,
         priority: Priority,
+        handoff: Handoff,
+        lease: Option<LeaseKey>,
     ) -> Result<(SeqId, mpsc::UnboundedReceiver<Emitted>), SimError> {
         if *self.stop.borrow() {
             return Err(SimError::Stopped);
@@ -179,10 +209,17 @@ impl Shared {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut core = self.core();
+            let handoff = Handoff {
+                hold: lease.is_some(),
+                ..handoff
+            };
             let id = core
                 .engine
-                .submit_prioritized(tokens, max_tokens, extra, priority)?;
+                .submit_handoff(tokens, max_tokens, extra, priority, handoff)?;
             core.streams.insert(id, tx);
+            if let Some(key) = lease {
+                core.pd.start(id, key);
+            }
             id
         };
         self.wake.notify_one();
@@ -193,6 +230,7 @@ impl Shared {
         let mut core = self.core();
         if core.streams.remove(&id).is_some() {
             core.engine.abort(id);
+            core.pd.forget(id);
         }
     }
 
@@ -240,6 +278,25 @@ impl Worker {
             context: "cannot read the listener's address".into(),
             source,
         })?;
+        // Prefill engines serve the side channel decode engines take KV from.
+        let side_channel = match config.pd.role {
+            Role::Prefill => {
+                let addr = SocketAddr::new(http_addr.ip(), config.pd.bootstrap_port);
+                Some(
+                    TcpListener::bind(addr)
+                        .await
+                        .map_err(|source| SimError::Io {
+                            context: format!("cannot listen on {addr} (--bootstrap-port)"),
+                            source,
+                        })?,
+                )
+            }
+            _ => None,
+        };
+        let bootstrap_port = match &side_channel {
+            Some(listener) => listener.local_addr().map_or(0, |a| a.port()),
+            None => 0,
+        };
         let (stop, _) = watch::channel(false);
         let mut log = EventLog::new(config.ring_events);
         let mut engine = engine;
@@ -253,6 +310,7 @@ impl Worker {
                 None => format!("http://{http_addr}"),
             },
             tokenizer: SharedTokenizer::new(config.tokenizer.clone()),
+            responses: ResponseStore::new(config.responses_ttl),
             config,
             core: Mutex::new(Core {
                 engine,
@@ -262,10 +320,14 @@ impl Worker {
                 publishing: true,
                 drop_next: 0,
                 pacing: Pacing::default(),
+                pd: Leases::default(),
             }),
             wake: Notify::new(),
             events_ready: Notify::new(),
             stop,
+            lease_added: Notify::new(),
+            client: crate::worker::pd::http_client(),
+            bootstrap_port,
         });
         let mut tasks = vec![
             tokio::spawn(iterate(Arc::clone(&shared))),
@@ -275,6 +337,12 @@ impl Worker {
             tasks.push(tokio::spawn(crate::worker::publisher::run(Arc::clone(
                 &shared,
             ))));
+        }
+        if let Some(listener) = side_channel {
+            tasks.push(tokio::spawn(crate::worker::pd::serve_side_channel(
+                Arc::clone(&shared),
+                listener,
+            )));
         }
         tracing::info!(worker = shared.config.worker_id, %http_addr, "simulated worker started");
         Ok(Worker {
@@ -294,6 +362,20 @@ impl Worker {
 
     pub fn base_url(&self) -> &str {
         &self.shared.base_url
+    }
+
+    pub fn role(&self) -> Role {
+        self.shared.config.pd.role
+    }
+
+    /// The side channel's port on a prefill engine; 0 on the others.
+    pub fn bootstrap_port(&self) -> u16 {
+        self.shared.bootstrap_port
+    }
+
+    /// Handoffs served and blocks freed by lease timeout.
+    pub fn pd_stats(&self) -> PdStats {
+        self.shared.core().pd.stats
     }
 
     pub fn stats(&self) -> (EngineStats, Load) {
@@ -345,11 +427,14 @@ pub(crate) fn inject(shared: &Shared, fault: Fault) {
             let mut core = shared.core();
             // Clients of the dropped requests see their streams end.
             core.streams.clear();
+            core.pd.clear();
             if let Err(e) = core.engine.clear() {
                 tracing::error!("restart failed: {e}");
             }
             core.log.restart();
             core.instance_id = rand::random();
+            // A new engine process has none of the old one's stored responses.
+            shared.responses.clear();
             shared.log_events(&mut core);
             // The publisher registers the new instance even if no event follows.
             shared.events_ready.notify_one();
@@ -397,6 +482,10 @@ async fn iterate(shared: Arc<Shared>) {
         core.pacing.record(lag);
         shared.log_events(&mut core);
         for emitted in step.emitted {
+            if emitted.finished {
+                // Leased before the client hears of it, so its response can name it.
+                crate::worker::pd::finished(&shared, &mut core, emitted.seq);
+            }
             let delivered = core
                 .streams
                 .get(&emitted.seq)
@@ -406,6 +495,7 @@ async fn iterate(shared: Arc<Shared>) {
             } else if !delivered {
                 core.streams.remove(&emitted.seq);
                 core.engine.abort(emitted.seq);
+                core.pd.forget(emitted.seq);
             }
         }
     }
@@ -418,7 +508,8 @@ pub(crate) async fn until_stopped(stopped: &mut watch::Receiver<bool>) {
 }
 
 /// Starts `count` workers from `template`: worker `i` gets id
-/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`.
+/// `template.worker_id + i` and, when `base_port` is not 0, port `base_port + i`
+/// (and bootstrap port `template.pd.bootstrap_port + i` when that is not 0).
 pub async fn start_fleet(
     template: &WorkerConfig,
     count: usize,
@@ -435,6 +526,15 @@ pub async fn start_fleet(
                 ))
             })?;
             config.http_addr.set_port(port);
+        }
+        if template.pd.bootstrap_port != 0 {
+            config.pd.bootstrap_port = u16::try_from(template.pd.bootstrap_port as usize + i)
+                .map_err(|_| {
+                    SimError::Config(format!(
+                        "--bootstrap-port {} + {count} workers passes port 65535",
+                        template.pd.bootstrap_port
+                    ))
+                })?;
         }
         workers.push(Worker::start(config).await?);
     }

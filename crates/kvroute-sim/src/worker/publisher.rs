@@ -33,6 +33,7 @@ use crate::events::stored;
 use crate::pool::PoolEvent;
 use crate::view::RouterView;
 use crate::worker::Shared;
+use crate::worker::pd::Role;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -146,6 +147,12 @@ impl<'a> Session<'a> {
             lora_names: Vec::new(),
             tokenizer,
             instance_id: self.instance_id,
+            role: kvroute_proto::WorkerRole::from(config.pd.role) as i32,
+            pd_convention: match config.pd.role {
+                Role::Aggregated => kvroute_proto::PdConvention::Unspecified,
+                _ => config.pd.convention.into(),
+            } as i32,
+            bootstrap_port: u32::from(shared.bootstrap_port),
         };
         let _ = tx.try_send(message(worker_message::Body::Register(register)));
         let mut request = tonic::Request::new(ReceiverStream::new(rx));

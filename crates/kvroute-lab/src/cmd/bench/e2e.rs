@@ -13,7 +13,9 @@
 //! by side: `blocks` is Dynamo's cost as it was (`overlap_weight`, no slack),
 //! `seconds` the time cost with the configuration's knobs. `--rate 1,2,3` runs
 //! everything at each rate. With `round_robin` among the policies, every `kv`
-//! run is checked against issue 13's routing goals (see [`goals`]).
+//! run is checked against issue 13's routing goals (see [`goals`]). `--api
+//! chat|responses|messages` replays the trace as text through that API
+//! instead of token ids through completions.
 
 mod goals;
 mod replicas;
@@ -80,6 +82,12 @@ pub struct E2eArgs {
     /// nats-server and `kvroute serve` processes; clients round-robin).
     #[arg(long, value_name = "N")]
     replicas: Option<usize>,
+    /// The API the requests use: `completions` (the trace's token ids), or
+    /// `chat`, `responses` or `messages` (a text of the same prefixes, one
+    /// user turn, tokenized by router and engines with the engines' tokenizer
+    /// unless the config names one).
+    #[arg(long, default_value = "completions")]
+    api: kvroute_e2e::Api,
     /// Engines (the trace needs `--block-size 512` for its blocks to be engine blocks).
     #[command(flatten)]
     engine: EngineArgs,
@@ -96,14 +104,22 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot read the trace {}", args.trace.display()))?;
     let engine = args.engine.engine_config();
     let evictions = args.engine.eviction.clone();
-    let router = kvroute_router::Config::load(args.config.as_deref(), std::env::vars())?;
+    let mut router = kvroute_router::Config::load(args.config.as_deref(), std::env::vars())?;
+    if args.api != kvroute_e2e::Api::Completions && router.tokenizer.0.is_empty() {
+        router.tokenizer.0 = vec![kvroute_sim::WorkerConfig::new(0, engine.clone()).tokenizer];
+    }
     let top_rate = args.rate.iter().copied().fold(0.0, f64::max);
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     if let Some(replicas) = args.replicas {
         anyhow::ensure!(args.rate.len() == 1, "--replicas runs at one --rate");
+        anyhow::ensure!(
+            args.api == kvroute_e2e::Api::Completions,
+            "--replicas replays completions only"
+        );
         let replay = Replay {
             time_scale: args.engine.speedup * args.rate[0],
             max_output_tokens: args.max_output_tokens,
+            api: args.api,
         };
         return run_replicas(&args, replicas, &trace, &router, replay, &runtime);
     }
@@ -112,6 +128,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         let replay = Replay {
             time_scale: args.engine.speedup * rate,
             max_output_tokens: args.max_output_tokens,
+            api: args.api,
         };
         let reports = runtime.block_on(async {
             let mut reports = Vec::new();
@@ -172,6 +189,7 @@ pub fn run(args: E2eArgs) -> anyhow::Result<()> {
         "evictions": evictions.iter().map(|e| e.name()).collect::<Vec<_>>(),
         "speedup": args.engine.speedup,
         "max_output_tokens": args.max_output_tokens,
+        "api": args.api,
         "runs": runs.iter().map(|(rate, reports)| json!({
             "rate": rate,
             "policies": reports,

@@ -154,6 +154,7 @@ async fn connect(
         lora_names: Vec::new(),
         instance_id: 1,
         tokenizer: None,
+        ..Default::default()
     };
     tx.send(message(worker_message::Body::Register(register)))
         .await?;
