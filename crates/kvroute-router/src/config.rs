@@ -303,7 +303,8 @@ pub struct IndexConfig {
     /// memory or on disk), and the most offload blocks one dump may hold.
     pub max_offload_blocks: usize,
     /// Enables `POST /workers/{id}/drop-events`, which corrupts this replica's
-    /// index on purpose (see `crate::faults`). For tests only.
+    /// index on purpose (see `crate::faults`). For tests only: a build
+    /// without the `test-hooks` feature refuses `true`.
     pub test_faults: bool,
 }
 
@@ -1152,6 +1153,13 @@ impl Config {
         if self.index.max_offload_blocks == 0 {
             return fail("index.max_offload_blocks must be at least 1".into());
         }
+        if self.index.test_faults && !cfg!(feature = "test-hooks") {
+            return fail(
+                "index.test_faults = true needs a build with the `test-hooks` feature (the \
+                 tests'); this kvroute has no test hooks"
+                    .into(),
+            );
+        }
         // A batch the queue could never hold would be dropped and resent forever.
         if self.ingest.event_queue_bytes < l.max_grpc_message_bytes {
             return fail(format!(
@@ -1682,6 +1690,17 @@ mod tests {
         for bad in ["0", "31"] {
             let err = cluster(bad).unwrap_err();
             assert!(err.to_string().contains("snapshot_interval_s"), "{err}");
+        }
+    }
+
+    #[test]
+    fn test_faults_load_only_in_a_build_with_the_test_hooks() {
+        let loaded = Config::load(None, env(&[("KVROUTE_INDEX__TEST_FAULTS", "true")]));
+        if cfg!(feature = "test-hooks") {
+            assert!(loaded.unwrap().index.test_faults);
+        } else {
+            let err = loaded.unwrap_err();
+            assert!(err.to_string().contains("index.test_faults"), "{err}");
         }
     }
 

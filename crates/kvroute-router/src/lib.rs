@@ -1,6 +1,7 @@
 //! kvroute-router: the router service behind `kvroute serve`.
 //!
-//! Workers stream KV-cache events to it over gRPC ([`ingest`]); it keeps them in
+//! Workers stream KV-cache events to it over gRPC ([`grpc`], whose streams
+//! [`ingest`] serves); it keeps them in
 //! the global index (`kvroute-index`) and tracks who can take requests and how
 //! loaded each worker is ([`fleet`]: the registry, with its bookings, breakers,
 //! groups and shared load). For every OpenAI-style request the HTTP API
@@ -9,7 +10,8 @@
 //! cached prefix and load make it cheapest, and the proxy books the load and
 //! forwards the request. [`state`] ties these together; [`ingest`] also decides
 //! which worker stream may write the index and checks the index against the
-//! digests workers send ([`faults`] corrupts it on purpose, for tests), and
+//! digests workers send (`faults`, behind the `test-hooks` feature, corrupts it
+//! on purpose for tests), and
 //! [`cached_tokens`] with [`fleet::claims`] stops crediting a worker whose
 //! responses keep contradicting its events; [`server`] starts the listeners,
 //! background tasks and the graceful shutdown ([`connections`] caps both
@@ -32,8 +34,10 @@ pub mod config;
 pub mod connections;
 pub mod epp;
 pub mod error;
+#[cfg(feature = "test-hooks")]
 pub mod faults;
 pub mod fleet;
+pub mod grpc;
 pub mod http;
 pub mod ingest;
 pub mod limits;

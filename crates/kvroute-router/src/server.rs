@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 use crate::config::{Config, LimitsConfig, LogConfig, LogFormat, TlsConfig};
 use crate::connections::{self, CappedListener, ConnectionCaps, CountStreamsLayer, Port, incoming};
 use crate::error::RouterError;
+use crate::grpc::KvRouterService;
 use crate::http;
 use crate::ingest::Ingest;
 use crate::metrics;
@@ -135,7 +136,8 @@ async fn start_with(config: Config, replica: Option<Arc<Replica>>) -> Result<Run
     }));
 
     let max_message = state.config.limits.max_grpc_message_bytes;
-    let ingest = KvRouterServer::new(Ingest::new(Arc::clone(&state), stopped.clone()))
+    let ingest = Ingest::new(Arc::clone(&state), stopped.clone());
+    let ingest = KvRouterServer::new(KvRouterService::new(ingest, Arc::clone(&state)))
         .max_decoding_message_size(max_message);
     // Pings find half-open connections (a worker host gone without a FIN): an
     // unanswered one closes the connection, which ends the worker's stream.

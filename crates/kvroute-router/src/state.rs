@@ -51,10 +51,12 @@ pub struct AppState {
     /// A test hook: while a test holds it for writing, event batches and dumps
     /// wait in their queues instead of being applied, so that a full queue
     /// is reached without racing the index. Nothing else takes it for writing.
+    #[cfg(feature = "test-hooks")]
     pub ingest_gate: tokio::sync::RwLock<()>,
     /// Bytes of unfinished dumps all streams may hold (`ingest.dump_parts_bytes`).
     pub dump_parts: Arc<tokio::sync::Semaphore>,
     /// The test-only hook that corrupts the index on purpose (`index.test_faults`).
+    #[cfg(feature = "test-hooks")]
     pub faults: crate::faults::Faults,
     /// Which worker created each OpenAI response id.
     pub response_owners: Arc<crate::http::responses::ResponseOwners>,
@@ -139,6 +141,7 @@ impl AppState {
             max_load_ratio: config.sessions.max_load_ratio,
         };
         let upstream = Upstream::new(&config.upstream)?;
+        #[cfg(feature = "test-hooks")]
         let faults = crate::faults::Faults::new(config.index.test_faults);
         let queue = WaitQueue::new(
             config.scheduler.queue_order,
@@ -167,8 +170,10 @@ impl AppState {
             shared_predictions: std::sync::OnceLock::new(),
             sessions,
             queue,
+            #[cfg(feature = "test-hooks")]
             ingest_gate: tokio::sync::RwLock::new(()),
             dump_parts,
+            #[cfg(feature = "test-hooks")]
             faults,
             response_owners,
         }))

@@ -47,12 +47,13 @@ fn router(state: Arc<AppState>, inflight: Inflight) -> Router {
     let admin = Router::new()
         .route("/workers", get(list_workers))
         .route("/workers/{id}", get(get_worker).delete(delete_worker))
-        .route("/workers/{id}/drain", post(drain_worker))
-        .route("/workers/{id}/drop-events", post(drop_events))
-        .route_layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
-            require_admin,
-        ));
+        .route("/workers/{id}/drain", post(drain_worker));
+    #[cfg(feature = "test-hooks")]
+    let admin = admin.route("/workers/{id}/drop-events", post(drop_events));
+    let admin = admin.route_layer(middleware::from_fn_with_state(
+        Arc::clone(&state),
+        require_admin,
+    ));
     let proxied = |endpoint: Endpoint| {
         let inflight = inflight.clone();
         post(move |State(state), request| proxy(state, inflight.clone(), request, endpoint))
@@ -940,6 +941,7 @@ async fn delete_worker(
 
 /// The test-only hook of [`crate::faults`]: `{"dp_rank": R, "events": N,
 /// "whole": false}`.
+#[cfg(feature = "test-hooks")]
 async fn drop_events(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,

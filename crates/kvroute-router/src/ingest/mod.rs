@@ -1,4 +1,4 @@
-//! gRPC ingest: workers' event streams, and the unary `Route` RPC.
+//! gRPC ingest: workers' event streams.
 //!
 //! Per stream, a reader task takes messages off the wire and an applier task
 //! applies event batches to the index in order. Between them is a queue bounded
@@ -59,11 +59,10 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use kvroute_index::{EventKind, KvEvent, StoredBlock, Tier, WorkerKey};
-use kvroute_proto::kv_router_server::KvRouter;
 use kvroute_proto::{
     Ack, Digest, Dump, Error as ErrorMessage, EventBatch, LoadReport, PdConvention, Register,
-    ResyncRequest, RouteRequest, RouteResponse, RouterMessage, WorkerMessage, WorkerRole,
-    WorkerScore, kv_event, route_request, router_message, worker_message,
+    ResyncRequest, RouterMessage, WorkerMessage, WorkerRole, kv_event, router_message,
+    worker_message,
 };
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
@@ -71,7 +70,6 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::{self, PdRole, Role};
-use crate::error::RouterError;
 use crate::fleet::{Claimant, Registration, ReportedLoad, worker_label};
 use crate::ingest::verify::Verdict;
 use crate::ingest::work::Work;
@@ -79,7 +77,7 @@ use crate::ingest::writers::{ApplierAlive, Fence, Fenced, fenced};
 use crate::limits;
 use crate::metrics;
 use crate::replica::HeldStream;
-use crate::state::{AppState, RouteInput};
+use crate::state::AppState;
 use crate::tokenize::Agreement;
 
 pub struct Ingest {
@@ -308,14 +306,16 @@ fn message(body: router_message::Body) -> Result<RouterMessage, Status> {
     Ok(RouterMessage { body: Some(body) })
 }
 
-#[tonic::async_trait]
-impl KvRouter for Ingest {
-    type StreamStream = ReceiverStream<Result<RouterMessage, Status>>;
+/// A worker's stream of events, as the router answers it.
+pub type RouterStream = ReceiverStream<Result<RouterMessage, Status>>;
 
-    async fn stream(
+impl Ingest {
+    /// Serves one worker's event stream: registration first, then its
+    /// batches, dumps, digests and load reports until it ends or is fenced.
+    pub async fn stream(
         &self,
         request: Request<Streaming<WorkerMessage>>,
-    ) -> Result<Response<Self::StreamStream>, Status> {
+    ) -> Result<Response<RouterStream>, Status> {
         let grant = self.state.credentials.worker(request.metadata())?;
         let slot = StreamSlot::take(self, grant.token)?;
         let mut inbound = request.into_inner();
@@ -430,50 +430,6 @@ impl KvRouter for Ingest {
             stream.disconnected(generation);
         });
         Ok(Response::new(ReceiverStream::new(out_rx)))
-    }
-
-    async fn route(
-        &self,
-        request: Request<RouteRequest>,
-    ) -> Result<Response<RouteResponse>, Status> {
-        // It writes predictions, which steer everyone's requests: an operator's call.
-        self.state.credentials.admin_grpc(request.metadata())?;
-        let request = request.into_inner();
-        let name = if request.lora_name.is_empty() {
-            request.model.as_str()
-        } else {
-            request.lora_name.as_str()
-        };
-        let input = match &request.input {
-            Some(route_request::Input::TokenIds(t)) => RouteInput::Tokens(&t.ids),
-            Some(route_request::Input::LocalHashes(h)) => RouteInput::LocalHashes(&h.hashes),
-            None => RouteInput::Tokens(&[]),
-        };
-        let routed = self
-            .state
-            .route(name, input, None, &[])
-            .await
-            .map_err(|e| match e {
-                RouterError::UnknownModel(_) => Status::not_found(e.to_string()),
-                _ => Status::unavailable(e.to_string()),
-            })?;
-        let d = &routed.decision;
-        // The caller will send the request there: remember it like a proxied one.
-        self.state.record_prediction(&routed);
-        Ok(Response::new(RouteResponse {
-            worker_id: d.worker.worker_id,
-            dp_rank: d.worker.dp_rank,
-            scores: d
-                .scores
-                .iter()
-                .map(|s| WorkerScore {
-                    worker_id: s.worker_id,
-                    dp_rank: s.dp_rank,
-                    overlap_blocks: s.overlap_blocks,
-                    cost: s.cost,
-                })
-                .collect(),
-        }))
     }
 }
 
@@ -767,6 +723,7 @@ impl Stream {
     /// Applies one item; `Err` ends the stream with that status.
     async fn apply(&self, item: Work, dumps: &mut DumpState) -> Result<(), Status> {
         // Held for writing only by tests that fill the queue on purpose.
+        #[cfg(feature = "test-hooks")]
         let _gate = self.state.ingest_gate.read().await;
         let item = match (self.logged, self.state.replica.get()) {
             (Some(claim), Some(replica)) => {
@@ -918,9 +875,11 @@ impl Stream {
                 kindless += 1;
                 continue;
             };
-            if let Some(event) = self.state.faults.pass(key, event) {
-                events.push((tier, event));
-            }
+            #[cfg(feature = "test-hooks")]
+            let Some(event) = self.state.faults.pass(key, event) else {
+                continue;
+            };
+            events.push((tier, event));
         }
         if kindless > 0 {
             self.send_error(format!(
