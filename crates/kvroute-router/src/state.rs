@@ -340,8 +340,7 @@ impl AppState {
         exclude: &[u64],
     ) -> Result<Routed, RouterError> {
         self.route_queued(
-            name,
-            Pool::Whole,
+            (name, Pool::Whole),
             input,
             pin,
             None,
@@ -380,7 +379,7 @@ impl AppState {
         session: Option<&str>,
         exclude: &[u64],
     ) -> Result<Routed<Booking>, RouterError> {
-        self.route_queued(name, pool, input, pin, session, exclude, |query, now| {
+        self.route_queued((name, pool), input, pin, session, exclude, |query, now| {
             self.scheduler.choose_and_book(query, now)
         })
         .await
@@ -391,10 +390,10 @@ impl AppState {
     /// when load is released or a breaker's cool-down ends, until the queue
     /// timeout. `choose` gets the time of its attempt: a request's first
     /// attempt decides as of the clock reading that starts its queue timeout.
+    /// The request is for `name`'s ranks of `pool`.
     async fn route_queued<B>(
         &self,
-        name: &str,
-        pool: Pool,
+        (name, pool): (&str, Pool),
         input: RouteInput<'_>,
         pin: Option<u64>,
         session: Option<&str>,

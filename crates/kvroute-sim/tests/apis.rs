@@ -131,7 +131,7 @@ async fn responses_answer_with_the_response_object() {
     assert_eq!(deleted["deleted"], true);
     let (status, gone) = http.json("GET", &one, &Value::Null).await;
     assert_eq!(status, 404, "{gone}");
-    assert_eq!(gone["error"]["type"], "invalid_request_error");
+    assert_eq!(gone["error"]["type"], "NotFoundError");
     assert!(
         gone["error"]["message"]
             .as_str()
