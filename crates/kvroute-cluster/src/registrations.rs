@@ -55,11 +55,25 @@ pub async fn watch(
 ) {
     // Worker id → what was registered from the bucket, and its generation.
     let mut remote: HashMap<u64, (Held, u64)> = HashMap::new();
+    follow_bucket(&kv, "registrations", &mut stopped, |entry| {
+        apply(&state, &replica_id, &mut remote, entry)
+    })
+    .await;
+}
+
+/// Hands `on_entry` every entry of the bucket `kv`, its current keys first,
+/// then each change, watching again whenever the watch ends, until `stopped`.
+pub(crate) async fn follow_bucket(
+    kv: &kv::Store,
+    what: &str,
+    stopped: &mut watch::Receiver<bool>,
+    mut on_entry: impl FnMut(kv::Entry),
+) {
     loop {
         let mut entries = match kv.watch_with_history(">").await {
             Ok(entries) => entries,
             Err(e) => {
-                tracing::debug!("cannot watch the registrations yet: {e}");
+                tracing::debug!("cannot watch the {what} yet: {e}");
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
                     _ = stopped.wait_for(|&s| s) => return,
@@ -72,8 +86,8 @@ pub async fn watch(
                 _ = stopped.wait_for(|&s| s) => return,
             };
             match entry {
-                Some(Ok(entry)) => apply(&state, &replica_id, &mut remote, entry),
-                Some(Err(e)) => tracing::debug!("registration watch: {e}"),
+                Some(Ok(entry)) => on_entry(entry),
+                Some(Err(e)) => tracing::debug!("{what} watch: {e}"),
                 None => break,
             }
         }

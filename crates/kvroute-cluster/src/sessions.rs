@@ -116,29 +116,10 @@ async fn follow(
     mut stopped: watch::Receiver<bool>,
 ) {
     let ttl = state.sessions.ttl();
-    loop {
-        let mut entries = match kv.watch_with_history(">").await {
-            Ok(entries) => entries,
-            Err(e) => {
-                tracing::debug!("cannot watch the session bindings yet: {e}");
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                    _ = stopped.wait_for(|&s| s) => return,
-                }
-            }
-        };
-        loop {
-            let entry = tokio::select! {
-                entry = entries.next() => entry,
-                _ = stopped.wait_for(|&s| s) => return,
-            };
-            match entry {
-                Some(Ok(entry)) => apply(&state, &replica_id, ttl, entry),
-                Some(Err(e)) => tracing::debug!("session binding watch: {e}"),
-                None => break,
-            }
-        }
-    }
+    crate::registrations::follow_bucket(&kv, "session bindings", &mut stopped, |entry| {
+        apply(&state, &replica_id, ttl, entry)
+    })
+    .await;
 }
 
 fn apply(state: &AppState, replica_id: &str, ttl: Duration, entry: kv::Entry) {
